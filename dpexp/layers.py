@@ -1,0 +1,43 @@
+"""Generic layers that dpexp models use and the privacy engine has exact rules for."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def standardize_weight(weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weight standardisation (Qiao et al. 2019), per output channel.
+
+    ``weight`` has shape (C_out, ...); each row w (flattened, p entries) becomes
+    ``(w - mean(w)) / sqrt(var(w) + eps)`` with the population variance.
+    """
+    flat = weight.flatten(1)
+    mean = flat.mean(dim=1, keepdim=True)
+    var = flat.var(dim=1, unbiased=False, keepdim=True)
+    return ((flat - mean) * torch.rsqrt(var + eps)).view_as(weight)
+
+
+class WSConv2d(nn.Conv2d):
+    """Conv2d with weight standardisation, used with GroupNorm in the DP WRN of De et al. (2022).
+
+    The raw ``weight`` is the trainable parameter; the convolution uses ``standardize_weight(weight)``.
+    Its per-example gradient is therefore the vector-Jacobian product of the standardisation applied to
+    the per-example gradient of the standardised weight, not the plain convolution gradient.
+    """
+
+    def __init__(self, *args, eps: float = 1e-5, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(
+            x,
+            standardize_weight(self.weight, self.eps),
+            self.bias,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
+        )

@@ -1,0 +1,458 @@
+"""The privacy engine: per-example clipping of parameter groups, noise, thresholds and accounting.
+
+Life of one logical step (B = expected batch size, the same for every step)::
+
+    engine = PrivacyEngine(model, batch_size=B, sample_size=N, max_grad_norm=C, noise_multiplier=sigma)
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=lr))
+    for micro_batch in logical_batch:           # forward hooks book-keep each layer's input
+        engine.backward(per_example_loss)       # output-gradient hooks clip and sum, group by group
+    optimizer.step()                            # noise once, / B, inner step, adapt thresholds, account
+    optimizer.zero_grad()
+
+Backends (how the clipped sum ``sum_i c_i g_i`` is obtained):
+
+* ``bk``: book-keeping (Bu et al. 2023, Algorithm 1). One backward pass; a group is clipped and summed as
+  soon as backpropagation has delivered every layer of it (He et al. 2023, section 3.1: per-layer clipping
+  is fused into backpropagation and each layer's tensors are freed right away; a flat group completes at
+  the input layer). Parameter gradients are never computed by autograd ("ghost differentiation"): the
+  engine turns ``requires_grad`` off on the parameters it handles and forms ``a^T diag(c) g`` itself.
+* ``ghost``: ghost clipping (Li et al. 2022, section 4): a first backward computes only norms, a second
+  one the clipped sums with the now known factors; nothing is held across the first backward.
+* ``instantiate``: per-example gradients are materialised (the Opacus way), for reference.
+
+Norms use the ghost norm or instantiation per layer by cost (``norm_mode="auto"``, BK-MixOpt).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from dpexp.privacy import accounting
+from dpexp.privacy.adaptive import AdaptiveConfig, update_thresholds
+from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
+from dpexp.privacy.noise import Allocation, noise_stds
+from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
+from dpexp.privacy.rules import LayerRule, rule_for, supported_types
+
+Backend = Literal["bk", "ghost", "instantiate"]
+
+
+class _Anchor(torch.autograd.Function):
+    """Makes the output of an input layer (whose input and parameters need no gradient) require one, so
+    that backpropagation still reaches the layer and its output-gradient hook fires."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+@dataclass
+class _Layer:
+    """A module with a rule, and the engine's view of its trainable parameters."""
+
+    name: str
+    module: nn.Module
+    rule: LayerRule
+    params: dict[str, str]  # attribute name in the module ('weight') -> model parameter name
+
+
+@dataclass
+class _Use:
+    """One call of a layer in the current forward pass."""
+
+    layer: _Layer
+    x: torch.Tensor
+    version: int
+
+
+@dataclass
+class _StepState:
+    """Everything held between a forward pass and the end of its backward pass(es)."""
+
+    batch_size: int | None = None
+    uses: list[_Use] = field(default_factory=list)
+    pending: dict[int, int] = field(default_factory=dict)  # group -> uses not yet delivered
+    arrived: dict[str, list[PerExampleGrad]] = field(default_factory=dict)  # parameter -> this pass
+    norm_sq: dict[int, torch.Tensor] = field(default_factory=dict)
+    coef: dict[int, torch.Tensor] = field(default_factory=dict)
+    phase: str = "idle"  # idle | norm | sum | norm_and_sum
+
+
+class PrivacyEngine:
+    """Per-example clipping (flat, per-layer or group-wise), noise and accounting for one model.
+
+    Args:
+        model: the network; every trainable parameter must belong to a module with a rule
+            (``dpexp.privacy.rules``), otherwise construction fails naming the module.
+        batch_size: expected logical batch size B (sample rate q = B / N); sums are divided by B.
+        sample_size: N, the size of the private data set.
+        max_grad_norm: C, the global clipping norm (per-group thresholds default to C / sqrt(K)).
+        noise_multiplier: sigma; or give ``target_epsilon``, ``target_delta`` and ``epochs`` or ``steps``.
+        clipping: "flat", "per_layer" or "groups" (``groups`` = lists of parameter names, or an int K).
+        backend: "bk", "ghost" or "instantiate" (see the module docstring).
+        thresholds: initial per-group thresholds C_k.
+        adaptive: ``{"target_quantile", "quantile_lr", "budget_fraction", "rescale_to_global"}`` to adapt
+            the thresholds by private quantile estimation (He et al. Algorithm 1).
+        noise_allocation: "global", "equal_budget" or "weighted" (He et al. section 3.3).
+        norm_mode: "auto" (ghost or instantiated norm per layer by cost), "ghost" or "instantiate".
+        generator: random generator for the noise (default: torch's global one).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        batch_size: int,
+        sample_size: int,
+        max_grad_norm: float,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        epochs: float | None = None,
+        steps: int | None = None,
+        accountant: str = "rdp",
+        clipping: ClippingMode = "flat",
+        groups: Sequence[Sequence[str]] | int | None = None,
+        backend: Backend = "bk",
+        thresholds: Sequence[float] | None = None,
+        adaptive: AdaptiveConfig | dict | None = None,
+        noise_allocation: Allocation = "global",
+        norm_mode: NormMode = "auto",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if batch_size < 1 or sample_size < 1:
+            raise ValueError(f"batch_size ({batch_size}) and sample_size ({sample_size}) must be positive")
+        if batch_size > sample_size:
+            raise ValueError(f"batch_size {batch_size} exceeds the data set size {sample_size}")
+        if max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        if backend not in ("bk", "ghost", "instantiate"):
+            raise ValueError(f"unknown backend {backend!r}; valid: 'bk', 'ghost', 'instantiate'")
+        if norm_mode not in ("auto", "ghost", "instantiate"):
+            raise ValueError(f"unknown norm_mode {norm_mode!r}; valid: 'auto', 'ghost', 'instantiate'")
+        self.model, self.batch_size, self.sample_size = model, batch_size, sample_size
+        self.sample_rate = batch_size / sample_size
+        self.max_grad_norm, self.backend, self.accountant = float(max_grad_norm), backend, accountant
+        self.norm_mode: NormMode = "instantiate" if backend == "instantiate" else norm_mode
+        self.noise_allocation, self.generator = noise_allocation, generator
+        self.steps = 0
+
+        self._layers, self._params = self._discover_layers(model)
+        layout = ParameterLayout(
+            names=list(self._params),
+            numel={n: p.numel() for n, p in self._params.items()},
+            owners={n: [ly.name for ly in self._layers if n in ly.params.values()] for n in self._params},
+        )
+        self.groups = partition(layout, clipping, groups)
+        self._group_of = {name: k for k, group in enumerate(self.groups) for name in group}
+        self._group_dims = torch.tensor([sum(layout.numel[n] for n in g) for g in self.groups], dtype=torch.float64)
+        self.thresholds = self._initial_thresholds(thresholds)
+
+        self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, dict) else adaptive
+        self.noise_multiplier = self._resolve_noise_multiplier(
+            noise_multiplier, target_epsilon, target_delta, epochs, steps
+        )
+        if self.adaptive is not None and self.noise_multiplier > 0:
+            self.gradient_noise_multiplier, self.count_noise_multiplier = accounting.split_noise_multiplier(
+                self.noise_multiplier, len(self.groups), self.adaptive.budget_fraction
+            )
+        else:
+            self.gradient_noise_multiplier, self.count_noise_multiplier = self.noise_multiplier, 0.0
+
+        self._summed: dict[str, torch.Tensor] = {}
+        self._unclipped = torch.zeros(len(self.groups), dtype=torch.float64)
+        self._state = _StepState()
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._handles: list[Any] = []
+        self._optimizer_handles: list[Any] = []
+        self._install_hooks()
+        for p in self._params.values():
+            p.requires_grad_(False)  # ghost differentiation: the engine forms these gradients itself
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _discover_layers(model: nn.Module) -> tuple[list[_Layer], dict[str, nn.Parameter]]:
+        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        layers: list[_Layer] = []
+        for mod_name, module in model.named_modules():
+            if isinstance(module, _BatchNorm):
+                raise ValueError(
+                    f"module {mod_name!r} ({type(module).__name__}) mixes examples in a batch, which breaks "
+                    "per-example privacy; replace it with GroupNorm or LayerNorm."
+                )
+            own = {attr: names[id(p)] for attr, p in module.named_parameters(recurse=False) if id(p) in names}
+            if not own:
+                continue
+            rule = rule_for(module)
+            if rule is None:
+                raise ValueError(
+                    f"module {mod_name!r} of type {type(module).__name__} has trainable parameters "
+                    f"{sorted(own)} but no per-example gradient rule. Supported types: {supported_types()}. "
+                    "Freeze its parameters, replace the module, or register a rule with "
+                    "dpexp.privacy.rules.register_rule."
+                )
+            if rule.check is not None:
+                rule.check(module)
+            layers.append(_Layer(mod_name, module, rule, own))
+        params = {n: p for n, p in model.named_parameters() if id(p) in names}
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        return layers, params
+
+    def _initial_thresholds(self, thresholds: Sequence[float] | None) -> torch.Tensor:
+        values = default_thresholds(self.max_grad_norm, len(self.groups)) if thresholds is None else thresholds
+        values = list(values)
+        if len(values) != len(self.groups) or any(c <= 0 for c in values):
+            raise ValueError(f"need {len(self.groups)} positive thresholds (one per group), got {values}")
+        return torch.tensor(values, dtype=torch.float64)
+
+    def _resolve_noise_multiplier(
+        self,
+        noise_multiplier: float | None,
+        target_epsilon: float | None,
+        target_delta: float | None,
+        epochs: float | None,
+        steps: int | None,
+    ) -> float:
+        if noise_multiplier is not None:
+            if noise_multiplier < 0:
+                raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+            if noise_multiplier == 0:
+                warnings.warn("noise_multiplier=0: no privacy (epsilon = inf); use only for testing.", stacklevel=3)
+            return float(noise_multiplier)
+        if target_epsilon is None or target_delta is None or (epochs is None and steps is None):
+            raise ValueError("give noise_multiplier, or target_epsilon and target_delta with epochs or steps")
+        total_steps = steps if steps is not None else math.ceil(epochs * self.sample_size / self.batch_size)
+        return accounting.get_noise_multiplier(
+            target_epsilon, target_delta, self.sample_rate, total_steps, accountant=self.accountant
+        )
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._record_batch_size, with_kwargs=True))
+        for layer in self._layers:
+            if layer.rule.expand_broadcast_input:
+                self._handles.append(layer.module.register_forward_pre_hook(self._expand_broadcast))
+            self._handles.append(layer.module.register_forward_hook(partial(self._on_forward, layer)))
+
+    def _record_batch_size(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() > 0), None)
+        if first is not None and torch.is_grad_enabled():
+            self._state.batch_size = first.shape[0]
+
+    def _expand_broadcast(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Inputs with batch size 1 in a batch of B (position ids) are expanded so that each example's
+        output gradient stays separate instead of being summed over the batch by broadcasting."""
+        b = self._state.batch_size
+        x = args[0]
+        if torch.is_grad_enabled() and b is not None and b > 1 and x.dim() > 0 and x.shape[0] == 1:
+            return (x.expand(b, *x.shape[1:]), *args[1:])
+        return None
+
+    def _on_forward(self, layer: _Layer, module: nn.Module, args: tuple, output: torch.Tensor) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        if not torch.is_tensor(output):
+            raise TypeError(f"layer {layer.name!r} returned {type(output).__name__}; expected a tensor")
+        x = args[0]
+        use = _Use(layer, x, x._version)
+        state = self._state
+        state.uses.append(use)
+        for k in {self._group_of[p] for p in layer.params.values()}:
+            state.pending[k] = state.pending.get(k, 0) + 1
+        if not output.requires_grad:
+            output = _Anchor.apply(output, self._anchor)
+        output.register_hook(partial(self._on_output_grad, use))
+        return output
+
+    def _on_output_grad(self, use: _Use, dy: torch.Tensor) -> None:
+        state = self._state
+        if state.phase == "idle":
+            raise RuntimeError(
+                "gradients of a model under a PrivacyEngine must be computed with "
+                "engine.backward(per_example_loss), not loss.backward()"
+            )
+        layer = use.layer
+        if use.x._version != use.version:
+            raise RuntimeError(
+                f"the input of layer {layer.name!r} was modified in place after the layer used it; "
+                "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
+            )
+        if use.x.shape[0] != state.batch_size or dy.shape[0] != state.batch_size:
+            raise RuntimeError(
+                f"layer {layer.name!r} saw a batch of {use.x.shape[0]} inputs / {dy.shape[0]} output gradients "
+                f"but the loss has {state.batch_size} examples: inputs broadcast over the batch cannot be "
+                "clipped per example. Expand them to the batch size before this layer."
+            )
+        grads = layer.rule.per_example_grads(layer.module, use.x, dy)
+        if state.phase == "sum":
+            for attr, grad in grads.items():
+                name = layer.params.get(attr)
+                if name is not None:
+                    self._accumulate(name, grad.weighted_sum(state.coef[self._group_of[name]]))
+            return
+        for attr, grad in grads.items():
+            name = layer.params.get(attr)
+            if name is None:
+                continue  # frozen parameter of a layer with trainable ones (e.g. a frozen bias)
+            if self.backend == "instantiate":
+                grad = Dense(grad.instantiate())
+            self._add_norm_contribution(name, grad)
+        for k in {self._group_of[p] for p in layer.params.values()}:
+            state.pending[k] -= 1
+            if state.pending[k] == 0:
+                self._finish_group(k)
+
+    # ------------------------------------------------------------------ clipping
+    def _add_norm_contribution(self, name: str, grad: PerExampleGrad) -> None:
+        """``||sum_u g_u||^2 = sum_u ||g_u||^2 + 2 sum_{u<v} <g_u, g_v>`` over the uses of a parameter."""
+        state = self._state
+        k = self._group_of[name]
+        previous = state.arrived.setdefault(name, [])
+        contribution = grad.norm_sq(self.norm_mode)
+        for other in previous:
+            contribution = contribution + 2 * grad.dot(other)
+        state.norm_sq[k] = state.norm_sq.get(k, 0) + contribution.double()
+        previous.append(grad)
+
+    def _finish_group(self, k: int) -> None:
+        state = self._state
+        device = self._params[self.groups[k][0]].device
+        zeros = torch.zeros(state.batch_size, dtype=torch.float64, device=device)
+        norm = state.norm_sq.pop(k, zeros).clamp_min(0).sqrt()
+        threshold = float(self.thresholds[k])
+        coef = threshold / norm.clamp_min(threshold)  # = min(1, C_k / ||g_{i,k}||), exactly 1 for g = 0
+        self._unclipped[k] += float((norm <= threshold).sum())
+        for name in self.groups[k]:
+            grads = state.arrived.pop(name, [])
+            if self.backend == "ghost":
+                continue  # sums come from the second backward pass
+            for grad in grads:
+                self._accumulate(name, grad.weighted_sum(coef))
+        state.coef[k] = coef
+
+    def _accumulate(self, name: str, value: torch.Tensor) -> None:
+        param = self._params[name]
+        value = value.to(param.dtype)
+        if name in self._summed:
+            self._summed[name].add_(value)
+        else:
+            self._summed[name] = value.clone()
+
+    # ------------------------------------------------------------------ public API
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters the engine clips, noises and updates, by name (their requires_grad is off)."""
+        return dict(self._params)
+
+    def backward(self, per_example_loss: torch.Tensor) -> None:
+        """Accumulate ``sum_i clip(g_i)`` for one (micro-)batch; ``per_example_loss`` has shape (b,)."""
+        if not torch.is_tensor(per_example_loss) or per_example_loss.dim() != 1:
+            shape = tuple(per_example_loss.shape) if torch.is_tensor(per_example_loss) else type(per_example_loss)
+            raise ValueError(
+                f"engine.backward needs a 1-D tensor with one loss per example, got shape {shape}; "
+                "use reduction='none' (and sum token losses per example)."
+            )
+        state = self._state
+        if not state.uses:
+            raise RuntimeError("no forward pass with gradients enabled was recorded before engine.backward")
+        if state.batch_size != per_example_loss.shape[0]:
+            state.batch_size = per_example_loss.shape[0]
+        total = per_example_loss.sum()
+        try:
+            if self.backend == "ghost":
+                state.phase = "norm"
+                total.backward(retain_graph=True)
+                self._finish_pending()
+                state.phase = "sum"
+                total.backward()
+            else:
+                state.phase = "norm_and_sum"
+                total.backward()
+                self._finish_pending()
+        finally:
+            self._state = _StepState()
+
+    def _finish_pending(self) -> None:
+        """Groups some of whose layers got no gradient (unused outputs) are finished with those at zero."""
+        state = self._state
+        for k in range(len(self.groups)):
+            if state.pending.get(k, 0) > 0 or k not in state.coef:
+                state.pending[k] = 0
+                self._finish_group(k)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``optimizer.step()`` privatise the accumulated sums first; returns the same optimizer."""
+        handled = {id(p) for p in self._params.values()}
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in self._params.items() if id(p) not in in_optimizer]
+        if missing:
+            raise ValueError(f"the optimizer does not update trainable parameters {missing[:5]}")
+        extra = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in handled and p.requires_grad]
+        if extra:
+            raise ValueError(f"the optimizer updates {len(extra)} parameters the engine does not privatise")
+        self._optimizer_handles = [
+            optimizer.register_step_pre_hook(lambda *_: self._privatize()),
+            optimizer.register_step_post_hook(lambda *_: self._end_step()),
+        ]
+        return optimizer
+
+    def _privatize(self) -> None:
+        """``p.grad = (sum_i clip(g_i) + z) / B`` with ``z ~ N(0, std_k^2)`` per group: noise once per step."""
+        stds = noise_stds(self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation)
+        for k, group in enumerate(self.groups):
+            for name in group:
+                param = self._params[name]
+                summed = self._summed.get(name)
+                grad = torch.zeros_like(param) if summed is None else summed
+                if stds[k] > 0:
+                    noise = torch.randn(param.shape, generator=self.generator, dtype=param.dtype)
+                    grad = grad + float(stds[k]) * noise.to(param.device)
+                param.grad = grad / self.batch_size
+
+    def _end_step(self) -> None:
+        if self.adaptive is not None:
+            self.thresholds = update_thresholds(
+                self.thresholds,
+                self._unclipped,
+                self.batch_size,
+                self.adaptive,
+                self.count_noise_multiplier,
+                self.max_grad_norm,
+                self.generator,
+            )
+        self._summed.clear()
+        self._unclipped.zero_()
+        self.steps += 1
+
+    def get_epsilon(self, delta: float, accountant: str | None = None) -> float:
+        """Epsilon spent so far (all ``self.steps`` steps at sample rate q and noise multiplier sigma)."""
+        if self.steps == 0:
+            return 0.0
+        if self.noise_multiplier == 0:
+            return math.inf
+        return accounting.get_epsilon(
+            self.noise_multiplier, self.sample_rate, self.steps, delta, accountant=accountant or self.accountant
+        )
+
+    def detach(self) -> nn.Module:
+        """Remove every hook and give the parameters their ``requires_grad`` back."""
+        for handle in [*self._handles, *self._optimizer_handles]:
+            handle.remove()
+        self._handles, self._optimizer_handles = [], []
+        for p in self._params.values():
+            p.requires_grad_(True)
+        return self.model
+

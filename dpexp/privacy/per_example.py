@@ -1,0 +1,142 @@
+"""Per-example gradients of one parameter, kept in factored form.
+
+Every layer rule (``dpexp.privacy.rules``) describes the per-example gradients of a parameter for one use of
+the layer as one of these objects. The three operations the clipping engine needs are the same for every
+layer type and live here:
+
+* ``norm_sq()``: the squared per-example norms ``||g_i||^2``, shape (B,);
+* ``dot(other)``: the per-example inner products ``<g_i, g'_i>`` of two uses of one shared parameter
+  (e.g. GPT-2's tied ``wte``/``lm_head``), shape (B,);
+* ``weighted_sum(c)``: ``sum_i c_i g_i`` in the parameter's shape, the clipped sum when ``c_i`` are the
+  clipping factors.
+
+:class:`Outer` is the book-keeping form of Bu et al. (2023, Algorithm 1): a linear layer's per-example
+gradient is ``g_i = sum_t left_{i,t} (x) right_{i,t}``. Its norm is computed either by the ghost norm
+(Goodfellow 2015; Li et al. 2022, eq. 2): ``||g_i||^2 = <L_i L_i^T, R_i R_i^T>`` in O(T^2) memory, or by
+instantiating ``g_i``; ``mode="auto"`` picks the cheaper one per layer as in BK-MixOpt (Bu et al. section
+3.2): ghost iff ``2 T^2 < L * R``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import torch
+
+NormMode = Literal["auto", "ghost", "instantiate"]
+
+
+def _accurate(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision factors are promoted so that norms are accumulated in float32."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class PerExampleGrad(ABC):
+    """Per-example gradients ``g_1..g_B`` of one parameter (of shape ``shape``) from one use of a layer."""
+
+    shape: torch.Size
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int: ...
+
+    @abstractmethod
+    def instantiate(self) -> torch.Tensor:
+        """All per-example gradients, shape (B, *shape)."""
+
+    @abstractmethod
+    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+        """``sum_i coef_i g_i``, shape ``shape``; ``coef`` has shape (B,)."""
+
+    def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
+        """``||g_i||^2`` for each example, shape (B,)."""
+        return _accurate(self.instantiate()).flatten(1).pow(2).sum(1)
+
+    def dot(self, other: PerExampleGrad) -> torch.Tensor:
+        """``<g_i, g'_i>`` for each example, shape (B,): the cross term of a parameter used twice."""
+        a, b = _accurate(self.instantiate()), _accurate(other.instantiate())
+        return (a.flatten(1) * b.flatten(1)).sum(1)
+
+
+class Dense(PerExampleGrad):
+    """Per-example gradients that are cheap to hold explicitly (biases, normalisation weights)."""
+
+    def __init__(self, grads: torch.Tensor) -> None:
+        self.grads = grads
+        self.shape = grads.shape[1:]
+
+    @property
+    def batch_size(self) -> int:
+        return self.grads.shape[0]
+
+    def instantiate(self) -> torch.Tensor:
+        return self.grads
+
+    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+        return torch.tensordot(coef.to(self.grads.dtype), self.grads, dims=1)
+
+
+class Outer(PerExampleGrad):
+    """``g_i = sum_t left_{i,t} (x) right_{i,t}`` reshaped to ``shape`` (a (L, R) matrix, flattened in C order).
+
+    ``left`` is either dense, shape (B, T, L), or an index tensor of shape (B, T) standing for one-hot rows of
+    width L (the gradient of an embedding table). ``right`` is dense, shape (B, T, R).
+    """
+
+    def __init__(self, left: torch.Tensor, right: torch.Tensor, shape: torch.Size, left_size: int) -> None:
+        self.left, self.right, self.shape, self.left_size = left, right, torch.Size(shape), left_size
+        self.is_index = not left.is_floating_point()
+
+    @property
+    def batch_size(self) -> int:
+        return self.right.shape[0]
+
+    def instantiate(self) -> torch.Tensor:
+        b, _, r = self.right.shape
+        if self.is_index:
+            flat = (self.left + self.left_size * torch.arange(b, device=self.left.device)[:, None]).flatten()
+            out = self.right.new_zeros(b * self.left_size, r).index_add_(0, flat, self.right.reshape(-1, r))
+            return out.view(b, *self.shape)
+        return torch.einsum("btl,btr->blr", self.left, self.right).reshape(b, *self.shape)
+
+    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+        r = self.right.shape[-1]
+        right = self.right * coef.to(self.right.dtype)[:, None, None]
+        if self.is_index:
+            out = right.new_zeros(self.left_size, r).index_add_(0, self.left.flatten(), right.reshape(-1, r))
+        else:
+            out = self.left.reshape(-1, self.left.shape[-1]).T @ right.reshape(-1, r)
+        return out.view(self.shape)
+
+    def _ghost_is_cheaper(self) -> bool:
+        t = self.right.shape[1]
+        return 2 * t * t < self.left_size * self.right.shape[-1]
+
+    def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
+        if mode == "instantiate" or (mode == "auto" and not self._ghost_is_cheaper()):
+            return super().norm_sq()
+        return self._ghost_dot(self)
+
+    def dot(self, other: PerExampleGrad) -> torch.Tensor:
+        if isinstance(other, Outer) and other.left_size == self.left_size:
+            return self._ghost_dot(other)
+        return super().dot(other)
+
+    def _ghost_dot(self, other: Outer) -> torch.Tensor:
+        """``sum_{t,s} <l_t, l'_s> <r_t, r'_s>`` per example (Li et al. 2022, eq. 2, with two factors)."""
+        right_gram = torch.bmm(_accurate(self.right), _accurate(other.right).transpose(1, 2))
+        return (_left_gram(self, other, right_gram.dtype) * right_gram).sum((1, 2))
+
+
+def _left_gram(a: Outer, b: Outer, dtype: torch.dtype) -> torch.Tensor:
+    """``<l_t, l'_s>`` for all t, s, shape (B, T, T'), with one-hot (index) factors handled sparsely."""
+    if a.is_index and b.is_index:
+        return (a.left[:, :, None] == b.left[:, None, :]).to(dtype)
+    if a.is_index:  # <e_{idx_t}, l'_s> = l'_s[idx_t]
+        return torch.gather(_accurate(b.left), 2, a.left[:, None, :].expand(-1, b.left.shape[1], -1)).transpose(
+            1, 2
+        ).to(dtype)
+    if b.is_index:
+        return _left_gram(b, a, dtype).transpose(1, 2)
+    return torch.bmm(_accurate(a.left), _accurate(b.left).transpose(1, 2)).to(dtype)

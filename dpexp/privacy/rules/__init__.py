@@ -1,0 +1,67 @@
+"""Per-layer gradient rules, registered by module type.
+
+A rule maps one call of a layer, given its input activation ``x`` (captured in the forward pass) and the
+gradient ``dy`` of the loss with respect to its output (captured in the backward pass), to the per-example
+gradients of the layer's own parameters, in factored form (:mod:`dpexp.privacy.per_example`). Norms, cross
+terms of shared parameters and clipped sums are then the same code for every layer type.
+
+Lookup is by exact type: a subclass that changes ``forward`` (such as a weight-standardised convolution)
+must never silently inherit its parent's rule. Users register rules for their own layers with
+:func:`register_rule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dpexp.privacy.per_example import PerExampleGrad
+
+GradFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGrad]]
+CheckFn = Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """``per_example_grads(module, x, dy) -> {param_name: PerExampleGrad}`` plus a construction-time check."""
+
+    per_example_grads: GradFn
+    check: CheckFn | None = None
+    expand_broadcast_input: bool = False  # inputs of batch size 1 are expanded to the batch (position ids)
+
+
+_RULES: dict[type[nn.Module], LayerRule] = {}
+
+
+def register_rule(
+    *module_types: type[nn.Module], check: CheckFn | None = None, expand_broadcast_input: bool = False
+) -> Callable[[GradFn], GradFn]:
+    """Decorator registering ``fn`` as the per-example gradient rule of ``module_types``."""
+
+    def decorate(fn: GradFn) -> GradFn:
+        for module_type in module_types:
+            _RULES[module_type] = LayerRule(fn, check, expand_broadcast_input)
+        return fn
+
+    return decorate
+
+
+def rule_for(module: nn.Module) -> LayerRule | None:
+    """The rule registered for exactly ``type(module)``, or None."""
+    return _RULES.get(type(module))
+
+
+def supported_types() -> list[str]:
+    return sorted(t.__name__ for t in _RULES)
+
+
+def as_sequence(x: torch.Tensor) -> torch.Tensor:
+    """(B, ..., F) -> (B, T, F): every position between the batch and feature axes is a 'time step'."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+# Importing the rule modules registers them.
+from dpexp.privacy.rules import conv, embedding, linear, norm, ws_conv  # noqa: E402,F401

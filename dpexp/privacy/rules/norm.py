@@ -1,0 +1,40 @@
+"""``nn.LayerNorm`` and ``nn.GroupNorm``: ``y = x_hat * w + b`` with ``x_hat`` the normalised input.
+
+The per-example gradients ``dw_i = sum (dy_i * x_hat_i)`` and ``db_i = sum dy_i`` (summed over all axes
+that the affine parameters are broadcast along) are small, so they are held explicitly. ``x_hat`` is
+recomputed from the captured input, which keeps the forward pass untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy.per_example import Dense, PerExampleGrad
+from dpexp.privacy.rules import register_rule
+
+
+def _affine_grads(module: nn.Module, x_hat: torch.Tensor, dy: torch.Tensor, reduce: tuple[int, ...]):
+    def total(t: torch.Tensor) -> torch.Tensor:
+        return t.sum(reduce) if reduce else t  # sum(()) would reduce every axis
+
+    grads: dict[str, PerExampleGrad] = {}
+    if module.weight is not None:
+        grads["weight"] = Dense(total(dy * x_hat))
+    if module.bias is not None:
+        grads["bias"] = Dense(total(dy))
+    return grads
+
+
+@register_rule(nn.LayerNorm)
+def layer_norm_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)
+    reduce = tuple(range(1, x.dim() - len(module.normalized_shape)))
+    return _affine_grads(module, x_hat, dy, reduce)
+
+
+@register_rule(nn.GroupNorm)
+def group_norm_grads(module: nn.GroupNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    x_hat = F.group_norm(x, module.num_groups, eps=module.eps)
+    return _affine_grads(module, x_hat, dy, tuple(range(2, x.dim())))

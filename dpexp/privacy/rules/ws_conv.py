@@ -1,0 +1,74 @@
+"""Weight-standardised convolution (``dpexp.layers.WSConv2d``; De et al. 2022, used by He et al. A.1).
+
+The convolution uses ``w_hat = (w - mean(w)) / s`` per output channel, ``s = sqrt(var(w) + eps)``, so the
+per-example gradient of the raw weight is ``J^T g_hat_i`` with ``g_hat_i`` the plain convolution's
+per-example gradient (w.r.t. ``w_hat``) and, per output row of p entries,
+
+    J^T u = (u - mean(u) - w_hat <w_hat, u> / p) / s.
+
+J is the same for every example, so the clipped sum is ``J^T (sum_i c_i g_hat_i)``, and the squared norm
+expands (using ``sum(w_hat) = 0``) to
+
+    ||J^T u||^2 = (||u||^2 - p mean(u)^2 + <w_hat, u>^2 (||w_hat||^2 / p^2 - 2 / p)) / s^2,
+
+whose three terms all have ghost forms: ``||u_r||^2 / s_r^2`` is the ghost norm with ``dy`` scaled by
+``1/s``; ``mean(u_r) = sum_t dy_{t,r} sum(a_t) / p``; ``<w_hat_r, u_r> = sum_t dy_{t,r} <a_t, w_hat_r>``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpexp.layers import WSConv2d, standardize_weight
+from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad
+from dpexp.privacy.rules import register_rule
+from dpexp.privacy.rules.conv import check_conv, conv_weight_grads
+
+
+class Standardized(PerExampleGrad):
+    """``g_i = J^T g_hat_i`` with ``g_hat_i`` given as an :class:`Outer` over (C_out, p)."""
+
+    def __init__(self, inner: Outer, weight: torch.Tensor, eps: float) -> None:
+        self.inner, self.shape = inner, weight.shape
+        flat = weight.detach().flatten(1)
+        self.w_hat = standardize_weight(flat, eps)  # (C_out, p)
+        self.s = torch.sqrt(flat.var(dim=1, unbiased=False) + eps)  # (C_out,)
+        self.p = flat.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.inner.batch_size
+
+    def _vjp(self, u: torch.Tensor) -> torch.Tensor:
+        """``J^T u`` for u of shape (..., C_out, p)."""
+        proj = (u * self.w_hat).sum(-1, keepdim=True) / self.p
+        return (u - u.mean(-1, keepdim=True) - self.w_hat * proj) / self.s[:, None]
+
+    def instantiate(self) -> torch.Tensor:
+        u = self.inner.instantiate().view(self.batch_size, *self.w_hat.shape)
+        return self._vjp(u).view(self.batch_size, *self.shape)
+
+    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+        return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
+
+    def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
+        if mode == "instantiate" or (mode == "auto" and not self.inner._ghost_is_cheaper()):
+            return super().norm_sq()
+        dtype = torch.promote_types(self.inner.left.dtype, torch.float32)
+        g, a = self.inner.left.to(dtype), self.inner.right.to(dtype)
+        w_hat, s = self.w_hat.to(g.dtype), self.s.to(g.dtype)
+        scaled = Outer(g / s, a, self.inner.shape, self.inner.left_size).norm_sq("ghost")
+        mean = torch.einsum("btr,bt->br", g, a.sum(-1)) / self.p
+        proj = torch.einsum("btr,btr->br", g, a @ w_hat.T)
+        coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
+        return scaled + (-self.p * mean.pow(2) / s.pow(2) + proj.pow(2) * coeff).sum(-1)
+
+
+@register_rule(WSConv2d, check=check_conv)
+def ws_conv_grads(module: WSConv2d, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    grads: dict[str, PerExampleGrad] = {
+        "weight": Standardized(conv_weight_grads(module, x, dy), module.weight, module.eps)
+    }
+    if module.bias is not None:
+        grads["bias"] = Dense(dy.flatten(2).sum(2))
+    return grads

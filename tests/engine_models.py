@@ -1,0 +1,150 @@
+"""Small models (float64) and per-example losses on which every clipping path is checked against the oracle."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.layers import WSConv2d
+
+Batch = dict[str, torch.Tensor]
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.net[2].bias.requires_grad_(False)  # a frozen parameter inside a trained layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class WRNBlockNet(nn.Module):
+    """A WRN-style residual block: weight-standardised convs, GroupNorm, a 1x1 shortcut, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = WSConv2d(3, 8, 3, padding=1)
+        self.norm1 = nn.GroupNorm(2, 8)
+        self.conv1 = WSConv2d(8, 8, 3, stride=2, padding=1)
+        self.norm2 = nn.GroupNorm(4, 8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.shortcut = nn.Conv2d(8, 8, 1, stride=2)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        h = self.conv1(F.relu(self.norm1(x)))
+        h = self.conv2(F.relu(self.norm2(h)))
+        return self.head((h + self.shortcut(x)).mean((2, 3)))
+
+
+class SequenceNet(nn.Module):
+    """Embedding (with padding_idx) -> Conv1d -> LayerNorm -> Linear, with the embedding tied to the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6, padding_idx=0)
+        self.conv = nn.Conv1d(6, 6, 3, padding=1)
+        self.norm = nn.LayerNorm(6)
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.conv(self.embed(ids).transpose(1, 2)).transpose(1, 2)
+        return self.out(self.norm(torch.tanh(h)))
+
+
+def classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+def sequence_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    logits = model(batch["ids"])
+    losses = F.cross_entropy(logits.flatten(0, 1), batch["ids"].flatten(), reduction="none", ignore_index=0)
+    return losses.view(batch["ids"].shape).sum(1)
+
+
+def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Sum of next-token losses per example; padded positions (label -100) excluded."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100)
+    return losses.view(labels.shape).sum(1)
+
+
+def seq_classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(logits, batch["labels"], reduction="none")
+
+
+def _padded_text(batch_size: int, length: int, vocab: int, generator: torch.Generator) -> Batch:
+    ids = torch.randint(3, vocab, (batch_size, length), generator=generator)
+    lengths = torch.randint(length // 2, length + 1, (batch_size,), generator=generator)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 1)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def gpt2(lora: bool = False) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    model = GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
+                                                 fan_in_fan_out=True, init_lora_weights=False))
+    return model.double().eval()
+
+
+def roberta() -> nn.Module:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    config = RobertaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=24, max_position_embeddings=24, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=1)
+    return RobertaForSequenceClassification(config).double().eval()
+
+
+def bert() -> nn.Module:
+    """BERT architecture (as all-MiniLM-L6-v2): position ids of batch size 1 broadcast over the batch."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=24, max_position_embeddings=24, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, num_labels=2, pad_token_id=1)
+    return BertForSequenceClassification(config).double().eval()
+
+
+def make_case(name: str, batch_size: int = 6, seed: int = 0):
+    """(model, loss_fn, batch) for the named architecture."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        batch = {"x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
+                 "y": torch.randint(0, 3, (batch_size,), generator=gen)}
+        return MLP().double(), classification_loss, batch
+    if name == "wrn_block":
+        batch = {"x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
+                 "y": torch.randint(0, 4, (batch_size,), generator=gen)}
+        return WRNBlockNet().double(), classification_loss, batch
+    if name == "sequence":
+        ids = torch.randint(1, 11, (batch_size, 7), generator=gen)
+        ids[:, -2:] = 0  # padding
+        return SequenceNet().double(), sequence_loss, {"ids": ids}
+    if name in ("gpt2", "gpt2_lora"):
+        return gpt2(lora=name == "gpt2_lora"), lm_loss, _padded_text(batch_size, 10, 40, gen)
+    if name in ("roberta", "bert"):
+        batch = _padded_text(batch_size, 10, 40, gen)
+        batch["labels"] = torch.randint(0, 2, (batch_size,), generator=gen)
+        return (roberta() if name == "roberta" else bert()), seq_classification_loss, batch
+    raise KeyError(name)
+
+
+CASES = ["mlp", "wrn_block", "sequence", "gpt2", "roberta", "bert", "gpt2_lora"]
