@@ -46,3 +46,66 @@ def test_update_matches_oracle(case, backend, clipping, groups):
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for name in frozen:
         assert torch.equal(delta[name], torch.zeros_like(delta[name])), f"frozen {name} changed"
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+@pytest.mark.parametrize("case", ["wrn_block", "gpt2", "sequence"])
+@pytest.mark.parametrize("norm_mode", ["ghost", "instantiate"])
+def test_forced_norm_modes_match_oracle(case, norm_mode):
+    """Ghost and instantiated norms are both exact, whichever the cost rule would pick."""
+    model, loss_fn, batch = make_case(case, batch_size=4)
+    grads = per_example_grads(model, loss_fn, batch)
+    partition = _groups_of(model, "per_layer", None)
+    thresholds = group_norms(grads, partition).median(0).values.tolist()
+    expected = clipped_mean(grads, partition, thresholds, batch_size=4)
+    delta, _ = engine_update(model, loss_fn, batch, [[0, 1, 2, 3]], batch_size=4, clipping="per_layer",
+                             thresholds=thresholds, max_grad_norm=1.0, norm_mode=norm_mode)
+    for name, want in expected.items():
+        assert (delta[name] - want).norm() / want.norm().clamp_min(1e-12) < 1e-5, name
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_expected_batch_size_divides_the_sum():
+    """A Poisson batch smaller than B is still divided by the expected B, never by its realized size."""
+    model, loss_fn, batch = make_case("mlp", batch_size=3)
+    grads = per_example_grads(model, loss_fn, batch)
+    partition = _groups_of(model, "flat", None)
+    expected = clipped_mean(grads, partition, [1e6], batch_size=10)  # nothing clipped
+    delta, _ = engine_update(model, loss_fn, batch, [[0, 1, 2]], batch_size=10, max_grad_norm=1e6)
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_float32_matches_oracle():
+    model, loss_fn, batch = make_case("gpt2", batch_size=4)
+    model = model.float()
+    grads = per_example_grads(model, loss_fn, batch)
+    partition = _groups_of(model, "flat", None)
+    thresholds = group_norms(grads, partition).median(0).values.tolist()
+    expected = clipped_mean(grads, partition, thresholds, batch_size=4)
+    delta, _ = engine_update(model, loss_fn, batch, [[0, 1], [2, 3]], batch_size=4, thresholds=thresholds,
+                             max_grad_norm=1.0)
+    for name, want in expected.items():
+        assert (delta[name] - want).norm() / want.norm().clamp_min(1e-12) < 1e-4, name
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_bfloat16_autocast_is_close_to_the_float32_oracle():
+    """Under autocast the factors are bf16; norms are accumulated in float32, so clipping stays accurate."""
+    model, loss_fn, batch = make_case("gpt2", batch_size=4)
+    model = model.float()
+    grads = per_example_grads(model, loss_fn, batch)
+    partition = _groups_of(model, "flat", None)
+    thresholds = group_norms(grads, partition).median(0).values.tolist()
+    expected = clipped_mean(grads, partition, thresholds, batch_size=4)
+
+    def autocast_loss(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_fn(m, b).float()
+
+    delta, _ = engine_update(model, autocast_loss, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds,
+                             max_grad_norm=1.0)
+    flat_got = torch.cat([delta[n].flatten() for n in expected])
+    flat_want = torch.cat([w.flatten() for w in expected.values()])
+    assert (flat_got - flat_want).norm() / flat_want.norm() < 3e-2

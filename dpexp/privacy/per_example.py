@@ -32,6 +32,15 @@ def _accurate(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def _same_precision(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under autocast a layer's saved input may be float32 while its output gradient is bf16; sums are then
+    formed in the lower precision, as autograd would for the non-private weight gradient."""
+    if a.dtype == b.dtype:
+        return a, b
+    low = a.dtype if a.element_size() < b.element_size() else b.dtype
+    return a.to(low), b.to(low)
+
+
 class PerExampleGrad(ABC):
     """Per-example gradients ``g_1..g_B`` of one parameter (of shape ``shape``) from one use of a layer."""
 
@@ -106,15 +115,16 @@ class Outer(PerExampleGrad):
         if self.is_index:
             out = right.new_zeros(self.left_size, r).index_add_(0, self.left.flatten(), right.reshape(-1, r))
         else:
-            out = self.left.reshape(-1, self.left.shape[-1]).T @ right.reshape(-1, r)
+            left, right = _same_precision(self.left, right)
+            out = left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, r)
         return out.view(self.shape)
 
-    def _ghost_is_cheaper(self) -> bool:
+    def ghost_is_cheaper(self) -> bool:
         t = self.right.shape[1]
         return 2 * t * t < self.left_size * self.right.shape[-1]
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        if mode == "instantiate" or (mode == "auto" and not self._ghost_is_cheaper()):
+        if mode == "instantiate" or (mode == "auto" and not self.ghost_is_cheaper()):
             return super().norm_sq()
         return self._ghost_dot(self)
 

@@ -52,7 +52,7 @@ class Standardized(PerExampleGrad):
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        if mode == "instantiate" or (mode == "auto" and not self.inner._ghost_is_cheaper()):
+        if mode == "instantiate" or (mode == "auto" and not self.inner.ghost_is_cheaper()):
             return super().norm_sq()
         dtype = torch.promote_types(self.inner.left.dtype, torch.float32)
         g, a = self.inner.left.to(dtype), self.inner.right.to(dtype)

@@ -1,0 +1,145 @@
+"""Bad input is refused loudly, before training, with a message that names the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+
+
+def _engine(model, **kwargs):
+    defaults = dict(batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0)
+    return PrivacyEngine(model, **{**defaults, **kwargs})
+
+
+class WithOwnParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x * self.scale)
+
+
+def test_unsupported_module_is_named():
+    with pytest.raises(ValueError, match=r"'' of type WithOwnParameter .*\['scale'\]"):
+        _engine(WithOwnParameter())
+    with pytest.raises(ValueError, match=r"'1' of type MultiheadAttention"):
+        _engine(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2)))
+
+
+def test_frozen_unsupported_module_is_fine():
+    model = WithOwnParameter()
+    model.scale.requires_grad_(False)
+    engine = _engine(model)
+    assert set(engine.trainable_parameters()) == {"fc.weight", "fc.bias"}
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.SyncBatchNorm(4)])
+def test_batchnorm_is_always_an_error(norm):
+    for p in norm.parameters():
+        p.requires_grad_(False)  # even frozen: batch statistics mix examples
+    with pytest.raises(ValueError, match="mixes examples"):
+        _engine(nn.Sequential(nn.Linear(4, 4), norm))
+
+
+def test_loss_must_be_one_dimensional():
+    model = nn.Linear(3, 2)
+    engine = _engine(model)
+    with pytest.raises(ValueError, match="1-D tensor with one loss per example"):
+        engine.backward(model(torch.randn(4, 3)).sum())
+    with pytest.raises(ValueError, match="1-D tensor"):
+        engine.backward(model(torch.randn(4, 3)))
+
+
+def test_groups_must_partition_the_parameters():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    names = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    with pytest.raises(ValueError, match="in no group"):
+        _engine(model, clipping="groups", groups=[names[:2], names[2:3]])
+    with pytest.raises(ValueError, match="is in groups 0 and 1"):
+        _engine(model, clipping="groups", groups=[names[:3], names[2:]])
+    with pytest.raises(ValueError, match="not a trainable parameter"):
+        _engine(model, clipping="groups", groups=[names, ["2.weight"]])
+    with pytest.raises(ValueError, match="contiguous"):
+        _engine(model, clipping="groups", groups=5)
+    with pytest.raises(ValueError, match="need 2 positive thresholds"):
+        _engine(model, clipping="per_layer", thresholds=[1.0])
+
+
+def test_contiguous_stages_cover_every_parameter_once():
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)])
+    engine = _engine(model, clipping="groups", groups=3)
+    flat = [n for g in engine.groups for n in g]
+    assert len(engine.groups) == 3 and all(engine.groups)
+    assert flat == [n for n, _ in model.named_parameters()]
+
+
+def test_plain_loss_backward_is_refused():
+    model = nn.Linear(3, 2)
+    _engine(model)
+    with pytest.raises(RuntimeError, match=r"engine.backward\(per_example_loss\)"):
+        model(torch.randn(4, 3)).sum().backward()
+
+
+def test_broadcast_input_to_a_linear_layer_is_refused():
+    class Broadcasting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias_net = nn.Linear(3, 3)
+            self.register_buffer("const", torch.ones(1, 3))
+
+        def forward(self, x):
+            return x + self.bias_net(self.const)  # (1, 3) broadcast: the gradient is summed over the batch
+
+    model = Broadcasting()
+    engine = _engine(model)
+    with pytest.raises(RuntimeError, match="broadcast over the batch"):
+        engine.backward(model(torch.randn(4, 3)).sum(1))
+
+
+def test_in_place_modification_of_a_saved_input_is_refused():
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = x * 2
+            out = self.fc(h)
+            h.mul_(3)  # changes the activation the per-example gradient needs
+            return out + h.detach()
+
+    model = InPlace()
+    engine = _engine(model)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        engine.backward(model(torch.randn(4, 3)).sum(1))
+
+
+def test_impossible_settings():
+    with pytest.raises(ValueError, match="exceeds the data set size"):
+        _engine(nn.Linear(2, 2), batch_size=50)
+    with pytest.raises(ValueError, match="unknown backend"):
+        _engine(nn.Linear(2, 2), backend="fast")
+    with pytest.raises(ValueError, match="noise_multiplier, or target_epsilon"):
+        _engine(nn.Linear(2, 2), noise_multiplier=None)
+
+
+def test_optimizer_must_cover_exactly_the_private_parameters():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    engine = _engine(model)
+    with pytest.raises(ValueError, match="does not update"):
+        engine.attach(torch.optim.SGD(model[0].parameters(), lr=0.1))
+
+
+def test_detach_restores_the_model():
+    model = nn.Linear(3, 2)
+    engine = _engine(model)
+    assert not model.weight.requires_grad
+    engine.detach()
+    assert model.weight.requires_grad
+    model(torch.randn(2, 3)).sum().backward()
+    assert model.weight.grad is not None

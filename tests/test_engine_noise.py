@@ -1,0 +1,114 @@
+"""Noise: the right standard deviation per group for each allocation strategy, once per logical step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+
+
+class ThreeLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(40, 50, bias=False)  # d = 2000
+        self.b = nn.Linear(50, 20, bias=False)  # d = 1000
+        self.c = nn.Linear(20, 10, bias=False)  # d = 200
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def _noise_only_grads(allocation: str, thresholds, sigma=2.0, batch_size=8, micro_batches=1, steps=20):
+    """Gradients with the clipped sums made zero (loss * 0), so p.grad is pure noise / B."""
+    torch.manual_seed(0)
+    model = ThreeLayers()
+    engine = PrivacyEngine(model, batch_size=batch_size, sample_size=100, max_grad_norm=1.0,
+                           noise_multiplier=sigma, clipping="per_layer", thresholds=thresholds,
+                           noise_allocation=allocation, generator=torch.Generator().manual_seed(1))
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    samples = {name: [] for name in ("a.weight", "b.weight", "c.weight")}
+    for _ in range(steps):
+        for _ in range(micro_batches):
+            out = model(torch.randn(batch_size // micro_batches, 40))
+            engine.backward(out.sum(1) * 0.0)
+        optimizer.step()
+        for name, p in engine.trainable_parameters().items():
+            samples[name].append(p.grad.flatten().clone())
+        optimizer.zero_grad()
+    return {n: torch.cat(v) for n, v in samples.items()}, engine
+
+
+def _expected_stds(allocation, thresholds, dims, sigma, batch_size):
+    c = torch.tensor(thresholds, dtype=torch.float64)
+    d = torch.tensor(dims, dtype=torch.float64)
+    gamma = {"global": torch.ones(3, dtype=torch.float64), "equal_budget": c, "weighted": c / d.sqrt()}[allocation]
+    s = (c.pow(2) / gamma.pow(2)).sum().sqrt()
+    return (sigma * s * gamma / batch_size).tolist()
+
+
+@pytest.mark.parametrize("allocation", ["global", "equal_budget", "weighted"])
+def test_noise_std_per_group(allocation):
+    thresholds = [0.5, 1.0, 2.0]
+    samples, _ = _noise_only_grads(allocation, thresholds)
+    want = _expected_stds(allocation, thresholds, [2000, 1000, 200], 2.0, 8)
+    for (name, values), std in zip(samples.items(), want):
+        # over >= 4000 draws the sample std is within ~3.5% at 3 sigma
+        assert abs(values.mean()) < 4 * std / math.sqrt(values.numel())
+        assert values.std().item() == pytest.approx(std, rel=0.05), name
+
+
+def test_allocations_differ_as_the_paper_says():
+    """Global: same std everywhere; equal budget: proportional to C_k (He et al. 3.3)."""
+    thresholds = [0.5, 1.0, 2.0]
+    glob = _expected_stds("global", thresholds, [2000, 1000, 200], 1.0, 1)
+    equal = _expected_stds("equal_budget", thresholds, [2000, 1000, 200], 1.0, 1)
+    assert glob[0] == pytest.approx(glob[2]) and glob[0] == pytest.approx(math.sqrt(0.25 + 1 + 4))
+    assert equal[2] / equal[0] == pytest.approx(4.0) and equal[0] == pytest.approx(math.sqrt(3) * 0.5)
+
+
+def test_noise_added_once_per_logical_step():
+    """Four micro-batches give the same noise level as one batch: noise is not added per micro-batch."""
+    single, _ = _noise_only_grads("global", [1.0, 1.0, 1.0], micro_batches=1)
+    split, _ = _noise_only_grads("global", [1.0, 1.0, 1.0], micro_batches=4)
+    for name in single:
+        assert split[name].std().item() == pytest.approx(single[name].std().item(), rel=0.06)
+
+
+def test_noise_is_drawn_exactly_once_per_step(monkeypatch):
+    """Count the noise draws: one per parameter per optimizer.step(), none in engine.backward()."""
+    model = ThreeLayers()
+    engine = PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0)
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    real = torch.randn
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", counting)
+    for _ in range(3):
+        engine.backward(model(real(2, 40)).sum(1))
+    assert calls == []
+    optimizer.step()
+    assert len(calls) == 3
+    assert engine.steps == 1
+
+
+def test_empty_poisson_batch_still_gets_noise():
+    model = ThreeLayers()
+    engine = PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0)
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer.step()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in engine.trainable_parameters().values())
+
+
+def test_zero_noise_reports_infinite_epsilon():
+    with pytest.warns(UserWarning, match="epsilon = inf"):
+        engine = PrivacyEngine(ThreeLayers(), batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.steps = 5
+    assert engine.get_epsilon(1e-5) == math.inf
