@@ -122,6 +122,27 @@ def bert() -> nn.Module:
     return BertForSequenceClassification(config).double().eval()
 
 
+class ScaledInput(nn.Module):
+    """A module using its own parameter directly (no rule: the torch.func fallback handles it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(x * self.scale))
+
+
+def vit() -> nn.Module:
+    """timm's VisionTransformer: cls_token/pos_embed owned by the model itself (fallback), timm LayerNorm."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=8, patch_size=4, in_chans=3, num_classes=3, embed_dim=8, depth=1,
+                              num_heads=2, mlp_ratio=2.0)
+    return model.double().eval()
+
+
 def make_case(name: str, batch_size: int = 6, seed: int = 0):
     """(model, loss_fn, batch) for the named architecture."""
     torch.manual_seed(seed)
@@ -130,6 +151,14 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         batch = {"x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
                  "y": torch.randint(0, 3, (batch_size,), generator=gen)}
         return MLP().double(), classification_loss, batch
+    if name == "fallback":
+        batch = {"x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
+                 "y": torch.randint(0, 3, (batch_size,), generator=gen)}
+        return ScaledInput().double(), classification_loss, batch
+    if name == "vit":
+        batch = {"x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
+                 "y": torch.randint(0, 3, (batch_size,), generator=gen)}
+        return vit(), classification_loss, batch
     if name == "wrn_block":
         batch = {"x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
                  "y": torch.randint(0, 4, (batch_size,), generator=gen)}
@@ -147,4 +176,4 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
     raise KeyError(name)
 
 
-CASES = ["mlp", "wrn_block", "sequence", "gpt2", "roberta", "bert", "gpt2_lora"]
+CASES = ["mlp", "wrn_block", "sequence", "gpt2", "roberta", "bert", "gpt2_lora", "fallback", "vit"]

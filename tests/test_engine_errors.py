@@ -24,11 +24,30 @@ class WithOwnParameter(nn.Module):
         return self.fc(x * self.scale)
 
 
-def test_unsupported_module_is_named():
+def test_unsupported_module_is_named_when_the_fallback_is_off():
     with pytest.raises(ValueError, match=r"'' of type WithOwnParameter .*\['scale'\]"):
-        _engine(WithOwnParameter())
+        _engine(WithOwnParameter(), generic_fallback=False)
     with pytest.raises(ValueError, match=r"'1' of type MultiheadAttention"):
-        _engine(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2)))
+        _engine(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2)), generic_fallback=False)
+
+
+def test_fallback_module_with_non_tensor_output_is_refused_at_the_first_forward():
+    model = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2, batch_first=True))
+    with pytest.warns(UserWarning, match="torch.func fallback"):
+        _engine(model)
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(TypeError, match="MultiheadAttention.*returned tuple"):
+        model[1](x, x, x)
+
+
+def test_fallback_refuses_dropout():
+    class Dropping(WithOwnParameter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.1)
+
+    with pytest.raises(ValueError, match="deterministic forward.*dropout"):
+        _engine(Dropping())
 
 
 def test_frozen_unsupported_module_is_fine():

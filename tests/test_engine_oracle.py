@@ -15,13 +15,14 @@ BACKENDS = ["bk", "ghost", "instantiate"]
 CLIPPINGS = [("flat", None), ("per_layer", None), ("groups", 2)]
 
 
+@pytest.mark.filterwarnings("ignore:.*torch.func fallback")
 def _groups_of(model, clipping, groups):
     engine = PrivacyEngine(copy.deepcopy(model), batch_size=2, sample_size=10, max_grad_norm=1.0,
                            noise_multiplier=0.0, clipping=clipping, groups=groups)
     return engine.groups
 
 
-@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("clipping,groups", CLIPPINGS)

@@ -42,6 +42,7 @@ from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresh
 from dpexp.privacy.noise import Allocation, noise_stds
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
 from dpexp.privacy.rules import LayerRule, rule_for, supported_types
+from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
 
 Backend = Literal["bk", "ghost", "instantiate"]
 
@@ -61,21 +62,26 @@ class _Anchor(torch.autograd.Function):
 
 @dataclass
 class _Layer:
-    """A module with a rule, and the engine's view of its trainable parameters."""
+    """A module owning trainable parameters, with its rule (None: the exact torch.func fallback)."""
 
     name: str
     module: nn.Module
-    rule: LayerRule
+    rule: LayerRule | None
     params: dict[str, str]  # attribute name in the module ('weight') -> model parameter name
 
 
 @dataclass
 class _Use:
-    """One call of a layer in the current forward pass."""
+    """One call of a layer in the current forward pass: its inputs and their versions at call time."""
 
     layer: _Layer
-    x: torch.Tensor
-    version: int
+    args: tuple
+    kwargs: dict[str, Any]
+    versions: list[int]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.args, *self.kwargs.values()) if torch.is_tensor(t)]
 
 
 @dataclass
@@ -108,6 +114,9 @@ class PrivacyEngine:
             the thresholds by private quantile estimation (He et al. Algorithm 1).
         noise_allocation: "global", "equal_budget" or "weighted" (He et al. section 3.3).
         norm_mode: "auto" (ghost or instantiated norm per layer by cost), "ghost" or "instantiate".
+        generic_fallback: give modules without a rule exact per-example gradients through ``torch.func``
+            (``dpexp.privacy.rules.functional``; costs a second forward/backward of that module) instead
+            of refusing them.
         generator: random generator for the noise (default: torch's global one).
     """
 
@@ -131,6 +140,7 @@ class PrivacyEngine:
         adaptive: AdaptiveConfig | dict | None = None,
         noise_allocation: Allocation = "global",
         norm_mode: NormMode = "auto",
+        generic_fallback: bool = True,
         generator: torch.Generator | None = None,
     ) -> None:
         if batch_size < 1 or sample_size < 1:
@@ -150,7 +160,8 @@ class PrivacyEngine:
         self.noise_allocation, self.generator = noise_allocation, generator
         self.steps = 0
 
-        self._layers, self._params = self._discover_layers(model)
+        self._recomputing = False
+        self._layers, self._params = self._discover_layers(model, generic_fallback)
         layout = ParameterLayout(
             names=list(self._params),
             numel={n: p.numel() for n, p in self._params.items()},
@@ -184,7 +195,7 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def _discover_layers(model: nn.Module) -> tuple[list[_Layer], dict[str, nn.Parameter]]:
+    def _discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[_Layer], dict[str, nn.Parameter]]:
         names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
         layers: list[_Layer] = []
         for mod_name, module in model.named_modules():
@@ -197,14 +208,21 @@ class PrivacyEngine:
             if not own:
                 continue
             rule = rule_for(module)
-            if rule is None:
+            if rule is None and generic_fallback:
+                check_deterministic(mod_name, module)
+                warnings.warn(
+                    f"module {mod_name!r} ({type(module).__name__}) has no per-example gradient rule; its "
+                    f"parameters {sorted(own)} use the exact but slower torch.func fallback.",
+                    stacklevel=3,
+                )
+            elif rule is None:
                 raise ValueError(
                     f"module {mod_name!r} of type {type(module).__name__} has trainable parameters "
                     f"{sorted(own)} but no per-example gradient rule. Supported types: {supported_types()}. "
                     "Freeze its parameters, replace the module, or register a rule with "
                     "dpexp.privacy.rules.register_rule."
                 )
-            if rule.check is not None:
+            if rule is not None and rule.check is not None:
                 rule.check(module)
             layers.append(_Layer(mod_name, module, rule, own))
         params = {n: p for n, p in model.named_parameters() if id(p) in names}
@@ -244,13 +262,15 @@ class PrivacyEngine:
     def _install_hooks(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._record_batch_size, with_kwargs=True))
         for layer in self._layers:
-            if layer.rule.expand_broadcast_input:
+            if layer.rule is not None and layer.rule.expand_broadcast_input:
                 self._handles.append(layer.module.register_forward_pre_hook(self._expand_broadcast))
-            self._handles.append(layer.module.register_forward_hook(partial(self._on_forward, layer)))
+            self._handles.append(
+                layer.module.register_forward_hook(partial(self._on_forward, layer), with_kwargs=True)
+            )
 
     def _record_batch_size(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() > 0), None)
-        if first is not None and torch.is_grad_enabled():
+        if first is not None and torch.is_grad_enabled() and not self._recomputing:
             self._state.batch_size = first.shape[0]
 
     def _expand_broadcast(self, module: nn.Module, args: tuple) -> tuple | None:
@@ -258,17 +278,22 @@ class PrivacyEngine:
         output gradient stays separate instead of being summed over the batch by broadcasting."""
         b = self._state.batch_size
         x = args[0]
-        if torch.is_grad_enabled() and b is not None and b > 1 and x.dim() > 0 and x.shape[0] == 1:
+        if not self._recomputing and b is not None and b > 1 and x.dim() > 0 and x.shape[0] == 1:
             return (x.expand(b, *x.shape[1:]), *args[1:])
         return None
 
-    def _on_forward(self, layer: _Layer, module: nn.Module, args: tuple, output: torch.Tensor) -> Any:
-        if not torch.is_grad_enabled():
+    def _on_forward(
+        self, layer: _Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor
+    ) -> Any:
+        if not torch.is_grad_enabled() or self._recomputing:
             return None
         if not torch.is_tensor(output):
-            raise TypeError(f"layer {layer.name!r} returned {type(output).__name__}; expected a tensor")
-        x = args[0]
-        use = _Use(layer, x, x._version)
+            raise TypeError(
+                f"layer {layer.name!r} ({type(module).__name__}) returned {type(output).__name__}, but the "
+                "privacy engine needs a tensor output to capture its gradient; freeze its parameters or "
+                "register a rule for it."
+            )
+        use = _Use(layer, args, kwargs, [t._version for t in (*args, *kwargs.values()) if torch.is_tensor(t)])
         state = self._state
         state.uses.append(use)
         for k in {self._group_of[p] for p in layer.params.values()}:
@@ -286,18 +311,20 @@ class PrivacyEngine:
                 "engine.backward(per_example_loss), not loss.backward()"
             )
         layer = use.layer
-        if use.x._version != use.version:
+        tensors = use.tensors
+        if [t._version for t in tensors] != use.versions:
             raise RuntimeError(
                 f"the input of layer {layer.name!r} was modified in place after the layer used it; "
                 "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
             )
-        if use.x.shape[0] != state.batch_size or dy.shape[0] != state.batch_size:
+        x = tensors[0]
+        if x.shape[0] != state.batch_size or dy.shape[0] != state.batch_size:
             raise RuntimeError(
-                f"layer {layer.name!r} saw a batch of {use.x.shape[0]} inputs / {dy.shape[0]} output gradients "
+                f"layer {layer.name!r} saw a batch of {x.shape[0]} inputs / {dy.shape[0]} output gradients "
                 f"but the loss has {state.batch_size} examples: inputs broadcast over the batch cannot be "
                 "clipped per example. Expand them to the batch size before this layer."
             )
-        grads = layer.rule.per_example_grads(layer.module, use.x, dy)
+        grads = self._per_example_grads(use, dy)
         if state.phase == "sum":
             for attr, grad in grads.items():
                 name = layer.params.get(attr)
@@ -315,6 +342,16 @@ class PrivacyEngine:
             state.pending[k] -= 1
             if state.pending[k] == 0:
                 self._finish_group(k)
+
+    def _per_example_grads(self, use: _Use, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+        layer = use.layer
+        if layer.rule is not None:
+            return layer.rule.per_example_grads(layer.module, use.args[0], dy)
+        self._recomputing = True
+        try:
+            return functional_per_example_grads(layer.module, list(layer.params), use.args, use.kwargs, dy)
+        finally:
+            self._recomputing = False
 
     # ------------------------------------------------------------------ clipping
     def _add_norm_contribution(self, name: str, grad: PerExampleGrad) -> None:

@@ -1,0 +1,119 @@
+"""The Opacus 1.6 baseline behind dpexp's :class:`~dpexp.backends.TrainingBackend` interface.
+
+Built directly from Opacus' parts (not ``opacus.PrivacyEngine``, which owns data loading and accounting):
+
+- hooks mode: ``GradSampleModule`` instantiates per-example gradients g_i; ``DPOptimizer`` (flat: g_i scaled
+  by min(1, C/||g_i||)) or ``DPPerLayerOptimizer`` (each of the P parameter tensors clipped to C/sqrt(P)).
+- ghost mode: ``GradSampleModuleFastGradientClipping`` computes ||g_i|| by the ghost norm trick and a second
+  backward pass on the reweighted loss sum_i c_i l_i gives sum_i clip(g_i) (Li et al. 2022, sec. 4).
+
+Micro-batch accumulation uses Opacus' skip-step protocol (as its ``BatchMemoryManager`` does): when the next
+micro-batch arrives, the pending one is clipped and added to ``p.summed_grad`` by a skipped step; only
+:meth:`OpacusBackend.step` runs a real step, which adds N(0, sigma^2 C^2) noise once and divides by the
+expected batch size B.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping, DPPerLayerOptimizer
+from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+from opacus.validators import ModuleValidator
+from torch import nn
+
+from dpexp.backends import TrainingBackend, check_per_example_loss
+
+GRAD_SAMPLE_MODES = ("hooks", "ghost")
+CLIPPINGS = ("flat", "per_layer")
+
+
+class OpacusBackend(TrainingBackend):
+    """Opacus clipping and noise with noise added once per logical step.
+
+    ``model`` must be in training mode and free of modules that mix examples (BatchNorm): Opacus' validator
+    raises otherwise. ``optimizer`` must hold exactly the model's trainable parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        batch_size: int,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        grad_sample_mode: str = "hooks",
+        clipping: str = "flat",
+    ) -> None:
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(
+                f"Unknown opacus grad_sample_mode {grad_sample_mode!r}; "
+                f"valid: {', '.join(GRAD_SAMPLE_MODES)}."
+            )
+        if clipping not in CLIPPINGS:
+            raise ValueError(f"Unknown opacus clipping {clipping!r}; valid: {', '.join(CLIPPINGS)}.")
+        if grad_sample_mode == "ghost" and clipping != "flat":
+            raise ValueError(
+                "Opacus fast gradient (ghost) clipping supports flat clipping only; use hooks mode."
+            )
+        model.train()
+        ModuleValidator.validate(model, strict=True)
+        self.ghost = grad_sample_mode == "ghost"
+        common = {
+            "noise_multiplier": noise_multiplier,
+            "expected_batch_size": batch_size,
+            "loss_reduction": "mean",
+        }
+        if self.ghost:
+            self.model = GradSampleModuleFastGradientClipping(
+                model,
+                batch_first=True,
+                loss_reduction="sum",
+                max_grad_norm=max_grad_norm,
+                use_ghost_clipping=True,
+            )
+            self.optimizer = DPOptimizerFastGradientClipping(optimizer, max_grad_norm=max_grad_norm, **common)
+        else:
+            self.model = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+            if clipping == "flat":
+                self.optimizer = DPOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
+            else:
+                num_tensors = len(self._params(optimizer))
+                thresholds = [max_grad_norm / math.sqrt(num_tensors)] * num_tensors
+                self.optimizer = DPPerLayerOptimizer(optimizer, max_grad_norm=thresholds, **common)
+        self._pending = False  # a micro-batch has been backpropagated but not yet clipped into summed_grad
+
+    @staticmethod
+    def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+        return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    def backward(self, per_example_loss: torch.Tensor) -> None:
+        check_per_example_loss(per_example_loss)
+        if self._pending:  # clip and accumulate the previous micro-batch without noise or update
+            self.optimizer.signal_skip_step(do_skip=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.ghost:
+            DPTensorFastGradientClipping(
+                self.model, self.optimizer, per_example_loss, loss_reduction="sum"
+            ).backward()
+        else:
+            per_example_loss.sum().backward()
+        self._pending = True
+
+    def step(self) -> None:
+        if not self._pending:  # empty logical batch: the update is pure noise / B
+            for p in self.optimizer.params:
+                if self.ghost:
+                    p.grad = torch.zeros_like(p)
+                else:
+                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = False
+
+    def close(self) -> None:
+        self.model.to_standard_module()
