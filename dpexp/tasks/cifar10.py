@@ -1,0 +1,193 @@
+"""CIFAR-10 image classification (Krizhevsky 2009): 50,000 training and 10,000 test images, 32x32 RGB.
+
+The WRN-16-4 task of De et al. (2022) and He et al. (2023, sec. 5.1, appendix A.1), reporting test accuracy
+and training accuracy, and the BK paper's ViT/BEiT fine-tuning runs (Bu et al. 2023). No data augmentation
+(He et al. do not use augmentation multiplicity). Batches hold raw pixels in [0, 1], ``image`` (B, 3, 32, 32),
+and ``label`` (B,); each model normalises (and, for pretrained transformers, resizes) its input itself.
+
+Data come from the Hugging Face hub (``uoft-cs/cifar10``) unless a local copy is given: ``path`` (the
+``cifar-10-batches-py`` folder) or ``data_root`` (the folder containing it), in the original python format
+(pickled ``data_batch_1`` ... ``data_batch_5`` and ``test_batch``, each a dict with ``data``, uint8
+(n, 3072) in channel-major order, and ``labels``). Pickles can run code when loaded: only point this at files
+from the official release (https://www.cs.toronto.edu/~kriz/cifar.html).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from dpexp.metrics.accuracy import accuracy
+from dpexp.tasks.base import ModelFactory, Task, TaskInfo
+from dpexp.tasks.subsets import check_split_options, training_indices
+
+HUB_DATASET = "uoft-cs/cifar10"
+FOLDER = "cifar-10-batches-py"
+TRAIN_FILES = tuple(f"data_batch_{k}" for k in range(1, 6))
+TEST_FILE = "test_batch"
+IMAGE_SHAPE = (3, 32, 32)
+NUM_CLASSES = 10
+
+
+class Cifar10Task(Task):
+    """CIFAR-10; ``evaluate`` reports test ``accuracy`` and ``train_accuracy`` on a seeded training subset.
+
+    Args:
+        data_root: folder containing ``cifar-10-batches-py/``; null loads from the hub.
+        path: the ``cifar-10-batches-py`` folder itself (overrides ``data_root``).
+        split: ``full`` (train on the 50,000, test on the 10,000) or ``tune`` (train on a seeded 80% of the
+            training set, report accuracy on the other 20%; the test set is not loaded).
+        tune_fraction: held-out share of the training set for ``split=tune``.
+        subsample: keep this many (seeded) training examples, for quick runs; null keeps all.
+        data_seed: seed of the tune split, the subsample and the training-accuracy subset.
+        train_eval_size: training examples scored for ``train_accuracy`` (all if fewer).
+    """
+
+    name = "cifar10"
+
+    def __init__(
+        self,
+        data_root: str | None = None,
+        path: str | None = None,
+        split: str = "full",
+        tune_fraction: float = 0.2,
+        subsample: int | None = None,
+        data_seed: int = 0,
+        train_eval_size: int = 10_000,
+    ) -> None:
+        check_split_options(split, tune_fraction, subsample)
+        if train_eval_size < 1:
+            raise ValueError(f"train_eval_size must be positive, got {train_eval_size}.")
+        self.data_root = data_root
+        self.path = path
+        self.split = split
+        self.tune_fraction = tune_fraction
+        self.subsample = subsample
+        self.data_seed = data_seed
+        self.train_eval_size = train_eval_size
+        self._train: TensorDataset | None = None
+        self._eval: TensorDataset | None = None
+        self._train_eval: TensorDataset | None = None
+
+    def setup(self, factory: ModelFactory) -> None:
+        folder = self._local_dir()
+        images, labels = self._load(folder, TRAIN_FILES, "train")
+        train_idx, heldout_idx = training_indices(
+            len(labels), self.split, self.tune_fraction, self.subsample, self.data_seed
+        )
+        if heldout_idx is None:
+            self._eval = TensorDataset(*self._load(folder, (TEST_FILE,), "test"))
+        else:
+            self._eval = TensorDataset(images[heldout_idx], labels[heldout_idx])
+        self._train = TensorDataset(images[train_idx], labels[train_idx])
+        scored = np.random.default_rng(self.data_seed).permutation(len(train_idx))[: self.train_eval_size]
+        self._train_eval = TensorDataset(*self._train[torch.from_numpy(np.sort(scored))])
+
+    def _local_dir(self) -> Path | None:
+        if self.path is not None:
+            return Path(self.path)
+        return None if self.data_root is None else Path(self.data_root) / FOLDER
+
+    def _load(
+        self, folder: Path | None, files: tuple[str, ...], hub_split: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 images (n, 3, 32, 32) and int64 labels (n,)."""
+        if folder is None:
+            return _load_hub(hub_split)
+        parts = [read_cifar_batch(folder / name) for name in files]
+        return torch.cat([images for images, _ in parts]), torch.cat([labels for _, labels in parts])
+
+    @property
+    def info(self) -> TaskInfo:
+        return TaskInfo(
+            kind="classification", num_labels=NUM_CLASSES, input_shape=IMAGE_SHAPE, extra={"task": self.name}
+        )
+
+    @property
+    def train_dataset(self) -> Dataset:
+        return _require(self._train)
+
+    @property
+    def eval_dataset(self) -> TensorDataset:
+        """The test set (``split=full``) or the held-out part of the training set (``split=tune``)."""
+        return _require(self._eval)
+
+    @property
+    def train_eval_dataset(self) -> TensorDataset:
+        """The seeded subset of the training set scored for ``train_accuracy``."""
+        return _require(self._train_eval)
+
+    def collate(self, examples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        images, labels = zip(*examples, strict=True)
+        return {"image": torch.stack(images).float() / 255.0, "label": torch.stack(labels)}
+
+    @staticmethod
+    def logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Class scores (B, 10)."""
+        return model(batch["image"])
+
+    def per_example_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross entropy of each example, shape (B,)."""
+        return F.cross_entropy(self.logits(model, batch), batch["label"], reduction="none")
+
+    def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
+        """Test (or held-out) ``accuracy``; ``train_accuracy`` on up to ``train_eval_size`` train images."""
+        return {
+            "accuracy": accuracy(model, self.eval_dataset, self.collate, self.logits, batch_size),
+            "train_accuracy": accuracy(
+                model, _require(self._train_eval), self.collate, self.logits, batch_size
+            ),
+        }
+
+
+def read_cifar_batch(file: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch file of the original python release -> uint8 images (n, 3, 32, 32), int64 labels (n,)."""
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} not found: the cifar10 task reads the original python release ({FOLDER}/ with "
+            f"{', '.join(TRAIN_FILES)}, {TEST_FILE}). Extract cifar-10-python.tar.gz into data.root, set "
+            "task.path to the cifar-10-batches-py folder, or set data.root=null to download from the hub."
+        )
+    with file.open("rb") as handle:
+        batch = pickle.load(handle, encoding="bytes")
+    batch = {key.decode() if isinstance(key, bytes) else key: value for key, value in batch.items()}
+    if "data" not in batch or "labels" not in batch:
+        raise ValueError(
+            f"{file}: not a CIFAR-10 python batch (keys {sorted(batch)}; expected 'data' and 'labels')."
+        )
+    data = np.asarray(batch["data"], dtype=np.uint8)
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(batch["labels"]) != len(data):
+        raise ValueError(
+            f"{file}: 'data' must be (n, 3072) with n labels, got {data.shape} and {len(batch['labels'])}."
+        )
+    return torch.from_numpy(data.reshape(-1, *IMAGE_SHAPE).copy()), torch.tensor(
+        batch["labels"], dtype=torch.long
+    )
+
+
+def _load_hub(split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from datasets import load_dataset
+
+    try:
+        data = load_dataset(HUB_DATASET, split=split)
+    except Exception as err:  # network, cache and hub errors all mean the same thing to the user
+        raise RuntimeError(
+            f"Could not load {HUB_DATASET} ({split}) from the Hugging Face hub: {err}. Offline, set "
+            f"data.root to a folder containing {FOLDER}/ (the original python release)."
+        ) from err
+    images = np.stack([np.asarray(image.convert("RGB"), dtype=np.uint8) for image in data["img"]])
+    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.tensor(
+        data["label"], dtype=torch.long
+    )
+
+
+def _require(dataset: TensorDataset | None) -> TensorDataset:
+    if dataset is None:
+        raise RuntimeError("Cifar10Task.setup() must be called first.")
+    return dataset

