@@ -16,6 +16,7 @@ expected batch size B.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
@@ -27,6 +28,10 @@ from torch import nn
 from dpexp.backends import TrainingBackend, check_per_example_loss
 
 GRAD_SAMPLE_MODES = ("hooks", "ghost")
+# Opacus' full backward hooks warn when the model input needs no gradient (e.g. images); harmless here.
+_INPUT_GRAD_WARNING = (
+    "Full backward hook is firing when gradients are computed with respect to module outputs"
+)
 CLIPPINGS = ("flat", "per_layer")
 
 
@@ -96,13 +101,18 @@ class OpacusBackend(TrainingBackend):
             self.optimizer.signal_skip_step(do_skip=True)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_INPUT_GRAD_WARNING)
+            self._backward(per_example_loss)
+        self._pending = True
+
+    def _backward(self, per_example_loss: torch.Tensor) -> None:
         if self.ghost:
             DPTensorFastGradientClipping(
                 self.model, self.optimizer, per_example_loss, loss_reduction="sum"
             ).backward()
         else:
             per_example_loss.sum().backward()
-        self._pending = True
 
     def step(self) -> None:
         if not self._pending:  # empty logical batch: the update is pure noise / B

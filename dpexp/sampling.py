@@ -1,0 +1,82 @@
+"""Batch sampling for DP training: which examples form each logical step, and how a step is split.
+
+Poisson subsampling (Abadi et al. 2016; the accountants in :mod:`dpexp.privacy.accounting` assume it): at
+every step each of the N examples joins the batch independently with probability q = B/N, so the realised
+batch size is Binomial(N, q) (possibly 0) and its expectation is B. The privacy backends therefore divide the
+summed clipped gradients by the expected B, never by the realised size.
+
+Shuffle sampling: fixed-size batches of exactly B from a fresh permutation each epoch (the incomplete tail is
+dropped). Common in practice, but the accountants' subsampling analysis does not strictly apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+SamplingKind = Literal["poisson", "shuffle"]
+SAMPLING_KINDS: tuple[str, ...] = ("poisson", "shuffle")
+
+
+class PoissonBatchSampler:
+    """``steps`` logical batches of indices in [0, N); each index is in a batch with prob. ``sample_rate``."""
+
+    def __init__(self, sample_size: int, sample_rate: float, steps: int, generator: torch.Generator) -> None:
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}; use batch_size <= N.")
+        self.sample_size = sample_size
+        self.sample_rate = sample_rate
+        self.steps = steps
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            mask = torch.rand(self.sample_size, generator=self.generator) < self.sample_rate
+            yield mask.nonzero().flatten().tolist()
+
+
+class ShuffleBatchSampler:
+    """``steps`` batches of exactly ``batch_size`` indices, walking through successive random permutations."""
+
+    def __init__(self, sample_size: int, batch_size: int, steps: int, generator: torch.Generator) -> None:
+        if not 0 < batch_size <= sample_size:
+            raise ValueError(f"batch_size must be in [1, N={sample_size}], got {batch_size}.")
+        self.sample_size = sample_size
+        self.batch_size = batch_size
+        self.steps = steps
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_epoch = self.sample_size // self.batch_size
+        done = 0
+        while done < self.steps:
+            order = torch.randperm(self.sample_size, generator=self.generator).tolist()
+            for k in range(min(per_epoch, self.steps - done)):
+                yield order[k * self.batch_size : (k + 1) * self.batch_size]
+            done += per_epoch
+
+
+def build_batch_sampler(
+    kind: str, *, sample_size: int, batch_size: int, steps: int, generator: torch.Generator
+) -> PoissonBatchSampler | ShuffleBatchSampler:
+    """The logical-batch sampler for ``kind`` in :data:`SAMPLING_KINDS`; q = batch_size / sample_size."""
+    if kind == "poisson":
+        return PoissonBatchSampler(sample_size, batch_size / sample_size, steps, generator)
+    if kind == "shuffle":
+        return ShuffleBatchSampler(sample_size, batch_size, steps, generator)
+    raise ValueError(f"Unknown sampling {kind!r}; valid choices: {', '.join(SAMPLING_KINDS)}.")
+
+
+def split_micro_batches(indices: list[int], physical_batch_size: int) -> list[list[int]]:
+    """Consecutive chunks of at most ``physical_batch_size`` indices (none for an empty logical batch)."""
+    if physical_batch_size < 1:
+        raise ValueError(f"physical_batch_size must be >= 1, got {physical_batch_size}.")
+    return [indices[i : i + physical_batch_size] for i in range(0, len(indices), physical_batch_size)]

@@ -1,0 +1,73 @@
+"""Optimizers and learning-rate schedules from the ``optim`` config group.
+
+The privacy backends wrap the optimizer built here; the schedule is attached to this (inner) optimizer, whose
+``param_groups`` the wrappers share, so it works the same for every backend. Noise and clipping happen before
+the optimizer sees the gradient, so DP-SGD, DP-Adam and DP-AdamW are these optimizers fed privatised
+gradients (Li et al. 2022, app. A).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params, cfg: torch.optim.SGD(
+        params, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0), weight_decay=cfg.get("weight_decay", 0.0)
+    ),
+    "adam": lambda params, cfg: torch.optim.Adam(
+        params,
+        lr=cfg["lr"],
+        betas=tuple(cfg["betas"]),
+        eps=cfg["eps"],
+        weight_decay=cfg.get("weight_decay", 0.0),
+    ),
+    "adamw": lambda params, cfg: torch.optim.AdamW(
+        params,
+        lr=cfg["lr"],
+        betas=tuple(cfg["betas"]),
+        eps=cfg["eps"],
+        weight_decay=cfg.get("weight_decay", 0.0),
+    ),
+}
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], optim_cfg: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """The torch optimizer named ``optim_cfg["name"]`` (sgd | adam | adamw) over ``params``."""
+    name = optim_cfg["name"]
+    if name not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer {name!r}; valid choices: {', '.join(OPTIMIZERS)}.")
+    return OPTIMIZERS[name](list(params), optim_cfg)
+
+
+def lr_factor(schedule: str, step: int, total_steps: int, warmup_fraction: float = 0.0) -> float:
+    """Multiplier of the peak learning rate before update ``step`` (0-based) of ``total_steps``.
+
+    constant: 1. linear_warmup_decay: W = round(warmup_fraction * T) warm-up steps rising linearly to 1
+    ((step + 1) / W), then linear decay reaching 0 after the last step ((T - step) / (T - W)).
+    """
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear_warmup_decay":
+        warmup = round(warmup_fraction * total_steps)
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+    raise ValueError(f"Unknown schedule {schedule!r}; valid choices: constant, linear_warmup_decay.")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, schedule_cfg: Mapping[str, Any], total_steps: int
+) -> LambdaLR:
+    """A per-step ``LambdaLR`` following :func:`lr_factor`; call ``.step()`` after each optimizer step."""
+    name = schedule_cfg["name"]
+    warmup_fraction = float(schedule_cfg.get("warmup_fraction", 0.0))
+    if not 0.0 <= warmup_fraction < 1.0:
+        raise ValueError(f"schedule.warmup_fraction must be in [0, 1), got {warmup_fraction}.")
+    lr_factor(name, 0, total_steps, warmup_fraction)  # fail now on an unknown schedule name
+    return LambdaLR(optimizer, lambda step: lr_factor(name, step, total_steps, warmup_fraction))

@@ -1,0 +1,316 @@
+"""The generic (DP-)training loop behind ``python -m dpexp.train``.
+
+One run: build the task and model from config, solve the noise multiplier sigma for the target (epsilon,
+delta) at sampling rate q = B/N over T steps with the chosen accountant, then T logical steps of
+DP-SGD/DP-Adam (Abadi et al. 2016): each logical batch (Poisson-sampled by default) is split into physical
+micro-batches whose clipped gradients the backend accumulates, and one ``backend.step()`` adds the noise once
+and divides by the expected B. Evaluations every ``eval_every`` steps and at the end go to metrics.json
+(:mod:`dpexp.run_record`), which also records the epsilon spent under all three accountants.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from dpexp.backends import build_backend, is_private
+from dpexp.privacy import accounting
+from dpexp.run_record import RunRecord, WandbSink, peak_memory, reset_peak_memory
+from dpexp.sampling import build_batch_sampler, split_micro_batches
+from dpexp.schedules import build_optimizer, build_scheduler
+from dpexp.tasks.base import ModelFactory, Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The quantities fixed before training; all of them go to metrics.json."""
+
+    sample_size: int  # N, size of the private training set
+    batch_size: int  # B, expected logical batch size
+    physical_batch_size: int
+    sample_rate: float  # q = B / N
+    steps: int  # T
+    epochs: float  # T * q
+    delta: float
+    target_epsilon: float | None  # None for non-private runs
+    noise_multiplier: float  # sigma (0 for non-private runs)
+
+
+def resolve_delta(delta: float | None, rule: str, sample_size: int) -> float:
+    """``delta`` if given, else the rule's function of N (``1/2n``: 1/(2N), ``1/n^1.1``: N^-1.1)."""
+    if delta is None:
+        return accounting.default_delta(sample_size, rule)
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"privacy.delta must be in (0, 1), got {delta}.")
+    return float(delta)
+
+
+def plan_run(cfg: DictConfig, sample_size: int) -> RunPlan:
+    """Steps, sampling rate, delta and the noise multiplier solved with ``cfg.accountant.name``."""
+    batch_size = int(cfg.batch_size)
+    if not 1 <= batch_size <= sample_size:
+        raise ValueError(f"batch_size must be in [1, N={sample_size}], got {batch_size}.")
+    for key in ("physical_batch_size", "log_every", "eval_batch_size"):
+        if cfg[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}.")
+    sample_rate = batch_size / sample_size
+    if cfg.steps is not None:
+        steps = int(cfg.steps)
+    elif cfg.epochs is not None:
+        steps = round(cfg.epochs / sample_rate)
+    else:
+        raise ValueError("Set either epochs or steps.")
+    if steps < 1:
+        raise ValueError(
+            f"The run must have at least one step, got {steps} (epochs={cfg.epochs}, steps={cfg.steps})."
+        )
+    delta = resolve_delta(cfg.privacy.delta, cfg.privacy.delta_rule, sample_size)
+    private = is_private(cfg.clip)
+    sigma = 0.0
+    if private:
+        sigma = accounting.get_noise_multiplier(
+            cfg.privacy.epsilon, delta, sample_rate, steps, accountant=cfg.accountant.name
+        )
+    return RunPlan(
+        sample_size=sample_size,
+        batch_size=batch_size,
+        physical_batch_size=int(cfg.physical_batch_size),
+        sample_rate=sample_rate,
+        steps=steps,
+        epochs=steps * sample_rate,
+        delta=delta,
+        target_epsilon=float(cfg.privacy.epsilon) if private else None,
+        noise_multiplier=sigma,
+    )
+
+
+def spent_epsilon(plan: RunPlan, steps_done: int, accountant: str) -> float | None:
+    """Epsilon after ``steps_done`` steps (None for non-private runs, 0 before the first step)."""
+    if plan.target_epsilon is None:
+        return None
+    if steps_done == 0:
+        return 0.0
+    return accounting.get_epsilon(
+        plan.noise_multiplier, plan.sample_rate, steps_done, plan.delta, accountant=accountant
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda if available else cpu; otherwise the named torch device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) so that CPU runs are reproducible."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def instantiate(node: DictConfig) -> Any:
+    """``hydra.utils.instantiate`` of a task or model node, minus its documentation-only ``recommended``."""
+    spec = OmegaConf.to_container(node, resolve=True)
+    spec.pop("recommended", None)
+    return hydra.utils.instantiate(spec, _convert_="all")
+
+
+def run_training(
+    cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Train as configured and write ``output_dir/metrics.json``; return the record.
+
+    ``choices`` are the selected config-group options (Hydra's runtime choices), recorded as the run's task,
+    model, clip, accountant and optim names. On failure the record is written with ``status: failed`` and the
+    error is re-raised.
+    """
+    started = time.perf_counter()
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    record = RunRecord(output_dir, {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "config": resolved})
+    try:
+        if _choice(cfg.logger) == "wandb":
+            record.add_sink(
+                WandbSink(cfg.wandb.project, cfg.wandb.entity, cfg.wandb.mode, resolved, Path(output_dir))
+            )
+        _Run(cfg, record, dict(choices or {})).run()
+    except BaseException as error:
+        record.fail(error, wall_time_s=time.perf_counter() - started)
+        raise
+    record.complete(wall_time_s=time.perf_counter() - started)
+    return record.data
+
+
+class _Run:
+    """State of one training run; :meth:`run` fills ``record``."""
+
+    def __init__(self, cfg: DictConfig, record: RunRecord, choices: dict[str, str]) -> None:
+        self.cfg = cfg
+        self.record = record
+        self.choices = choices
+        self.device = resolve_device(cfg.device)
+        self.train_time = 0.0  # seconds spent in training steps (the clock runs from self._tick)
+        self._tick = 0.0
+        self.examples = 0
+        self.train_loss: float | None = None  # mean per-example loss since the previous progress update
+
+    def run(self) -> None:
+        cfg = self.cfg
+        seed_everything(cfg.seed)
+        self.task: Task = instantiate(cfg.task)
+        factory: ModelFactory = instantiate(cfg.model)
+        self.task.setup(factory)
+        self.model = factory.build(self.task.info).to(self.device)
+        self.model.train()
+        self.dataset = self.task.train_dataset
+        self.plan = plan_run(cfg, len(self.dataset))
+        names = {
+            "task": self.task.name,
+            "model": type(factory).__name__,
+            "clip": cfg.clip.name,
+            "accountant": cfg.accountant.name,
+            "optim": cfg.optim.name,
+        }
+        names.update({k: v for k, v in self.choices.items() if k in names})
+        self.record.update(**names, **asdict(self.plan), device=str(self.device))
+        self.record.write()
+        if self.plan.target_epsilon is not None and _choice(cfg.sampling) == "shuffle":
+            warnings.warn(
+                "sampling=shuffle: the accountants assume Poisson subsampling; epsilon is only indicative.",
+                stacklevel=1,
+            )
+
+        optimizer = build_optimizer((p for p in self.model.parameters() if p.requires_grad), cfg.optim)
+        self.scheduler = build_scheduler(optimizer, cfg.optim.schedule, self.plan.steps)
+        self.backend = build_backend(
+            cfg.clip,
+            model=self.model,
+            optimizer=optimizer,
+            batch_size=self.plan.batch_size,
+            sample_size=self.plan.sample_size,
+            noise_multiplier=self.plan.noise_multiplier,
+        )
+        try:
+            self._train()
+        finally:
+            self.backend.close()
+
+    def _train(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        generator = torch.Generator().manual_seed(int(cfg.seed))
+        sampler = build_batch_sampler(
+            _choice(cfg.sampling),
+            sample_size=plan.sample_size,
+            batch_size=plan.batch_size,
+            steps=plan.steps,
+            generator=generator,
+        )
+        reset_peak_memory(self.device)
+        bar = tqdm(
+            total=plan.steps, disable=not cfg.progress, desc=self.record.data["task"], dynamic_ncols=True
+        )
+        window_loss = torch.zeros((), device=self.device)
+        window_count = 0
+        self._tick = time.perf_counter()
+        for step, indices in enumerate(sampler, start=1):
+            for micro in split_micro_batches(indices, plan.physical_batch_size):
+                batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
+                loss = self.task.per_example_loss(self.backend.model, batch)
+                self.backend.backward(loss)
+                window_loss += loss.detach().sum()
+                window_count += len(micro)
+            self.backend.step()
+            self.scheduler.step()
+            self.examples += len(indices)
+            bar.update()
+            if step % cfg.log_every == 0 or step == plan.steps:
+                with self._outside_training():
+                    if window_count:
+                        self.train_loss = float(window_loss) / window_count
+                    window_loss.zero_()
+                    window_count = 0
+                    bar.set_postfix(
+                        loss=self.train_loss,
+                        eps=spent_epsilon(plan, step, cfg.accountant.name),
+                        ex_per_s=round(self.examples / max(self.train_time, 1e-9)),
+                        refresh=False,
+                    )
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == plan.steps:
+                with self._outside_training():
+                    self._evaluate(step)
+        bar.close()
+        epsilons, errors = self._final_epsilons()
+        memory, memory_kind = peak_memory(self.device)
+        self.record.update(
+            epsilon=epsilons,
+            epsilon_errors=errors,
+            throughput_examples_per_s=self.examples / max(self.train_time, 1e-9),
+            train_time_s=self.train_time,
+            examples_seen=self.examples,
+            peak_memory_bytes=memory,
+            peak_memory_kind=memory_kind,
+        )
+
+    @contextmanager
+    def _outside_training(self) -> Iterator[None]:
+        """Stop the training clock (throughput counts training only) around logging and evaluation."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.train_time += time.perf_counter() - self._tick
+        yield
+        self._tick = time.perf_counter()
+
+    def _evaluate(self, step: int) -> None:
+        self.model.eval()
+        with torch.no_grad():
+            metrics = self.task.evaluate(self.model, int(self.cfg.eval_batch_size))
+        self.model.train()
+        entry = {
+            "step": step,
+            "epoch": step * self.plan.sample_rate,
+            "epsilon": spent_epsilon(self.plan, step, self.cfg.accountant.name),
+            "train_loss": self.train_loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "examples_seen": self.examples,
+            "train_time_s": self.train_time,
+        }
+        self.record.log_eval(entry, metrics)
+
+    def _final_epsilons(self) -> tuple[dict[str, float | None], dict[str, str]]:
+        """Epsilon spent under every accountant; a failing accountant is recorded, not fatal."""
+        epsilons: dict[str, float | None] = {}
+        errors: dict[str, str] = {}
+        for name in accounting.ACCOUNTANTS:
+            try:
+                epsilons[name] = spent_epsilon(self.plan, self.plan.steps, name)
+            except (ValueError, RuntimeError, ArithmeticError) as error:
+                epsilons[name] = None
+                errors[name] = f"{type(error).__name__}: {error}"
+                log.warning("epsilon under the %s accountant failed: %s", name, error)
+        return epsilons, errors
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
+
+
+def _choice(value: Any) -> str:
+    """The string of an enum-typed config value (the schema in dpexp/train.py types them as str Enums)."""
+    return str(getattr(value, "value", value))

@@ -1,0 +1,30 @@
+"""Shared test fixtures: repository paths and Hydra composition of ``conf/config.yaml``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import dpexp.train  # registers the config schema  # noqa: F401
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+# A run of a few seconds: three steps, no progress bar, evaluation only at the end.
+TINY_RUN = ("steps=3", "progress=false", "eval_every=null", "batch_size=32", "physical_batch_size=16")
+
+
+@pytest.fixture
+def compose_config() -> Callable[[Sequence[str]], DictConfig]:
+    """``compose_config(overrides)`` -> ``conf/config.yaml`` composed as ``python -m dpexp.train`` does."""
+
+    def _compose(overrides: Sequence[str] = ()) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose(config_name="config", overrides=list(overrides))
+
+    return _compose

@@ -1,0 +1,128 @@
+"""metrics.json: written incrementally, on success and on failure, always strict JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from dpexp.run_record import RunRecord, peak_memory
+from dpexp.tasks.digits import DigitsTask
+from dpexp.trainer import run_training
+from tests.conftest import TINY_RUN
+
+
+class ExplodingTask(DigitsTask):
+    """Digits whose loss raises on its ``fail_at_call``-th call (a failure in the middle of training)."""
+
+    def __init__(self, fail_at_call: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fail_at_call = fail_at_call
+        self.calls = 0
+
+    def per_example_loss(self, model, batch):
+        self.calls += 1
+        if self.calls == self.fail_at_call:
+            raise RuntimeError("injected failure")
+        return super().per_example_loss(model, batch)
+
+
+class MissingDataTask(DigitsTask):
+    def setup(self, factory) -> None:
+        raise FileNotFoundError("no such data file: /nowhere/train.csv")
+
+
+def _target(cls: type) -> str:
+    return f"task._target_={cls.__module__}.{cls.__qualname__}"
+
+
+def _read(path):
+    def refuse(constant):
+        raise AssertionError(f"metrics.json holds the non-JSON constant {constant}")
+
+    return json.loads((path / "metrics.json").read_text(), parse_constant=refuse)
+
+
+def test_completed_run(compose_config, tmp_path):
+    record = run_training(compose_config([*TINY_RUN, "eval_every=1"]), tmp_path)
+    data = _read(tmp_path)
+    assert data == json.loads(json.dumps(record))
+    assert data["status"] == "completed" and data["error"] is None
+    assert [h["step"] for h in data["history"]] == [1, 2, 3]
+    assert data["accuracy"] == data["history"][-1]["accuracy"]
+    assert 0 < data["history"][0]["epsilon"] < data["history"][-1]["epsilon"] == data["epsilon"]["rdp"]
+
+
+def test_failure_mid_training_keeps_the_metrics_so_far(compose_config, tmp_path):
+    overrides = [
+        *TINY_RUN,
+        "eval_every=1",
+        "physical_batch_size=1000",
+        _target(ExplodingTask),
+        "+task.fail_at_call=2",
+    ]
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run_training(compose_config(overrides), tmp_path)
+    data = _read(tmp_path)
+    assert data["status"] == "failed"
+    assert data["error"] == "RuntimeError: injected failure"
+    assert [h["step"] for h in data["history"]] == [1]  # the evaluation before the failure
+    assert data["noise_multiplier"] > 0 and data["wall_time_s"] > 0
+    assert data["config"]["task"]["fail_at_call"] == 2
+
+
+def test_failure_in_setup_still_writes_metrics(compose_config, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        run_training(compose_config([*TINY_RUN, _target(MissingDataTask)]), tmp_path)
+    data = _read(tmp_path)
+    assert data["status"] == "failed" and "/nowhere/train.csv" in data["error"]
+    assert data["history"] == [] and data["config"]["steps"] == 3
+
+
+def test_nonprivate_run_reports_no_epsilon(compose_config, tmp_path):
+    run_training(compose_config([*TINY_RUN, "clip=nonprivate"]), tmp_path)
+    data = _read(tmp_path)
+    assert data["epsilon"] == {"rdp": None, "prv": None, "gdp": None}
+    assert data["noise_multiplier"] == 0.0 and data["target_epsilon"] is None
+
+
+def test_record_refuses_metric_names_that_shadow_run_fields(tmp_path):
+    record = RunRecord(tmp_path, {"steps": 3})
+    record.log_eval({"step": 1}, {"accuracy": 0.5})
+    record.log_eval({"step": 2}, {"accuracy": 0.6})  # the same metric again is fine
+    with pytest.raises(ValueError, match="steps"):
+        record.log_eval({"step": 3}, {"steps": 1.0})
+    assert _read(tmp_path)["accuracy"] == 0.6
+
+
+def test_peak_memory_on_cpu():
+    bytes_, kind = peak_memory(torch.device("cpu"))
+    assert kind == "cpu_peak_rss" and bytes_ > 10 * 2**20
+
+
+def test_wandb_logger_mirrors_evaluations_offline(compose_config, tmp_path, monkeypatch):
+    """The wandb sink with a stand-in module (wandb is an optional extra): offline mode, one log per eval."""
+    calls = {"log": [], "summary": {}}
+
+    class FakeRun:
+        summary = calls["summary"]
+
+        def log(self, values, step):
+            calls["log"].append((step, values))
+
+        def finish(self, exit_code):
+            calls["exit_code"] = exit_code
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    run_training(compose_config([*TINY_RUN, "eval_every=1", "logger=wandb"]), tmp_path)
+    assert calls["init"]["mode"] == "offline" and calls["init"]["project"] == "dpexp"
+    assert [step for step, _ in calls["log"]] == [1, 2, 3]
+    assert "accuracy" in calls["log"][-1][1] and calls["summary"]["status"] == "completed"
+    assert calls["exit_code"] == 0
