@@ -55,6 +55,11 @@ class WandbSchema:
 
 
 @dataclass
+class DataSchema:
+    root: str | None = MISSING
+
+
+@dataclass
 class OutputSchema:
     root: str = MISSING
 
@@ -82,6 +87,7 @@ class Schema:
     log_every: int = MISSING
     logger: Logger = MISSING
     wandb: WandbSchema = field(default_factory=WandbSchema)
+    data: DataSchema = field(default_factory=DataSchema)
     output: OutputSchema = field(default_factory=OutputSchema)
 
 

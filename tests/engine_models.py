@@ -1,4 +1,4 @@
-"""Small models (float64) and per-example losses on which every clipping path is checked against the oracle."""
+"""Small float64 models and per-example losses on which every clipping path is checked against the oracle."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class WRNBlockNet(nn.Module):
 
 
 class SequenceNet(nn.Module):
-    """Embedding (with padding_idx) -> Conv1d -> LayerNorm -> Linear, with the embedding tied to the output."""
+    """Embedding (with padding_idx) -> Conv1d -> LayerNorm -> Linear, the embedding tied to the output."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,24 +91,51 @@ def _padded_text(batch_size: int, length: int, vocab: int, generator: torch.Gene
 def gpt2(lora: bool = False) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    config = GPT2Config(
+        vocab_size=40,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+    )
     model = GPT2LMHeadModel(config)
     assert model.lm_head.weight is model.transformer.wte.weight
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
-                                                 fan_in_fan_out=True, init_lora_weights=False))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                target_modules=["c_attn"],
+                lora_dropout=0.0,
+                fan_in_fan_out=True,
+                init_lora_weights=False,
+            ),
+        )
     return model.double().eval()
 
 
 def roberta() -> nn.Module:
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
-    config = RobertaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=24, max_position_embeddings=24, hidden_dropout_prob=0.0,
-                           attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=1)
+    config = RobertaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=24,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+        pad_token_id=1,
+    )
     return RobertaForSequenceClassification(config).double().eval()
 
 
@@ -116,9 +143,18 @@ def bert() -> nn.Module:
     """BERT architecture (as all-MiniLM-L6-v2): position ids of batch size 1 broadcast over the batch."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=24, max_position_embeddings=24, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, num_labels=2, pad_token_id=1)
+    config = BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=24,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2,
+        pad_token_id=1,
+    )
     return BertForSequenceClassification(config).double().eval()
 
 
@@ -138,8 +174,9 @@ def vit() -> nn.Module:
     """timm's VisionTransformer: cls_token/pos_embed owned by the model itself (fallback), timm LayerNorm."""
     from timm.models.vision_transformer import VisionTransformer
 
-    model = VisionTransformer(img_size=8, patch_size=4, in_chans=3, num_classes=3, embed_dim=8, depth=1,
-                              num_heads=2, mlp_ratio=2.0)
+    model = VisionTransformer(
+        img_size=8, patch_size=4, in_chans=3, num_classes=3, embed_dim=8, depth=1, num_heads=2, mlp_ratio=2.0
+    )
     return model.double().eval()
 
 
@@ -148,20 +185,28 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     if name == "mlp":
-        batch = {"x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
-                 "y": torch.randint(0, 3, (batch_size,), generator=gen)}
+        batch = {
+            "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
+            "y": torch.randint(0, 3, (batch_size,), generator=gen),
+        }
         return MLP().double(), classification_loss, batch
     if name == "fallback":
-        batch = {"x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
-                 "y": torch.randint(0, 3, (batch_size,), generator=gen)}
+        batch = {
+            "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
+            "y": torch.randint(0, 3, (batch_size,), generator=gen),
+        }
         return ScaledInput().double(), classification_loss, batch
     if name == "vit":
-        batch = {"x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
-                 "y": torch.randint(0, 3, (batch_size,), generator=gen)}
+        batch = {
+            "x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
+            "y": torch.randint(0, 3, (batch_size,), generator=gen),
+        }
         return vit(), classification_loss, batch
     if name == "wrn_block":
-        batch = {"x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
-                 "y": torch.randint(0, 4, (batch_size,), generator=gen)}
+        batch = {
+            "x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
+            "y": torch.randint(0, 4, (batch_size,), generator=gen),
+        }
         return WRNBlockNet().double(), classification_loss, batch
     if name == "sequence":
         ids = torch.randint(1, 11, (batch_size, 7), generator=gen)

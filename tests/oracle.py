@@ -24,14 +24,21 @@ def per_example_grads(model: nn.Module, loss_fn: LossFn, batch: Batch) -> list[d
     for i in range(size):
         loss = loss_fn(model, slice_batch(batch, slice(i, i + 1))).sum()
         grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
-        out.append({n: (torch.zeros_like(p) if g is None else g) for (n, p), g in zip(named.items(), grads)})
+        out.append(
+            {
+                n: (torch.zeros_like(p) if g is None else g)
+                for (n, p), g in zip(named.items(), grads, strict=True)
+            }
+        )
     return out
 
 
 def group_norms(grads: list[dict[str, torch.Tensor]], groups: list[list[str]]) -> torch.Tensor:
     """||g_{i,k}|| for every example i and group k, shape (B, K)."""
-    return torch.tensor([[sum(float(g[n].pow(2).sum()) for n in group) ** 0.5 for group in groups] for g in grads],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [[sum(float(g[n].pow(2).sum()) for n in group) ** 0.5 for group in groups] for g in grads],
+        dtype=torch.float64,
+    )
 
 
 def clipped_mean(
@@ -49,15 +56,21 @@ def clipped_mean(
 
 
 def engine_update(
-    model: nn.Module, loss_fn: LossFn, batch: Batch, micro_batches: list[list[int]], batch_size: int, **engine_kwargs
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Batch,
+    micro_batches: list[list[int]],
+    batch_size: int,
+    **engine_kwargs,
 ) -> tuple[dict[str, torch.Tensor], object]:
     """Parameter change of one SGD(lr=1) step under the engine with noise 0 (so it is minus the update)."""
     from dpexp.privacy import PrivacyEngine
 
     model = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = PrivacyEngine(model, batch_size=batch_size, sample_size=10 * batch_size, noise_multiplier=0.0,
-                           **engine_kwargs)
+    engine = PrivacyEngine(
+        model, batch_size=batch_size, sample_size=10 * batch_size, noise_multiplier=0.0, **engine_kwargs
+    )
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
     for index in micro_batches:
         engine.backward(loss_fn(model, slice_batch(batch, index)))

@@ -25,9 +25,15 @@ class TwoHeads(nn.Module):
 def test_thresholds_converge_to_target_quantile(quantile):
     torch.manual_seed(0)
     model = TwoHeads()
-    engine = PrivacyEngine(model, batch_size=256, sample_size=10_000, max_grad_norm=1.0, noise_multiplier=1.0,
-                           clipping="per_layer",
-                           adaptive={"target_quantile": quantile, "quantile_lr": 0.3, "budget_fraction": 0.05})
+    engine = PrivacyEngine(
+        model,
+        batch_size=256,
+        sample_size=10_000,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        clipping="per_layer",
+        adaptive={"target_quantile": quantile, "quantile_lr": 0.3, "budget_fraction": 0.05},
+    )
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
     for _ in range(300):
         x, y = torch.randn(256, 16), torch.randn(256, 8)
@@ -43,8 +49,15 @@ def test_thresholds_converge_to_target_quantile(quantile):
 def test_rescaling_keeps_global_norm():
     torch.manual_seed(0)
     model = TwoHeads()
-    engine = PrivacyEngine(model, batch_size=64, sample_size=1000, max_grad_norm=2.0, noise_multiplier=1.0,
-                           clipping="per_layer", adaptive={"target_quantile": 0.5, "rescale_to_global": True})
+    engine = PrivacyEngine(
+        model,
+        batch_size=64,
+        sample_size=1000,
+        max_grad_norm=2.0,
+        noise_multiplier=1.0,
+        clipping="per_layer",
+        adaptive={"target_quantile": 0.5, "rescale_to_global": True},
+    )
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
     for _ in range(5):
         engine.backward(model(torch.randn(64, 16), torch.randn(64, 8)))
@@ -55,8 +68,15 @@ def test_rescaling_keeps_global_norm():
 
 def test_budget_split_follows_proposition_3_1():
     sigma, r = 1.3, 0.01
-    engine = PrivacyEngine(TwoHeads(), batch_size=64, sample_size=1000, max_grad_norm=1.0, noise_multiplier=sigma,
-                           clipping="per_layer", adaptive={"budget_fraction": r})
+    engine = PrivacyEngine(
+        TwoHeads(),
+        batch_size=64,
+        sample_size=1000,
+        max_grad_norm=1.0,
+        noise_multiplier=sigma,
+        clipping="per_layer",
+        adaptive={"budget_fraction": r},
+    )
     k = 2
     s_new, s_b = engine.gradient_noise_multiplier, engine.count_noise_multiplier
     assert s_new == pytest.approx((sigma**-2 - k / (2 * s_b) ** 2) ** -0.5)

@@ -10,7 +10,7 @@ from dpexp.privacy import PrivacyEngine
 
 
 def _engine(model, **kwargs):
-    defaults = dict(batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0)
+    defaults = {"batch_size": 4, "sample_size": 40, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
     return PrivacyEngine(model, **{**defaults, **kwargs})
 
 
@@ -36,7 +36,7 @@ def test_fallback_module_with_non_tensor_output_is_refused_at_the_first_forward(
     with pytest.warns(UserWarning, match="torch.func fallback"):
         _engine(model)
     x = torch.randn(2, 3, 4)
-    with pytest.raises(TypeError, match="MultiheadAttention.*returned tuple"):
+    with pytest.raises(TypeError, match=r"MultiheadAttention.*returned tuple"):
         model[1](x, x, x)
 
 
@@ -46,7 +46,7 @@ def test_fallback_refuses_dropout():
             super().__init__()
             self.drop = nn.Dropout(0.1)
 
-    with pytest.raises(ValueError, match="deterministic forward.*dropout"):
+    with pytest.raises(ValueError, match=r"deterministic forward.*dropout"):
         _engine(Dropping())
 
 

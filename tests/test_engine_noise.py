@@ -26,9 +26,17 @@ def _noise_only_grads(allocation: str, thresholds, sigma=2.0, batch_size=8, micr
     """Gradients with the clipped sums made zero (loss * 0), so p.grad is pure noise / B."""
     torch.manual_seed(0)
     model = ThreeLayers()
-    engine = PrivacyEngine(model, batch_size=batch_size, sample_size=100, max_grad_norm=1.0,
-                           noise_multiplier=sigma, clipping="per_layer", thresholds=thresholds,
-                           noise_allocation=allocation, generator=torch.Generator().manual_seed(1))
+    engine = PrivacyEngine(
+        model,
+        batch_size=batch_size,
+        sample_size=100,
+        max_grad_norm=1.0,
+        noise_multiplier=sigma,
+        clipping="per_layer",
+        thresholds=thresholds,
+        noise_allocation=allocation,
+        generator=torch.Generator().manual_seed(1),
+    )
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
     samples = {name: [] for name in ("a.weight", "b.weight", "c.weight")}
     for _ in range(steps):
@@ -45,7 +53,9 @@ def _noise_only_grads(allocation: str, thresholds, sigma=2.0, batch_size=8, micr
 def _expected_stds(allocation, thresholds, dims, sigma, batch_size):
     c = torch.tensor(thresholds, dtype=torch.float64)
     d = torch.tensor(dims, dtype=torch.float64)
-    gamma = {"global": torch.ones(3, dtype=torch.float64), "equal_budget": c, "weighted": c / d.sqrt()}[allocation]
+    gamma = {"global": torch.ones(3, dtype=torch.float64), "equal_budget": c, "weighted": c / d.sqrt()}[
+        allocation
+    ]
     s = (c.pow(2) / gamma.pow(2)).sum().sqrt()
     return (sigma * s * gamma / batch_size).tolist()
 
@@ -55,7 +65,7 @@ def test_noise_std_per_group(allocation):
     thresholds = [0.5, 1.0, 2.0]
     samples, _ = _noise_only_grads(allocation, thresholds)
     want = _expected_stds(allocation, thresholds, [2000, 1000, 200], 2.0, 8)
-    for (name, values), std in zip(samples.items(), want):
+    for (name, values), std in zip(samples.items(), want, strict=True):
         # over >= 4000 draws the sample std is within ~3.5% at 3 sigma
         assert abs(values.mean()) < 4 * std / math.sqrt(values.numel())
         assert values.std().item() == pytest.approx(std, rel=0.05), name
@@ -109,6 +119,8 @@ def test_empty_poisson_batch_still_gets_noise():
 
 def test_zero_noise_reports_infinite_epsilon():
     with pytest.warns(UserWarning, match="epsilon = inf"):
-        engine = PrivacyEngine(ThreeLayers(), batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=0.0)
+        engine = PrivacyEngine(
+            ThreeLayers(), batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=0.0
+        )
     engine.steps = 5
     assert engine.get_epsilon(1e-5) == math.inf

@@ -17,8 +17,15 @@ CLIPPINGS = [("flat", None), ("per_layer", None), ("groups", 2)]
 
 @pytest.mark.filterwarnings("ignore:.*torch.func fallback")
 def _groups_of(model, clipping, groups):
-    engine = PrivacyEngine(copy.deepcopy(model), batch_size=2, sample_size=10, max_grad_norm=1.0,
-                           noise_multiplier=0.0, clipping=clipping, groups=groups)
+    engine = PrivacyEngine(
+        copy.deepcopy(model),
+        batch_size=2,
+        sample_size=10,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        clipping=clipping,
+        groups=groups,
+    )
     return engine.groups
 
 
@@ -38,8 +45,18 @@ def test_update_matches_oracle(case, backend, clipping, groups):
 
     expected = clipped_mean(grads, partition, thresholds, batch_size=size)
     micro = [[0, 1, 2], [3, 4, 5]] if size == 6 else [list(range(size))]
-    delta, _ = engine_update(model, loss_fn, batch, micro, batch_size=size, clipping=clipping, groups=groups,
-                             backend=backend, thresholds=thresholds, max_grad_norm=1.0)
+    delta, _ = engine_update(
+        model,
+        loss_fn,
+        batch,
+        micro,
+        batch_size=size,
+        clipping=clipping,
+        groups=groups,
+        backend=backend,
+        thresholds=thresholds,
+        max_grad_norm=1.0,
+    )
     for name, want in expected.items():
         got = delta[name]
         err = (got - want).norm() / want.norm().clamp_min(1e-12)
@@ -59,8 +76,17 @@ def test_forced_norm_modes_match_oracle(case, norm_mode):
     partition = _groups_of(model, "per_layer", None)
     thresholds = group_norms(grads, partition).median(0).values.tolist()
     expected = clipped_mean(grads, partition, thresholds, batch_size=4)
-    delta, _ = engine_update(model, loss_fn, batch, [[0, 1, 2, 3]], batch_size=4, clipping="per_layer",
-                             thresholds=thresholds, max_grad_norm=1.0, norm_mode=norm_mode)
+    delta, _ = engine_update(
+        model,
+        loss_fn,
+        batch,
+        [[0, 1, 2, 3]],
+        batch_size=4,
+        clipping="per_layer",
+        thresholds=thresholds,
+        max_grad_norm=1.0,
+        norm_mode=norm_mode,
+    )
     for name, want in expected.items():
         assert (delta[name] - want).norm() / want.norm().clamp_min(1e-12) < 1e-5, name
 
@@ -85,8 +111,9 @@ def test_float32_matches_oracle():
     partition = _groups_of(model, "flat", None)
     thresholds = group_norms(grads, partition).median(0).values.tolist()
     expected = clipped_mean(grads, partition, thresholds, batch_size=4)
-    delta, _ = engine_update(model, loss_fn, batch, [[0, 1], [2, 3]], batch_size=4, thresholds=thresholds,
-                             max_grad_norm=1.0)
+    delta, _ = engine_update(
+        model, loss_fn, batch, [[0, 1], [2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
+    )
     for name, want in expected.items():
         assert (delta[name] - want).norm() / want.norm().clamp_min(1e-12) < 1e-4, name
 
@@ -105,8 +132,9 @@ def test_bfloat16_autocast_is_close_to_the_float32_oracle():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return loss_fn(m, b).float()
 
-    delta, _ = engine_update(model, autocast_loss, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds,
-                             max_grad_norm=1.0)
+    delta, _ = engine_update(
+        model, autocast_loss, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
+    )
     flat_got = torch.cat([delta[n].flatten() for n in expected])
     flat_want = torch.cat([w.flatten() for w in expected.values()])
     assert (flat_got - flat_want).norm() / flat_want.norm() < 3e-2

@@ -169,7 +169,9 @@ class PrivacyEngine:
         )
         self.groups = partition(layout, clipping, groups)
         self._group_of = {name: k for k, group in enumerate(self.groups) for name in group}
-        self._group_dims = torch.tensor([sum(layout.numel[n] for n in g) for g in self.groups], dtype=torch.float64)
+        self._group_dims = torch.tensor(
+            [sum(layout.numel[n] for n in g) for g in self.groups], dtype=torch.float64
+        )
         self.thresholds = self._initial_thresholds(thresholds)
 
         self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, dict) else adaptive
@@ -195,7 +197,9 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def _discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[_Layer], dict[str, nn.Parameter]]:
+    def _discover_layers(
+        model: nn.Module, generic_fallback: bool
+    ) -> tuple[list[_Layer], dict[str, nn.Parameter]]:
         names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
         layers: list[_Layer] = []
         for mod_name, module in model.named_modules():
@@ -231,7 +235,9 @@ class PrivacyEngine:
         return layers, params
 
     def _initial_thresholds(self, thresholds: Sequence[float] | None) -> torch.Tensor:
-        values = default_thresholds(self.max_grad_norm, len(self.groups)) if thresholds is None else thresholds
+        values = (
+            default_thresholds(self.max_grad_norm, len(self.groups)) if thresholds is None else thresholds
+        )
         values = list(values)
         if len(values) != len(self.groups) or any(c <= 0 for c in values):
             raise ValueError(f"need {len(self.groups)} positive thresholds (one per group), got {values}")
@@ -249,7 +255,9 @@ class PrivacyEngine:
             if noise_multiplier < 0:
                 raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
             if noise_multiplier == 0:
-                warnings.warn("noise_multiplier=0: no privacy (epsilon = inf); use only for testing.", stacklevel=3)
+                warnings.warn(
+                    "noise_multiplier=0: no privacy (epsilon = inf); use only for testing.", stacklevel=3
+                )
             return float(noise_multiplier)
         if target_epsilon is None or target_delta is None or (epochs is None and steps is None):
             raise ValueError("give noise_multiplier, or target_epsilon and target_delta with epochs or steps")
@@ -397,7 +405,9 @@ class PrivacyEngine:
     def backward(self, per_example_loss: torch.Tensor) -> None:
         """Accumulate ``sum_i clip(g_i)`` for one (micro-)batch; ``per_example_loss`` has shape (b,)."""
         if not torch.is_tensor(per_example_loss) or per_example_loss.dim() != 1:
-            shape = tuple(per_example_loss.shape) if torch.is_tensor(per_example_loss) else type(per_example_loss)
+            shape = (
+                tuple(per_example_loss.shape) if torch.is_tensor(per_example_loss) else type(per_example_loss)
+            )
             raise ValueError(
                 f"engine.backward needs a 1-D tensor with one loss per example, got shape {shape}; "
                 "use reduction='none' (and sum token losses per example)."
@@ -437,7 +447,9 @@ class PrivacyEngine:
         missing = [n for n, p in self._params.items() if id(p) not in in_optimizer]
         if missing:
             raise ValueError(f"the optimizer does not update trainable parameters {missing[:5]}")
-        extra = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in handled and p.requires_grad]
+        extra = [
+            p for g in optimizer.param_groups for p in g["params"] if id(p) not in handled and p.requires_grad
+        ]
         if extra:
             raise ValueError(f"the optimizer updates {len(extra)} parameters the engine does not privatise")
         self._optimizer_handles = [
@@ -447,8 +459,10 @@ class PrivacyEngine:
         return optimizer
 
     def _privatize(self) -> None:
-        """``p.grad = (sum_i clip(g_i) + z) / B`` with ``z ~ N(0, std_k^2)`` per group: noise once per step."""
-        stds = noise_stds(self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation)
+        """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step."""
+        stds = noise_stds(
+            self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation
+        )
         for k, group in enumerate(self.groups):
             for name in group:
                 param = self._params[name]
@@ -481,7 +495,11 @@ class PrivacyEngine:
         if self.noise_multiplier == 0:
             return math.inf
         return accounting.get_epsilon(
-            self.noise_multiplier, self.sample_rate, self.steps, delta, accountant=accountant or self.accountant
+            self.noise_multiplier,
+            self.sample_rate,
+            self.steps,
+            delta,
+            accountant=accountant or self.accountant,
         )
 
     def detach(self) -> nn.Module:
@@ -492,4 +510,3 @@ class PrivacyEngine:
         for p in self._params.values():
             p.requires_grad_(True)
         return self.model
-

@@ -39,7 +39,9 @@ def partition(
         return _per_module(layout)
     if clipping == "groups":
         if groups is None:
-            raise ValueError("clipping='groups' needs `groups`: a list of lists of parameter names, or an int K.")
+            raise ValueError(
+                "clipping='groups' needs `groups`: a list of lists of parameter names, or an int K."
+            )
         if isinstance(groups, int):
             return _contiguous(layout, groups)
         return _validated(layout, groups)
@@ -90,13 +92,19 @@ def _validated(layout: ParameterLayout, groups: Sequence[Sequence[str]]) -> list
     for k, group in enumerate(groups):
         for name in group:
             if name not in known:
-                raise ValueError(f"group {k} names {name!r}, which is not a trainable parameter of the model.")
+                raise ValueError(
+                    f"group {k} names {name!r}, which is not a trainable parameter of the model."
+                )
             if name in where:
-                raise ValueError(f"parameter {name!r} is in groups {where[name]} and {k}; groups must not overlap.")
+                raise ValueError(
+                    f"parameter {name!r} is in groups {where[name]} and {k}; groups must not overlap."
+                )
             where[name] = k
     missing = [n for n in layout.names if n not in where]
     if missing:
-        raise ValueError(f"trainable parameters in no group: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        raise ValueError(
+            f"trainable parameters in no group: {missing[:5]}{'...' if len(missing) > 5 else ''}"
+        )
     out = [list(g) for g in groups]
     if any(not g for g in out):
         raise ValueError("every group must contain at least one parameter")

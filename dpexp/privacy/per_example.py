@@ -87,7 +87,7 @@ class Dense(PerExampleGrad):
 
 
 class Outer(PerExampleGrad):
-    """``g_i = sum_t left_{i,t} (x) right_{i,t}`` reshaped to ``shape`` (a (L, R) matrix, flattened in C order).
+    """``g_i = sum_t left_{i,t} (x) right_{i,t}``, an (L, R) matrix reshaped (C order) to ``shape``.
 
     ``left`` is either dense, shape (B, T, L), or an index tensor of shape (B, T) standing for one-hot rows of
     width L (the gradient of an embedding table). ``right`` is dense, shape (B, T, R).
@@ -144,9 +144,11 @@ def _left_gram(a: Outer, b: Outer, dtype: torch.dtype) -> torch.Tensor:
     if a.is_index and b.is_index:
         return (a.left[:, :, None] == b.left[:, None, :]).to(dtype)
     if a.is_index:  # <e_{idx_t}, l'_s> = l'_s[idx_t]
-        return torch.gather(_accurate(b.left), 2, a.left[:, None, :].expand(-1, b.left.shape[1], -1)).transpose(
-            1, 2
-        ).to(dtype)
+        return (
+            torch.gather(_accurate(b.left), 2, a.left[:, None, :].expand(-1, b.left.shape[1], -1))
+            .transpose(1, 2)
+            .to(dtype)
+        )
     if b.is_index:
         return _left_gram(b, a, dtype).transpose(1, 2)
     return torch.bmm(_accurate(a.left), _accurate(b.left).transpose(1, 2)).to(dtype)

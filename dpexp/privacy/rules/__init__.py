@@ -7,7 +7,8 @@ terms of shared parameters and clipped sums are then the same code for every lay
 
 Lookup is by exact type: a subclass that changes ``forward`` (such as a weight-standardised convolution)
 must never silently inherit its parent's rule. Users register rules for their own layers with
-:func:`register_rule`.
+:func:`register_rule`. Third-party layer types (transformers' ``Conv1D``, timm's ``LayerNorm``) are
+registered by their qualified name, so that importing dpexp does not import those libraries.
 """
 
 from __future__ import annotations
@@ -33,17 +34,23 @@ class LayerRule:
     expand_broadcast_input: bool = False  # inputs of batch size 1 are expanded to the batch (position ids)
 
 
-_RULES: dict[type[nn.Module], LayerRule] = {}
+_RULES: dict[str, LayerRule] = {}
+
+
+def _qualified_name(module_type: type) -> str:
+    return f"{module_type.__module__}.{module_type.__qualname__}"
 
 
 def register_rule(
-    *module_types: type[nn.Module], check: CheckFn | None = None, expand_broadcast_input: bool = False
+    *module_types: type[nn.Module] | str, check: CheckFn | None = None, expand_broadcast_input: bool = False
 ) -> Callable[[GradFn], GradFn]:
-    """Decorator registering ``fn`` as the per-example gradient rule of ``module_types``."""
+    """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
+    qualified class names such as ``"transformers.pytorch_utils.Conv1D"``)."""
 
     def decorate(fn: GradFn) -> GradFn:
         for module_type in module_types:
-            _RULES[module_type] = LayerRule(fn, check, expand_broadcast_input)
+            key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
+            _RULES[key] = LayerRule(fn, check, expand_broadcast_input)
         return fn
 
     return decorate
@@ -51,11 +58,11 @@ def register_rule(
 
 def rule_for(module: nn.Module) -> LayerRule | None:
     """The rule registered for exactly ``type(module)``, or None."""
-    return _RULES.get(type(module))
+    return _RULES.get(_qualified_name(type(module)))
 
 
 def supported_types() -> list[str]:
-    return sorted(t.__name__ for t in _RULES)
+    return sorted(name.rsplit(".", 1)[-1] for name in _RULES)
 
 
 def as_sequence(x: torch.Tensor) -> torch.Tensor:

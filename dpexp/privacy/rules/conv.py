@@ -16,7 +16,9 @@ from dpexp.privacy.rules import register_rule
 
 def check_conv(module: nn.Conv1d | nn.Conv2d) -> None:
     if module.groups != 1:
-        raise ValueError(f"{module!r}: grouped convolutions (groups={module.groups}) have no privacy rule yet.")
+        raise ValueError(
+            f"{module!r}: grouped convolutions (groups={module.groups}) have no privacy rule yet."
+        )
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         raise ValueError(
             f"{module!r}: only numeric zero padding is supported; give padding as numbers "

@@ -22,7 +22,11 @@ from dpexp.privacy.per_example import Dense, PerExampleGrad
 def check_deterministic(name: str, module: nn.Module) -> None:
     """The recomputed forward must be the one that ran: refuse active dropout inside ``module``."""
     for sub_name, sub in module.named_modules():
-        p = getattr(sub, "p", None) if isinstance(sub, nn.modules.dropout._DropoutNd) else getattr(sub, "drop_prob", None)
+        p = (
+            getattr(sub, "p", None)
+            if isinstance(sub, nn.modules.dropout._DropoutNd)
+            else getattr(sub, "drop_prob", None)
+        )
         if sub.training and isinstance(p, float) and p > 0:
             raise ValueError(
                 f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and its exact "
@@ -45,7 +49,7 @@ def functional_per_example_grads(
     params = {attr: getattr(module, attr).detach() for attr in attrs}
 
     def inner_product(p: dict[str, torch.Tensor], a: tuple, kw: dict[str, Any], dy_i: torch.Tensor):
-        a = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(a, arg_dims))
+        a = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(a, arg_dims, strict=True))
         kw = {k: (v.unsqueeze(0) if kwarg_dims[k] == 0 else v) for k, v in kw.items()}
         out = functional_call(module, p, a, kw)
         return (out * dy_i.unsqueeze(0).to(out.dtype)).sum()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
 from dpexp.privacy.rules import as_sequence, register_rule
@@ -23,8 +22,10 @@ def linear_grads(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> dict[s
     return grads
 
 
-@register_rule(Conv1D)
-def conv1d_transposed_grads(module: Conv1D, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """GPT-2's ``Conv1D``: ``y = x W + b`` with W of shape (p, d), so ``dW_i = sum_t x_{i,t} (x) dy_{i,t}``."""
+@register_rule("transformers.pytorch_utils.Conv1D")
+def conv1d_transposed_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """GPT-2's ``Conv1D``: ``y = x W + b``, W of shape (p, d), so ``dW_i = sum_t x_{i,t} (x) dy_{i,t}``."""
     a, g = as_sequence(x), as_sequence(dy)
     return {"weight": Outer(a, g, module.weight.shape, a.shape[-1]), "bias": Dense(g.sum(1))}

@@ -27,16 +27,8 @@ def _affine_grads(module: nn.Module, x_hat: torch.Tensor, dy: torch.Tensor, redu
     return grads
 
 
-def _same_math_subclasses() -> tuple[type[nn.Module], ...]:
-    """LayerNorm subclasses whose forward is ``F.layer_norm`` (timm's, with an optional fused kernel)."""
-    try:
-        from timm.layers.norm import LayerNorm as TimmLayerNorm
-    except ImportError:
-        return ()
-    return (TimmLayerNorm,)
-
-
-@register_rule(nn.LayerNorm, *_same_math_subclasses())
+# timm's LayerNorm subclass computes the same F.layer_norm (optionally with a fused kernel).
+@register_rule(nn.LayerNorm, "timm.layers.norm.LayerNorm")
 def layer_norm_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)
     reduce = tuple(range(1, x.dim() - len(module.normalized_shape)))
