@@ -89,7 +89,7 @@ class _StepState:
     """Everything held between a forward pass and the end of its backward pass(es)."""
 
     batch_size: int | None = None
-    uses: list[_Use] = field(default_factory=list)
+    num_uses: int = 0
     pending: dict[int, int] = field(default_factory=dict)  # group -> uses not yet delivered
     arrived: dict[str, list[PerExampleGrad]] = field(default_factory=dict)  # parameter -> this pass
     norm_sq: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -303,7 +303,7 @@ class PrivacyEngine:
             )
         use = _Use(layer, args, kwargs, [t._version for t in (*args, *kwargs.values()) if torch.is_tensor(t)])
         state = self._state
-        state.uses.append(use)
+        state.num_uses += 1
         for k in {self._group_of[p] for p in layer.params.values()}:
             state.pending[k] = state.pending.get(k, 0) + 1
         if not output.requires_grad:
@@ -333,6 +333,8 @@ class PrivacyEngine:
                 "clipped per example. Expand them to the batch size before this layer."
             )
         grads = self._per_example_grads(use, dy)
+        if state.phase != "norm":
+            use.args, use.kwargs = (), {}  # last pass over this use: free its activation with the layer
         if state.phase == "sum":
             for attr, grad in grads.items():
                 name = layer.params.get(attr)
@@ -413,7 +415,7 @@ class PrivacyEngine:
                 "use reduction='none' (and sum token losses per example)."
             )
         state = self._state
-        if not state.uses:
+        if not state.num_uses:
             raise RuntimeError("no forward pass with gradients enabled was recorded before engine.backward")
         if state.batch_size != per_example_loss.shape[0]:
             state.batch_size = per_example_loss.shape[0]
