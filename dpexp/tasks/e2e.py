@@ -1,0 +1,80 @@
+"""E2E NLG (Novikova et al. 2017): restaurant meaning representations to text, as in Li et al. (2022).
+
+Each training example is one (MR, reference) row; an MR has several references, one per row. The MR
+``name[The Mill], eatType[pub], priceRange[moderate]`` is linearised as in Li & Liang (2021), whose data Li
+et al. use (their Table 11 shows it): ``name : The Mill | Type : pub | price : moderate``. Metrics: BLEU
+and ROUGE-L against all references of the MR (Li et al. 2022, Table 2; He et al. 2023, Table 5), plus the
+test-set per-token NLL.
+
+Local files (``data_root/e2e/``): the original release's ``trainset.csv``, ``devset.csv`` and
+``testset_w_refs.csv`` (CSV with header ``mr,ref``). Offline copies hold only the dev and test files: then,
+unless ``train_split`` is set, the dev set stands in as the training set and the test set is evaluated.
+Hub: ``tuetschek/e2e_nlg`` (columns ``meaning_representation``, ``human_reference``).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from dpexp.tasks.generation import GenerationTask
+
+_ATTRIBUTE = re.compile(r"\s*([^,\[\]]+?)\s*\[([^\]]*)\]\s*(?:,|$)")
+_FIELD_NAMES = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
+
+
+def linearize_mr(mr: str) -> str:
+    """``name[X], eatType[pub]`` -> ``name : X | Type : pub`` (Li & Liang 2021 field names)."""
+    position, fields = 0, []
+    while position < len(mr):
+        match = _ATTRIBUTE.match(mr, position)
+        if match is None:
+            raise ValueError(
+                f"cannot parse E2E meaning representation {mr!r} at character {position}; "
+                "expected comma-separated attribute[value] items"
+            )
+        key, value = match.group(1), match.group(2).strip()
+        fields.append(f"{_FIELD_NAMES.get(key, key)} : {value}")
+        position = match.end()
+    if not fields:
+        raise ValueError(f"empty E2E meaning representation {mr!r}")
+    return " | ".join(fields)
+
+
+class E2ETask(GenerationTask):
+    """E2E table-to-text; training pairs are (linearised MR, reference) rows."""
+
+    name = "e2e"
+    local_files: ClassVar[dict[str, str]] = {
+        "train": "trainset.csv",
+        "dev": "devset.csv",
+        "test": "testset_w_refs.csv",
+    }
+    offline_splits: ClassVar[tuple[str, str] | None] = ("dev", "test")
+
+    def __init__(self, *, hub_name: str = "tuetschek/e2e_nlg", **kwargs: Any) -> None:
+        super().__init__(hub_name=hub_name, **kwargs)
+
+    def read_local(self, path: Path) -> list[tuple[str, str]]:
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            if reader.fieldnames is None or not {"mr", "ref"} <= set(reader.fieldnames):
+                raise ValueError(
+                    f"{path}: expected a CSV header with columns 'mr' and 'ref' (the E2E release "
+                    f"format), got {reader.fieldnames}"
+                )
+            return [(linearize_mr(row["mr"]), row["ref"].strip()) for row in reader]
+
+    def hub_pairs(self, rows: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
+        pairs = []
+        for row in rows:
+            if "meaning_representation" not in row or "human_reference" not in row:
+                raise ValueError(
+                    f"hub data set {self.hub_name} rows need fields 'meaning_representation' and "
+                    f"'human_reference', got {sorted(row)}"
+                )
+            pairs.append((linearize_mr(row["meaning_representation"]), row["human_reference"].strip()))
+        return pairs

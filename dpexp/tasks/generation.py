@@ -1,0 +1,436 @@
+"""Shared base for conditional generation with a decoder-only LM (table-to-text, summarisation).
+
+Every training example is one (source, target) pair, fed to the model as
+``source + separator + " " + target + eos`` (the format of the code released with Li et al. 2022, after
+Li & Liang 2021; the separator is GPT-2's ``<|endoftext|>`` token for E2E/DART and the text "TL;DR" for
+SAMSum, He et al. 2023, app. C.2). The loss is the
+next-token cross-entropy on the target tokens and the final eos only; per example it is the SUM over those
+tokens (not the mean), the per-example loss whose gradient Li et al. clip. Source, separator and padding
+positions carry label ``IGNORE`` (-100); padding is on the right and masked by ``attention_mask``.
+
+Evaluation on the held-out split (``evaluate``):
+
+- ``nll``: test-set per-token negative log-likelihood (He et al. 2023, Fig. 7), total target-token loss
+  divided by the number of target tokens, over every (input, reference) pair of the evaluated inputs;
+- beam-search generations for every distinct input (``dpexp.metrics.generation``), scored against all its
+  references (``dpexp.metrics.text``; that module's docstring says how the numbers differ from the official
+  E2E and GEM scripts).
+
+``eval_max_inputs`` caps the number of distinct inputs evaluated (evenly spaced through the split, so the
+subset is deterministic and not just the first tables of a sorted file) to keep offline runs fast.
+
+Data come from the Hugging Face hub by default and from the original release files when ``data_root`` (the
+folder holding ``<task name>/``) or ``data_dir`` (the task's own folder) is set. Subclasses say how to read
+one split and how to score; the split names are ``train``, ``dev``, ``test`` and, for offline runs that only
+have a dev set, ``dev_train`` / ``dev_eval``: a deterministic partition of the dev inputs by a hash of the
+linearised source (``dev_eval_fraction`` of them in ``dev_eval``), so no input appears in both parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+from abc import abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from dpexp.metrics.generation import beam_search
+from dpexp.metrics.text import corpus_bleu, rouge
+from dpexp.tasks.base import ModelFactory, Task, TaskInfo
+
+logger = logging.getLogger(__name__)
+
+IGNORE = -100  # label of positions without loss (source, separator, padding)
+DEV_PARTS = ("dev_train", "dev_eval")
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """One input (linearised table or prompt) with all its human references."""
+
+    source: str
+    references: tuple[str, ...]
+
+
+def group_pairs(pairs: Iterable[tuple[str, str]]) -> list[SourceGroup]:
+    """Group (source, reference) pairs by identical source, in order of first appearance."""
+    grouped: dict[str, list[str]] = {}
+    for source, reference in pairs:
+        grouped.setdefault(source, []).append(reference)
+    return [SourceGroup(source, tuple(refs)) for source, refs in grouped.items()]
+
+
+def in_dev_eval_part(source: str, fraction: float) -> bool:
+    """Deterministic membership of an input in the ``dev_eval`` part (md5 of the source, 1e-4 resolution)."""
+    bucket = int(hashlib.md5(source.encode("utf-8")).hexdigest(), 16) % 10_000
+    return bucket < round(fraction * 10_000)
+
+
+def target_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy per position, zero where the label is ``IGNORE``.
+
+    ``logits`` (B, T, V) predict position t+1 from position t; ``labels`` (B, T). Returns (B, T-1), float32.
+    """
+    shifted_logits = logits[:, :-1].float()
+    shifted_labels = labels[:, 1:]
+    losses = F.cross_entropy(
+        shifted_logits.reshape(-1, shifted_logits.shape[-1]),
+        shifted_labels.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="none",
+    )
+    return losses.view(shifted_labels.shape)
+
+
+class TokenizedExamples(Dataset):
+    """Tokenised training pairs: ``input_ids`` (source + separator + target + eos) and the prompt length."""
+
+    def __init__(self, input_ids: list[list[int]], prompt_lengths: list[int]) -> None:
+        self.input_ids = input_ids
+        self.prompt_lengths = prompt_lengths
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"input_ids": self.input_ids[index], "prompt_length": self.prompt_lengths[index]}
+
+
+class GenerationTask(Task):
+    """A (source -> target) text generation task for causal LMs; subclasses read the data and score."""
+
+    name = "generation"
+    local_files: ClassVar[dict[str, str]] = {}  # split -> file name inside the task's data folder
+    hub_splits: ClassVar[dict[str, str]] = {"train": "train", "dev": "validation", "test": "test"}
+    offline_splits: ClassVar[tuple[str, str] | None] = None  # (train, eval) if no local train file
+
+    def __init__(
+        self,
+        *,
+        hub_name: str,
+        hub_revision: str | None = None,
+        data_root: str | None = None,
+        data_dir: str | None = None,
+        train_split: str | None = None,
+        eval_split: str | None = None,
+        dev_eval_fraction: float = 0.2,
+        max_length: int | None = None,
+        on_overflow: Literal["truncate", "error"] = "truncate",
+        eval_max_inputs: int | None = None,
+        num_beams: int = 5,
+        max_new_tokens: int = 100,
+        max_eval_batch_size: int = 32,
+        lora: dict[str, Any] | None = None,
+    ) -> None:
+        if on_overflow not in ("truncate", "error"):
+            raise ValueError(f"on_overflow must be 'truncate' or 'error', got {on_overflow!r}")
+        if not 0.0 < dev_eval_fraction < 1.0:
+            raise ValueError(f"dev_eval_fraction must be in (0, 1), got {dev_eval_fraction}")
+        if eval_max_inputs is not None and eval_max_inputs < 1:
+            raise ValueError(f"eval_max_inputs must be a positive integer or null, got {eval_max_inputs}")
+        self.hub_name = hub_name
+        self.hub_revision = hub_revision
+        self.data_dir = Path(data_dir) if data_dir else (Path(data_root) / self.name if data_root else None)
+        self.train_split = train_split
+        self.eval_split = eval_split
+        self.dev_eval_fraction = dev_eval_fraction
+        self.max_length = max_length
+        self.on_overflow = on_overflow
+        self.eval_max_inputs = eval_max_inputs
+        self.num_beams = num_beams
+        self.max_new_tokens = max_new_tokens
+        self.max_eval_batch_size = max_eval_batch_size
+        self.lora = dict(lora) if lora else None
+        self._info: TaskInfo | None = None
+        self._tok: Any = None
+        self._train: TokenizedExamples | None = None
+
+    # ----- what subclasses provide -----------------------------------------------------------------------
+
+    @abstractmethod
+    def read_local(self, path: Path) -> list[tuple[str, str]]:
+        """(source, target) pairs of one original release file; raise ValueError naming a bad field."""
+
+    @abstractmethod
+    def hub_pairs(self, rows: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
+        """(source, target) pairs from the rows of the hub data set; raise ValueError naming a bad field."""
+
+    def score(self, hypotheses: list[str], references: list[tuple[str, ...]]) -> dict[str, float]:
+        """Task metrics of the generations against the grouped references: BLEU and ROUGE-L by default."""
+        return {"bleu": corpus_bleu(hypotheses, references), **rouge(hypotheses, references, ("rougeL",))}
+
+    def separator_ids(self, tokenizer: Any) -> list[int]:
+        """Token ids between source and target; default the tokenizer's bos (``<|endoftext|>`` for GPT-2)."""
+        if tokenizer.bos_token_id is None:
+            raise ValueError(
+                f"task {self.name} separates source and target by the tokenizer's bos token, "
+                f"but {type(tokenizer).__name__} defines none"
+            )
+        return [tokenizer.bos_token_id]
+
+    # ----- loading ---------------------------------------------------------------------------------------
+
+    def _split_file(self, split: str) -> Path:
+        assert self.data_dir is not None
+        base = "dev" if split in DEV_PARTS else split
+        if base not in self.local_files:
+            raise ValueError(
+                f"task {self.name} has no split {split!r}; valid: {sorted([*self.local_files, *DEV_PARTS])}"
+            )
+        return self.data_dir / self.local_files[base]
+
+    def _resolve_splits(self) -> tuple[str, str]:
+        train, evaluation = self.train_split, self.eval_split
+        if train is None and self.data_dir is not None and not self._split_file("train").exists():
+            if self.offline_splits is None:
+                raise FileNotFoundError(
+                    f"{self._split_file('train')} not found: task {self.name} needs its original training "
+                    f"file there (from data_root={self.data_dir.parent} or task.data_dir), or set "
+                    "data.root=null to load it from the Hugging Face hub"
+                )
+            train, fallback_eval = self.offline_splits
+            evaluation = evaluation or fallback_eval
+            logger.warning(
+                "%s: %s has no training file; training on split %r and evaluating on %r (offline setup). "
+                "Set task.train_split / task.eval_split to choose explicitly.",
+                self.name,
+                self.data_dir,
+                train,
+                evaluation,
+            )
+        train, evaluation = train or "train", evaluation or "test"
+        dev_and_part = "dev" in (train, evaluation) and bool({train, evaluation} & set(DEV_PARTS))
+        if train == evaluation or dev_and_part:
+            raise ValueError(
+                f"train_split={train!r} and eval_split={evaluation!r} overlap: the model would be evaluated "
+                "on its training data; use e.g. dev_train with dev_eval, or train with test"
+            )
+        return train, evaluation
+
+    def _load_pairs(self, split: str) -> list[tuple[str, str]]:
+        if self.data_dir is not None:
+            path = self._split_file(split)
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"{path} not found: task {self.name} reads split {split!r} from the original release "
+                    f"file {path.name}; put it there, choose another split (task.train_split / eval_split), "
+                    "or set data.root=null to load from the Hugging Face hub"
+                )
+            pairs = self.read_local(path)
+        else:
+            pairs = self._load_hub_pairs("dev" if split in DEV_PARTS else split)
+        if split in DEV_PARTS:
+            keep_eval = split == "dev_eval"
+            pairs = [p for p in pairs if in_dev_eval_part(p[0], self.dev_eval_fraction) == keep_eval]
+        if not pairs:
+            raise ValueError(f"split {split!r} of task {self.name} is empty")
+        return pairs
+
+    def _load_hub_pairs(self, split: str) -> list[tuple[str, str]]:
+        if split not in self.hub_splits:
+            raise ValueError(
+                f"task {self.name} has no split {split!r}; valid: {sorted([*self.hub_splits, *DEV_PARTS])}"
+            )
+        import datasets  # heavy import, only on the hub path
+
+        rows = datasets.load_dataset(self.hub_name, revision=self.hub_revision, split=self.hub_splits[split])
+        return self.hub_pairs(rows)
+
+    # ----- tokenisation ----------------------------------------------------------------------------------
+
+    def _tokenizer(self, factory: ModelFactory, corpus: list[str]) -> Any:
+        accepts_corpus = "corpus" in inspect.signature(factory.tokenizer).parameters
+        tokenizer = factory.tokenizer(corpus=corpus) if accepts_corpus else factory.tokenizer()
+        if tokenizer is None:
+            raise ValueError(
+                f"task {self.name} generates text and needs a language model with a tokenizer "
+                f"(e.g. model=gpt2_tiny or model=gpt2), but {type(factory).__name__} provides none"
+            )
+        if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+            raise ValueError(
+                f"the tokenizer of {type(factory).__name__} needs eos and pad tokens for "
+                f"task {self.name}; got eos={tokenizer.eos_token}, pad={tokenizer.pad_token}"
+            )
+        return tokenizer
+
+    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._tok(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+
+    def _fit(self, what: str, sources: list[list[int]], targets: list[list[int]], limit: int) -> None:
+        """Shorten in place so that ``len(source) + len(sep) + len(target) <= limit`` (source first)."""
+        sep = len(self._sep)
+        lengths = [len(s) + sep + len(t) for s, t in zip(sources, targets, strict=True)]
+        too_long = [i for i, length in enumerate(lengths) if length > limit]
+        if not too_long:
+            return
+        longest = max(lengths)
+        message = (
+            f"{self.name}: {len(too_long)} {what} sequences exceed {limit} tokens (longest {longest}; "
+            f"max_length={self._max_len}, model limit {self._tok.model_max_length})"
+        )
+        if self.on_overflow == "error":
+            raise ValueError(f"{message}; set task.on_overflow=truncate or a larger task.max_length")
+        logger.warning("%s; truncating the source first, then the target", message)
+        for i in too_long:
+            overflow = len(sources[i]) + sep + len(targets[i]) - limit
+            cut = min(overflow, len(sources[i]))
+            sources[i] = sources[i][: len(sources[i]) - cut]
+            if overflow > cut:
+                targets[i] = targets[i][: len(targets[i]) - (overflow - cut)]
+
+    def _tokenize_pairs(self, what: str, pairs: list[tuple[str, str]]) -> TokenizedExamples:
+        sources = self._encode([source for source, _ in pairs])
+        targets = [[*ids, self._tok.eos_token_id] for ids in self._encode([" " + t for _, t in pairs])]
+        self._fit(what, sources, targets, self._max_len)
+        return TokenizedExamples(
+            [s + self._sep + t for s, t in zip(sources, targets, strict=True)],
+            [len(s) + len(self._sep) for s in sources],
+        )
+
+    def _select_eval_groups(self, groups: list[SourceGroup]) -> list[SourceGroup]:
+        if self.eval_max_inputs is None or self.eval_max_inputs >= len(groups):
+            return groups
+        k, n = self.eval_max_inputs, len(groups)
+        return [groups[(i * n) // k] for i in range(k)]  # evenly spaced, deterministic
+
+    # ----- Task interface --------------------------------------------------------------------------------
+
+    def setup(self, factory: ModelFactory) -> None:
+        train_split, eval_split = self._resolve_splits()
+        train_pairs = self._load_pairs(train_split)
+        eval_groups = self._select_eval_groups(group_pairs(self._load_pairs(eval_split)))
+        self._tok = self._tokenizer(factory, [text for pair in train_pairs for text in pair])
+        self._sep = self.separator_ids(self._tok)
+        model_limit = int(self._tok.model_max_length)
+        if self.max_length is not None and self.max_length > model_limit:
+            raise ValueError(
+                f"task.max_length={self.max_length} exceeds the model's limit of {model_limit} "
+                "positions; lower it or pick a model with more positions"
+            )
+        self._max_len = self.max_length or model_limit
+        if self.max_new_tokens + len(self._sep) >= self._max_len:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} leaves no room for the source within "
+                f"{self._max_len} positions; lower task.max_new_tokens"
+            )
+        self._train = self._tokenize_pairs(f"{train_split} (training)", train_pairs)
+        eval_pairs = [(g.source, ref) for g in eval_groups for ref in g.references]
+        self._eval_pairs = self._tokenize_pairs(f"{eval_split} (nll)", eval_pairs)
+        prompts = self._encode([g.source for g in eval_groups])
+        prompt_limit = self._max_len - self.max_new_tokens
+        self._fit(f"{eval_split} (prompt)", prompts, [[] for _ in prompts], prompt_limit)
+        self._eval_prompts = [p + self._sep for p in prompts]
+        self._eval_references = [g.references for g in eval_groups]
+        longest = max(
+            max(map(len, self._train.input_ids)),
+            max(map(len, self._eval_pairs.input_ids)),
+            max(map(len, self._eval_prompts)) + self.max_new_tokens,
+        )
+        self._info = TaskInfo(
+            kind="generation",
+            vocab_size=len(self._tok),
+            pad_token_id=self._tok.pad_token_id,
+            max_length=longest,
+            extra={"eos_token_id": self._tok.eos_token_id, "lora": self.lora},
+        )
+        logger.info(
+            "%s: %d training pairs (%s), %d evaluation inputs with %d references (%s)",
+            self.name,
+            len(self._train),
+            train_split,
+            len(eval_groups),
+            len(eval_pairs),
+            eval_split,
+        )
+
+    def _require_setup(self) -> None:
+        if self._info is None:
+            raise RuntimeError(f"call setup(factory) on task {self.name} first")
+
+    @property
+    def info(self) -> TaskInfo:
+        self._require_setup()
+        return self._info
+
+    @property
+    def train_dataset(self) -> TokenizedExamples:
+        self._require_setup()
+        return self._train
+
+    @property
+    def tokenizer(self) -> Any:
+        self._require_setup()
+        return self._tok
+
+    def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Right-pad to the longest example: ``input_ids``, ``attention_mask``, ``labels``, each (B, T)."""
+        self._require_setup()
+        width = max(len(e["input_ids"]) for e in examples)
+        input_ids = torch.full((len(examples), width), self._tok.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+        labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+        for row, example in enumerate(examples):
+            ids = torch.tensor(example["input_ids"], dtype=torch.long)
+            input_ids[row, : len(ids)] = ids
+            attention_mask[row, : len(ids)] = 1
+            labels[row, example["prompt_length"] : len(ids)] = ids[example["prompt_length"] :]
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def per_example_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sum of the target tokens' cross-entropy per example, shape (B,) (Li et al. 2022).
+
+        No ``position_ids`` are passed: the model derives them (broadcast over the batch), which the privacy
+        engine handles.
+        """
+        output = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        logits = output.logits
+        return target_token_losses(logits, batch["labels"]).sum(dim=1)
+
+    @torch.no_grad()
+    def _nll(self, model: nn.Module, batch_size: int) -> float:
+        device = next(model.parameters()).device
+        total, count = 0.0, 0
+        n = len(self._eval_pairs)
+        for start in range(0, n, batch_size):
+            batch = self.collate([self._eval_pairs[i] for i in range(start, min(start + batch_size, n))])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            total += float(self.per_example_loss(model, batch).sum())
+            count += int((batch["labels"][:, 1:] != IGNORE).sum())
+        return total / count
+
+    def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
+        """Test-set per-token NLL, then beam-search generations scored by :meth:`score`.
+
+        Batches hold ``min(batch_size, max_eval_batch_size)`` inputs: a GPT-2 forward over 512 sequences
+        would materialise (512, T, 50257) logits.
+        """
+        self._require_setup()
+        batch_size = min(batch_size, self.max_eval_batch_size)
+        was_training = model.training
+        model.eval()
+        try:
+            nll = self._nll(model, batch_size)
+        finally:
+            model.train(was_training)
+        generated = beam_search(
+            model,
+            self._eval_prompts,
+            pad_token_id=self._tok.pad_token_id,
+            eos_token_id=self._tok.eos_token_id,
+            num_beams=self.num_beams,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=batch_size,
+        )
+        hypotheses = [self._tok.decode(ids, skip_special_tokens=True).strip() for ids in generated]
+        for hypothesis, refs in list(zip(hypotheses, self._eval_references, strict=True))[:2]:
+            logger.info("%s sample: %r (reference: %r)", self.name, hypothesis, refs[0])
+        metrics = self.score(hypotheses, list(self._eval_references))
+        return {**metrics, "nll": nll, "eval_inputs": float(len(hypotheses))}
