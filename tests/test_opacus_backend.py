@@ -123,3 +123,57 @@ def test_errors():
     backend = OpacusBackend(model, opt, **common)
     with pytest.raises(ValueError, match="per-example loss"):
         backend.backward(torch.zeros(()))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(("mode", "clipping"), [("hooks", "flat"), ("hooks", "per_layer")])
+def test_gpt2_with_broadcast_position_ids_matches_oracle(mode, clipping):
+    """GPT-2's position ids have batch size 1: without expansion Opacus would clip a batch-summed gradient."""
+    from tests.engine_models import lm_loss, make_case
+
+    model, _, batch = make_case("gpt2", batch_size=6)
+    model.train()  # Opacus requires training mode; the test config has no dropout
+    grads = per_example_grads(model, lm_loss, batch)
+    names = list(grads[0])
+    groups = [names] if clipping == "flat" else [[n] for n in names]
+    max_grad_norm = float(group_norms(grads, [names])[:, 0].median())
+    thresholds = [max_grad_norm / math.sqrt(len(groups))] * len(groups)
+    expected = clipped_mean(grads, groups, thresholds, 6)
+
+    model = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    backend = OpacusBackend(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        batch_size=6,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=0.0,
+        grad_sample_mode=mode,
+        clipping=clipping,
+    )
+    for index in ([0, 1, 2], [3, 4, 5]):
+        backend.backward(lm_loss(backend.model, slice_batch(batch, index)))
+    backend.step()
+    backend.close()
+    for name in names:
+        torch.testing.assert_close(
+            before[name] - model.get_parameter(name).detach(), expected[name], rtol=1e-5, atol=1e-8
+        )
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_opacus_ghost_refuses_gpt2_tied_embeddings():
+    """Opacus' own limitation, surfaced as an error (dpexp's engine handles the tie exactly)."""
+    from tests.engine_models import lm_loss, make_case
+
+    model, _, batch = make_case("gpt2", batch_size=4)
+    backend = OpacusBackend(
+        model.train(),
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        batch_size=4,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        grad_sample_mode="ghost",
+    )
+    with pytest.raises(NotImplementedError, match="Parameter tying"):
+        backend.backward(lm_loss(backend.model, batch))

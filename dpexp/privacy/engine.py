@@ -38,6 +38,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpexp.privacy import accounting
 from dpexp.privacy.adaptive import AdaptiveConfig, update_thresholds
+from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
 from dpexp.privacy.noise import Allocation, noise_stds
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
@@ -268,27 +269,14 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._record_batch_size, with_kwargs=True))
+        expanded = [
+            ly.module for ly in self._layers if ly.rule is not None and ly.rule.expand_broadcast_input
+        ]
+        self._handles.append(BroadcastExpander(self.model, expanded, active=lambda: not self._recomputing))
         for layer in self._layers:
-            if layer.rule is not None and layer.rule.expand_broadcast_input:
-                self._handles.append(layer.module.register_forward_pre_hook(self._expand_broadcast))
             self._handles.append(
                 layer.module.register_forward_hook(partial(self._on_forward, layer), with_kwargs=True)
             )
-
-    def _record_batch_size(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() > 0), None)
-        if first is not None and torch.is_grad_enabled() and not self._recomputing:
-            self._state.batch_size = first.shape[0]
-
-    def _expand_broadcast(self, module: nn.Module, args: tuple) -> tuple | None:
-        """Inputs with batch size 1 in a batch of B (position ids) are expanded so that each example's
-        output gradient stays separate instead of being summed over the batch by broadcasting."""
-        b = self._state.batch_size
-        x = args[0]
-        if not self._recomputing and b is not None and b > 1 and x.dim() > 0 and x.shape[0] == 1:
-            return (x.expand(b, *x.shape[1:]), *args[1:])
-        return None
 
     def _on_forward(
         self, layer: _Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor

@@ -26,6 +26,7 @@ from opacus.validators import ModuleValidator
 from torch import nn
 
 from dpexp.backends import TrainingBackend, check_per_example_loss
+from dpexp.privacy.broadcast import BroadcastExpander
 
 GRAD_SAMPLE_MODES = ("hooks", "ghost")
 # Opacus' full backward hooks warn when the model input needs no gradient (e.g. images); harmless here.
@@ -66,6 +67,9 @@ class OpacusBackend(TrainingBackend):
             )
         model.train()
         ModuleValidator.validate(model, strict=True)
+        # position ids of batch size 1 would give Opacus batch-summed gradients (dpexp.privacy.broadcast)
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        self._expander = BroadcastExpander(model, embeddings)
         self.ghost = grad_sample_mode == "ghost"
         common = {
             "noise_multiplier": noise_multiplier,
@@ -126,4 +130,5 @@ class OpacusBackend(TrainingBackend):
         self._pending = False
 
     def close(self) -> None:
+        self._expander.remove()
         self.model.to_standard_module()
