@@ -12,7 +12,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tables.py"
 
 def _record(clip: str, accuracy: float, epsilon: float | None) -> dict:
     return {
-        "status": "completed", "task": "digits", "model": "small_cnn", "clip": clip, "target_epsilon": epsilon,
+        "status": "completed", "task": "digits", "model": "small_cnn", "clip": clip,
+        "target_epsilon": epsilon,
         "epsilon": {"rdp": epsilon, "prv": epsilon, "gdp": epsilon} if epsilon else None, "delta": 1e-5,
         "noise_multiplier": 1.2 if epsilon else 0.0, "batch_size": 64, "steps": 10, "accuracy": accuracy,
         "metric_names": ["accuracy", "loss"], "throughput_examples_per_s": 100.0, "peak_memory_bytes": 2**30,
