@@ -118,7 +118,7 @@ class PrivacyEngine:
         generic_fallback: give modules without a rule exact per-example gradients through ``torch.func``
             (``dpexp.privacy.rules.functional``; costs a second forward/backward of that module) instead
             of refusing them.
-        generator: random generator for the noise (default: torch's global one).
+        generator: random generator for the noise, on the parameters' device (default: torch's global one).
     """
 
     def __init__(
@@ -385,7 +385,7 @@ class PrivacyEngine:
         if name in self._summed:
             self._summed[name].add_(value)
         else:
-            self._summed[name] = value.clone()
+            self._summed[name] = value  # a fresh tensor from weighted_sum: owned from here on
 
     # ------------------------------------------------------------------ public API
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
@@ -454,14 +454,18 @@ class PrivacyEngine:
             self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation
         )
         for k, group in enumerate(self.groups):
+            std = float(stds[k])
             for name in group:
                 param = self._params[name]
-                summed = self._summed.get(name)
-                grad = torch.zeros_like(param) if summed is None else summed
-                if stds[k] > 0:
-                    noise = torch.randn(param.shape, generator=self.generator, dtype=param.dtype)
-                    grad = grad + float(stds[k]) * noise.to(param.device)
-                param.grad = grad / self.batch_size
+                grad = self._summed.pop(name, None)
+                if grad is None:
+                    grad = torch.zeros_like(param)
+                if std > 0:
+                    noise = torch.randn(
+                        param.shape, generator=self.generator, device=param.device, dtype=param.dtype
+                    )
+                    grad.add_(noise, alpha=std)
+                param.grad = grad.div_(self.batch_size)
 
     def _end_step(self) -> None:
         if self.adaptive is not None:

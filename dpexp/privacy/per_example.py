@@ -111,13 +111,17 @@ class Outer(PerExampleGrad):
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         r = self.right.shape[-1]
-        right = self.right * coef.to(self.right.dtype)[:, None, None]
         if self.is_index:
+            right = self.right * coef.to(self.right.dtype)[:, None, None]
             out = right.new_zeros(self.left_size, r).index_add_(0, self.left.flatten(), right.reshape(-1, r))
+            return out.view(self.shape)
+        left, right = _same_precision(self.left, self.right)
+        scale = coef.to(left.dtype)[:, None, None]
+        if left.shape[-1] < r:  # scale the narrower factor
+            left = left * scale
         else:
-            left, right = _same_precision(self.left, right)
-            out = left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, r)
-        return out.view(self.shape)
+            right = right * scale
+        return (left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, r)).view(self.shape)
 
     def ghost_is_cheaper(self) -> bool:
         t = self.right.shape[1]
