@@ -121,10 +121,8 @@ def gpt2(lora: bool = False) -> nn.Module:
     return model.double().eval()
 
 
-def roberta() -> nn.Module:
-    from transformers import RobertaConfig, RobertaForSequenceClassification
-
-    config = RobertaConfig(
+def _encoder(config_cls, model_cls, num_labels: int) -> nn.Module:
+    config = config_cls(
         vocab_size=40,
         hidden_size=16,
         num_hidden_layers=2,
@@ -133,29 +131,23 @@ def roberta() -> nn.Module:
         max_position_embeddings=24,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        num_labels=3,
+        num_labels=num_labels,
         pad_token_id=1,
     )
-    return RobertaForSequenceClassification(config).double().eval()
+    return model_cls(config).double().eval()
+
+
+def roberta() -> nn.Module:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    return _encoder(RobertaConfig, RobertaForSequenceClassification, num_labels=3)
 
 
 def bert() -> nn.Module:
     """BERT architecture (as all-MiniLM-L6-v2): position ids of batch size 1 broadcast over the batch."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=24,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=2,
-        pad_token_id=1,
-    )
-    return BertForSequenceClassification(config).double().eval()
+    return _encoder(BertConfig, BertForSequenceClassification, num_labels=2)
 
 
 class ScaledInput(nn.Module):

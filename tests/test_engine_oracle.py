@@ -103,14 +103,19 @@ def test_expected_batch_size_divides_the_sum():
         torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
-def test_float32_matches_oracle():
+def _float32_gpt2_oracle():
+    """A float32 GPT-2 case, the median thresholds of its flat norms, and the oracle update."""
     model, loss_fn, batch = make_case("gpt2", batch_size=4)
     model = model.float()
     grads = per_example_grads(model, loss_fn, batch)
     partition = _groups_of(model, "flat", None)
     thresholds = group_norms(grads, partition).median(0).values.tolist()
-    expected = clipped_mean(grads, partition, thresholds, batch_size=4)
+    return model, loss_fn, batch, thresholds, clipped_mean(grads, partition, thresholds, batch_size=4)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_float32_matches_oracle():
+    model, loss_fn, batch, thresholds, expected = _float32_gpt2_oracle()
     delta, _ = engine_update(
         model, loss_fn, batch, [[0, 1], [2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
     )
@@ -121,12 +126,7 @@ def test_float32_matches_oracle():
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 def test_bfloat16_autocast_is_close_to_the_float32_oracle():
     """Under autocast the factors are bf16; norms are accumulated in float32, so clipping stays accurate."""
-    model, loss_fn, batch = make_case("gpt2", batch_size=4)
-    model = model.float()
-    grads = per_example_grads(model, loss_fn, batch)
-    partition = _groups_of(model, "flat", None)
-    thresholds = group_norms(grads, partition).median(0).values.tolist()
-    expected = clipped_mean(grads, partition, thresholds, batch_size=4)
+    model, loss_fn, batch, thresholds, expected = _float32_gpt2_oracle()
 
     def autocast_loss(m, b):
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -1,0 +1,218 @@
+"""The efficiency benchmark (dpexp.bench): the smoke suite end to end, its JSON schema, the report, and the
+pieces the measurements rely on (alternation, adjacent baselines, isolation, batch search, error records)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from torch import nn
+
+from dpexp import bench
+from dpexp.bench_models import GPT2LM, MLP
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+REPORT = Path(__file__).resolve().parents[1] / "scripts" / "bench_report.py"
+
+
+def _report_module():
+    spec = importlib.util.spec_from_file_location("bench_report", REPORT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_report"] = module  # dataclasses look their module up while the script is executed
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_suite_writes_schema_and_report(tmp_path: Path) -> None:
+    output = tmp_path / "smoke.json"
+    bench.run_suite(_compose("bench_suite=smoke", "isolation=inprocess", f"output={output}"))
+
+    payload = json.loads(output.read_text())
+    assert payload["schema_version"] == bench.SCHEMA_VERSION and payload["complete"]
+    assert payload["suite"] == "smoke" and payload["kind"] == "models"
+    machine = payload["machine"]
+    assert machine["cpu"] and machine["versions"]["torch"] and machine["versions"]["opacus"]
+    assert [r["method"] for r in payload["runs"]] == ["nonprivate", "bk", "nonprivate"]
+    records = {r["method"]: r for r in payload["records"]}
+    assert set(records) == {"nonprivate", "bk"}
+    for record in records.values():
+        assert record["status"] == "ok", record
+        assert (record["model"], record["family"]) == ("gpt2_tiny", "gpt2")
+        assert (record["batch_size"], record["seq_len"]) == (4, 8)
+        step = record["step_s"]
+        assert 0 < step["min"] <= step["median"] <= step["max"] and step["n"] == 2 * len(record["runs"])
+        assert record["examples_per_s"] == pytest.approx(4 / step["median"])
+        assert set(record["ratios"]) == {"throughput", "peak_mem", "step_mem"}
+    assert records["nonprivate"]["ratios"]["throughput"] == pytest.approx(1.0)
+    assert records["bk"]["baseline_runs"] == [0, 2]
+    assert records["bk"]["ratios"]["throughput"] > 0
+
+    readme = _report_module().report(tmp_path)
+    text = readme.read_text()
+    assert "## Suite `smoke`" in text and "| gpt2_tiny | 8 | 4 | bk |" in text
+    assert (tmp_path / "smoke_ratios.png").stat().st_size > 0
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("bench", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "suite", sorted(p.stem for p in (CONF / "bench_suite").glob("*.yaml") if p.stem != "common")
+)
+def test_every_suite_composes_and_plans(suite: str) -> None:
+    cfg = _compose(f"bench_suite={suite}")
+    runs = bench.plan(cfg, "cpu")
+    assert runs and all(r["method"] in cfg.methods for r in runs)
+    for model_name, entry in cfg.bench_suite.models.items():
+        bench_model = instantiate(entry.spec)
+        assert bench_model.family in {"gpt2", "roberta", "wrn", "vit", "mlp"}
+        assert bench_model.sequence == bool(entry.get("seq_lens")), model_name
+    assert {r["clip"]["name"] for r in runs} <= set(cfg.methods)
+
+
+def test_max_batch_search_reports_ratios_to_the_baseline() -> None:
+    cfg = _compose("bench_suite=smoke", "bench_suite.max_batch.cap=4")
+    entries = list(bench.max_batches(cfg, bench.plan(cfg, "cpu")))
+    assert [(e["method"], e["status"], e["max_batch"], e["ratio"]) for e in entries] == [
+        ("nonprivate", "ok", 4, 1.0),
+        ("bk", "ok", 4, 1.0),
+    ]
+
+
+def test_isolated_run_measures_its_own_peak_memory() -> None:
+    spec = {
+        "model": {"_target_": "dpexp.bench_models.MLP", "in_features": 8, "hidden": [16], "num_classes": 3},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "clip": {"name": "bk", "backend": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
+        "batch_size": 4,
+        "seq_len": None,
+        "warmup": 1,
+        "steps": 2,
+        "device": "cpu",
+        "threads": 1,
+        "amp": None,
+        "noise_multiplier": 1.0,
+        "sample_size": 100,
+        "seed": 0,
+        "preload": [],
+    }
+    result = bench.run_isolated(spec, timeout_s=120)
+    assert result["status"] == "ok", result
+    assert result["mem_kind"] == "peak_rss" and result["threads"] == 1 and len(result["step_s"]) == 2
+    assert 0 < result["pre_step_mem_mb"] <= result["peak_mem_mb"]
+    assert result["n_params"] == 8 * 16 + 16 + 16 * 3 + 3
+
+
+class BatchNormMLP(MLP):
+    """An MLP with BatchNorm, which mixes the examples of a batch: the privacy engine must refuse it."""
+
+    def build(self) -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(self.in_features, 4), nn.BatchNorm1d(4), nn.Linear(4, self.num_classes)
+        )
+
+
+def test_refused_model_records_the_error_and_the_modules_without_rule() -> None:
+    spec = {
+        "model": {"_target_": f"{__name__}.BatchNormMLP", "in_features": 6, "hidden": [], "num_classes": 3},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "clip": {"name": "bk", "backend": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
+        "batch_size": 2,
+        "seq_len": None,
+        "warmup": 0,
+        "steps": 1,
+        "device": "cpu",
+        "amp": None,
+        "noise_multiplier": 1.0,
+        "sample_size": 100,
+        "seed": 0,
+    }
+    result = bench.run_config(spec)
+    assert result["status"] == "error" and result["stage"] == "build"
+    assert result["error"].startswith("ValueError:") and "BatchNorm1d" in result["error"]
+    assert "dpexp/privacy/engine.py" in result["where"]
+    assert result["unsupported_modules"] == {"torch.nn.modules.batchnorm.BatchNorm1d": ["bias", "weight"]}
+
+
+def test_interleave_puts_the_baseline_around_every_k_methods() -> None:
+    methods = ["nonprivate", "a", "b", "c"]
+    np_ = "nonprivate"
+    assert bench.interleave(methods, 1) == [np_, "a", np_, "b", np_, "c", np_]
+    assert bench.interleave(methods, 2) == [np_, "a", "b", np_, "c", np_]
+    assert bench.interleave(["a", "b"], 1) == ["a", "b"]
+
+
+def _run(method: str, seconds: float, peak: float = 100.0, batch: int = 8, status: str = "ok") -> dict:
+    run = {"model_name": "m", "family": "mlp", "method": method, "batch_size": batch, "seq_len": None}
+    if status != "ok":
+        return {**run, "status": "error", "error": "boom", "stage": "build"}
+    return {
+        **run,
+        "status": "ok",
+        "step_s": [seconds, seconds],
+        "peak_mem_mb": peak,
+        "pre_step_mem_mb": 50.0,
+        "mem_kind": "peak_rss",
+        "n_params": 10,
+    }
+
+
+def test_aggregate_uses_the_adjacent_baselines_of_each_method() -> None:
+    # The machine slows down over time: baselines take 1, 2, 4 s; each method is compared with its neighbours.
+    runs = [
+        _run("nonprivate", 1.0),
+        _run("a", 1.5, peak=150.0),
+        _run("nonprivate", 2.0),
+        _run("b", 6.0),
+        _run("nonprivate", 4.0),
+        _run("c", 1.0, status="error"),
+        _run("nonprivate", 1.0, batch=16),  # another group: never a neighbour of batch-8 runs
+    ]
+    records = {(r["method"], r["batch_size"]): r for r in bench.aggregate(runs)}
+    a, b = records[("a", 8)], records[("b", 8)]
+    assert a["baseline_runs"] == [0, 2] and b["baseline_runs"] == [2, 4]
+    assert a["ratios"]["throughput"] == pytest.approx(1.5 / 1.5)  # median of baseline steps (1, 1, 2, 2)
+    assert b["ratios"]["throughput"] == pytest.approx(3.0 / 6.0)
+    assert a["ratios"]["peak_mem"] == pytest.approx(1.5) and a["ratios"]["step_mem"] == pytest.approx(2.0)
+    base = records[("nonprivate", 8)]
+    assert base["runs"] == [0, 2, 4] and base["step_s"]["median"] == pytest.approx(2.0)
+    assert records[("c", 8)]["status"] == "error" and records[("c", 8)]["error"] == "boom"
+    assert records[("nonprivate", 16)]["ratios"]["throughput"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("limit", "start", "cap"), [(37, 8, 4096), (5, 8, 4096), (0, 4, 64), (200, 16, 64)])
+def test_find_max_batch_brackets_the_largest_fitting_batch(limit: int, start: int, cap: int) -> None:
+    probes = []
+
+    def fits(b: int) -> bool:
+        probes.append(b)
+        return b <= limit
+
+    assert bench.find_max_batch(fits, start, cap) == min(limit, cap)
+    assert len(probes) <= 2 * max(1, cap).bit_length() + 2
+
+
+def test_find_max_batch_stops_within_the_tolerance() -> None:
+    found = bench.find_max_batch(lambda b: b <= 1000, 16, 4096, tolerance=0.05)
+    assert 1000 * 0.95 <= found <= 1000
+
+
+def test_gpt2_loss_is_the_sum_of_next_token_cross_entropies() -> None:
+    bench_model = GPT2LM(n_layer=1, n_embd=16, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = bench_model.build().eval()
+    batch = bench_model.make_batch(3, 7, torch.Generator().manual_seed(0))
+    assert batch["position_ids"].shape == (3, 7)  # one row per example, as per-example gradients need
+    logits = model(batch["input_ids"]).logits
+    ids = batch["input_ids"]
+    expected = torch.stack([F.cross_entropy(logits[i, :-1], ids[i, 1:], reduction="sum") for i in range(3)])
+    torch.testing.assert_close(bench_model.per_example_loss(model, batch), expected)
