@@ -19,20 +19,21 @@ from __future__ import annotations
 
 import torch
 
-from dpexp.layers import WSConv2d, standardize_weight
+from dpexp.layers import WSConv2d
 from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad
 from dpexp.privacy.rules import register_rule
-from dpexp.privacy.rules.conv import check_conv, conv_weight_grads
+from dpexp.privacy.rules.conv import ConvWeightGrads, check_conv
 
 
 class Standardized(PerExampleGrad):
-    """``g_i = J^T g_hat_i`` with ``g_hat_i`` given as an :class:`Outer` over (C_out, p)."""
+    """``g_i = J^T g_hat_i`` with ``g_hat_i`` the plain convolution's per-example gradients."""
 
-    def __init__(self, inner: Outer, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, inner: ConvWeightGrads, weight: torch.Tensor, eps: float) -> None:
         self.inner, self.shape = inner, weight.shape
         flat = weight.detach().flatten(1)
-        self.w_hat = standardize_weight(flat, eps)  # (C_out, p)
-        self.s = torch.sqrt(flat.var(dim=1, unbiased=False) + eps)  # (C_out,)
+        var, mean = torch.var_mean(flat, dim=1, unbiased=False, keepdim=True)
+        self.s = torch.sqrt(var + eps)  # (C_out, 1)
+        self.w_hat = (flat - mean) / self.s  # (C_out, p), as dpexp.layers.standardize_weight
         self.p = flat.shape[1]
 
     @property
@@ -42,7 +43,7 @@ class Standardized(PerExampleGrad):
     def _vjp(self, u: torch.Tensor) -> torch.Tensor:
         """``J^T u`` for u of shape (..., C_out, p)."""
         proj = (u * self.w_hat).sum(-1, keepdim=True) / self.p
-        return (u - u.mean(-1, keepdim=True) - self.w_hat * proj) / self.s[:, None]
+        return (u - u.mean(-1, keepdim=True) - self.w_hat * proj) / self.s
 
     def instantiate(self) -> torch.Tensor:
         u = self.inner.instantiate().view(self.batch_size, *self.w_hat.shape)
@@ -52,22 +53,28 @@ class Standardized(PerExampleGrad):
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        if mode == "instantiate" or (mode == "auto" and not self.inner.ghost_is_cheaper()):
-            return super().norm_sq()
-        dtype = torch.promote_types(self.inner.left.dtype, torch.float32)
-        g, a = self.inner.left.to(dtype), self.inner.right.to(dtype)
-        w_hat, s = self.w_hat.to(g.dtype), self.s.to(g.dtype)
-        scaled = Outer(g / s, a, self.inner.shape, self.inner.left_size).norm_sq("ghost")
-        mean = torch.einsum("btr,bt->br", g, a.sum(-1)) / self.p
-        proj = torch.einsum("btr,btr->br", g, a @ w_hat.T)
+        """From three per-row statistics of ``u = g_hat_i``: ``||u_r||^2 / s_r^2`` (summed), ``sum(u_r)``
+        and ``<w_hat_r, u_r>``, by the ghost form or from the instantiated ``u`` (never forming ``J^T u``)."""
+        dtype = torch.promote_types(self.w_hat.dtype, torch.float32)
+        w_hat, s = self.w_hat.to(dtype), self.s.squeeze(1).to(dtype)
+        if mode == "ghost" or (mode == "auto" and self.inner.ghost_is_cheaper()):
+            outer = self.inner.outer()
+            g, a = outer.left.to(dtype), outer.right.to(dtype)
+            scaled = Outer(g / s, a, outer.shape, outer.left_size).norm_sq("ghost")
+            total = torch.einsum("btr,bt->br", g, a.sum(-1))
+            proj = torch.einsum("btr,btr->br", g, a @ w_hat.T)
+        else:
+            u = self.inner.instantiate().view(self.batch_size, *self.w_hat.shape).to(dtype)
+            scaled = (u.pow(2).sum(-1) / s.pow(2)).sum(-1)
+            total, proj = u.sum(-1), (u * w_hat).sum(-1)
         coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
-        return scaled + (-self.p * mean.pow(2) / s.pow(2) + proj.pow(2) * coeff).sum(-1)
+        return scaled + (-total.pow(2) / self.p / s.pow(2) + proj.pow(2) * coeff).sum(-1)
 
 
 @register_rule(WSConv2d, check=check_conv)
 def ws_conv_grads(module: WSConv2d, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     grads: dict[str, PerExampleGrad] = {
-        "weight": Standardized(conv_weight_grads(module, x, dy), module.weight, module.eps)
+        "weight": Standardized(ConvWeightGrads(module, x, dy), module.weight, module.eps)
     }
     if module.bias is not None:
         grads["bias"] = Dense(dy.flatten(2).sum(2))
