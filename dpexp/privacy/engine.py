@@ -335,6 +335,8 @@ class PrivacyEngine:
                 continue  # frozen parameter of a layer with trainable ones (e.g. a frozen bias)
             if self.backend == "instantiate":
                 grad = Dense(grad.instantiate())
+            elif self.backend == "bk" and state.pending[self._group_of[name]] == 1:
+                grad.retain()  # the group is clipped and summed right after this norm (fused per-layer)
             self._add_norm_contribution(name, grad)
         for k in {self._group_of[p] for p in layer.params.values()}:
             state.pending[k] -= 1

@@ -47,9 +47,16 @@ def _same_precision(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 class PerExampleGrad(ABC):
-    """Per-example gradients ``g_1..g_B`` of one parameter (of shape ``shape``) from one use of a layer."""
+    """Per-example gradients ``g_1..g_B`` of one parameter (of shape ``shape``) from one use of a layer.
+
+    When the clipped sum follows right away (fused per-layer clipping), :meth:`retain` keeps per-example
+    gradients that were instantiated for the norm, and the sum becomes ``tensordot(c, g)`` instead of a second
+    pass over the layer's activations.
+    """
 
     shape: torch.Size
+    _retain: bool = False
+    _kept: torch.Tensor | None = None
 
     @property
     @abstractmethod
@@ -60,12 +67,31 @@ class PerExampleGrad(ABC):
         """All per-example gradients, shape (B, *shape)."""
 
     @abstractmethod
+    def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+        """``sum_i coef_i g_i`` computed from the factors."""
+
+    def retain(self) -> None:
+        """Keep instantiated per-example gradients for :meth:`weighted_sum` (costs B x |param| memory)."""
+        self._retain = True
+
+    def per_example(self) -> torch.Tensor:
+        """:meth:`instantiate`, remembered after :meth:`retain`."""
+        if self._kept is not None:
+            return self._kept
+        grads = self.instantiate()
+        if self._retain:
+            self._kept = grads
+        return grads
+
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         """``sum_i coef_i g_i``, shape ``shape``; ``coef`` has shape (B,)."""
+        if self._kept is not None:
+            return torch.tensordot(coef.to(self._kept.dtype), self._kept, dims=1)
+        return self._weighted_sum(coef)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """``||g_i||^2`` for each example, shape (B,)."""
-        return _accurate(self.instantiate()).flatten(1).pow(2).sum(1)
+        return _accurate(self.per_example()).flatten(1).pow(2).sum(1)
 
     def dot(self, other: PerExampleGrad) -> torch.Tensor:
         """``<g_i, g'_i>`` for each example, shape (B,): the cross term of a parameter used twice."""
@@ -87,7 +113,7 @@ class Dense(PerExampleGrad):
     def instantiate(self) -> torch.Tensor:
         return self.grads
 
-    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+    def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return torch.tensordot(coef.to(self.grads.dtype), self.grads, dims=1)
 
 
@@ -114,7 +140,7 @@ class Outer(PerExampleGrad):
             return out.view(b, *self.shape)
         return torch.einsum("btl,btr->blr", self.left, self.right).reshape(b, *self.shape)
 
-    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+    def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         r = self.right.shape[-1]
         if self.is_index:
             right = self.right * coef.to(self.right.dtype)[:, None, None]

@@ -82,7 +82,7 @@ class ConvWeightGrads(PerExampleGrad):
         grads = _weight_grad(self.module, x, dy, b, (b * c_out, *self.shape[1:]))
         return grads.view(b, *self.shape)
 
-    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+    def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         scaled = self.dy * coef.to(self.dy.dtype).view(-1, *[1] * (self.dy.dim() - 1))
         return _weight_grad(self.module, self.x, scaled, 1, self.shape)
 

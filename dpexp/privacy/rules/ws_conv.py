@@ -46,10 +46,13 @@ class Standardized(PerExampleGrad):
         return (u - u.mean(-1, keepdim=True) - self.w_hat * proj) / self.s
 
     def instantiate(self) -> torch.Tensor:
-        u = self.inner.instantiate().view(self.batch_size, *self.w_hat.shape)
+        u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape)
         return self._vjp(u).view(self.batch_size, *self.shape)
 
-    def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+    def retain(self) -> None:
+        self.inner.retain()
+
+    def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
@@ -64,7 +67,7 @@ class Standardized(PerExampleGrad):
             total = torch.einsum("btr,bt->br", g, a.sum(-1))
             proj = torch.einsum("btr,btr->br", g, a @ w_hat.T)
         else:
-            u = self.inner.instantiate().view(self.batch_size, *self.w_hat.shape).to(dtype)
+            u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape).to(dtype)
             scaled = (u.pow(2).sum(-1) / s.pow(2)).sum(-1)
             total, proj = u.sum(-1), (u * w_hat).sum(-1)
         coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
