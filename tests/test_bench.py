@@ -57,7 +57,7 @@ def test_smoke_suite_writes_schema_and_report(tmp_path: Path) -> None:
     readme = _report_module().report(tmp_path)
     text = readme.read_text()
     assert "## Suite `smoke`" in text and "| gpt2_tiny | 8 | 4 | bk |" in text
-    assert (tmp_path / "smoke_ratios.png").stat().st_size > 0
+    assert (tmp_path / "smoke.png").stat().st_size > 0
 
 
 def _compose(*overrides: str):

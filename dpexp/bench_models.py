@@ -1,0 +1,221 @@
+"""Benchmark models on generated inputs: a network, a batch of the right shapes, and its per-example loss.
+
+Every builder is instantiated from ``conf/bench_suite/*.yaml`` (``_target_`` plus the architecture's keys) and
+offers the three things a timed training step needs (``dpexp.bench``). Inputs are random token ids or pixels,
+so nothing is downloaded and the cost of a step does not depend on data. Per-example losses follow the tasks:
+the sum of the token cross-entropies of a sequence for language modelling, cross-entropy with
+``reduction='none'`` for classification; the non-private baseline averages the same losses.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+
+
+class BenchModel(ABC):
+    """A randomly initialised network with generated inputs of the shapes of its task."""
+
+    family: str  # gpt2 | roberta | wrn | vit | mlp: the report's targets refer to these
+    sequence: bool = False  # whether the inputs have a sequence length T
+
+    @abstractmethod
+    def build(self) -> nn.Module:
+        """A fresh network in training mode."""
+
+    @abstractmethod
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        """Random inputs and targets for ``batch_size`` examples (on the CPU; the caller moves them)."""
+
+    @abstractmethod
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """One loss per example, shape (B,)."""
+
+
+def _classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+class GPT2LM(BenchModel):
+    """Hugging Face ``GPT2LMHeadModel`` (``lm_head`` tied to ``wte``) from a ``GPT2Config``, random weights.
+
+    The keyword arguments are ``GPT2Config`` fields; the defaults are GPT-2 small (124M, vocabulary 50257).
+    Loss of example i: ``sum_{t<T} CE(logits_{i,t}, x_{i,t+1})``.
+    """
+
+    family = "gpt2"
+    sequence = True
+
+    def __init__(self, **config: int | float | str) -> None:
+        self.config = dict(config)
+
+    def build(self) -> nn.Module:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(**self.config)).train()
+
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        vocab, length = self.config.get("vocab_size", 50257), _need(seq_len)
+        return {
+            "input_ids": torch.randint(0, vocab, (batch_size, length), generator=generator),
+            "position_ids": _positions(batch_size, length),
+        }
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        ids = batch["input_ids"]
+        logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
+        # Next-token targets with the last position ignored: no copy of the (B, T, V) logits is sliced off.
+        targets = F.pad(ids[:, 1:], (0, 1), value=-100)
+        tokens = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        return tokens.view(ids.shape).sum(1)
+
+
+class RobertaClassifier(BenchModel):
+    """Hugging Face ``RobertaForSequenceClassification`` from a ``RobertaConfig`` (defaults: roberta-base).
+
+    Token ids avoid the padding id (1) and the special ids below 3, so every position is a real token.
+    """
+
+    family = "roberta"
+    sequence = True
+
+    def __init__(self, num_labels: int = 2, **config: int | float | str) -> None:
+        self.num_labels = num_labels
+        self.config = dict(config)
+
+    def build(self) -> nn.Module:
+        from transformers import RobertaConfig, RobertaForSequenceClassification
+
+        config = RobertaConfig(num_labels=self.num_labels, **self.config)
+        return RobertaForSequenceClassification(config).train()
+
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        vocab = self.config.get("vocab_size", 50265)
+        return {
+            "input_ids": torch.randint(3, vocab, (batch_size, _need(seq_len)), generator=generator),
+            "labels": torch.randint(0, self.num_labels, (batch_size,), generator=generator),
+        }
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return _classification_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+
+
+class ImageClassifier(BenchModel):
+    """Shared part of the image models: (B, 3, H, W) pixels in [0, 1] and random labels."""
+
+    image_size: int
+    num_classes: int
+
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        size = (batch_size, 3, self.image_size, self.image_size)
+        return {
+            "images": torch.rand(size, generator=generator),
+            "labels": torch.randint(0, self.num_classes, (batch_size,), generator=generator),
+        }
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return _classification_loss(model(batch["images"]), batch["labels"])
+
+
+class WRN(ImageClassifier):
+    """WRN-depth-width of De et al. (2022) (``dpexp.models.wrn``: GroupNorm, weight-standardised convs)."""
+
+    family = "wrn"
+
+    def __init__(self, depth: int = 16, width: int = 4, num_classes: int = 10, image_size: int = 32) -> None:
+        self.depth, self.width, self.num_classes, self.image_size = depth, width, num_classes, image_size
+
+    def build(self) -> nn.Module:
+        from dpexp.models.wrn import WideResNet
+
+        return WideResNet(self.depth, self.width, self.num_classes).train()
+
+
+class TimmViT(ImageClassifier):
+    """A timm vision transformer with random weights (``pretrained=False``) at ``image_size`` pixels."""
+
+    family = "vit"
+
+    def __init__(
+        self, model_name: str = "vit_tiny_patch16_224", num_classes: int = 10, image_size: int = 224
+    ) -> None:
+        self.model_name, self.num_classes, self.image_size = model_name, num_classes, image_size
+
+    def build(self) -> nn.Module:
+        import timm
+
+        net = timm.create_model(
+            self.model_name, pretrained=False, num_classes=self.num_classes, img_size=self.image_size
+        )
+        return net.train()
+
+
+class MLP(BenchModel):
+    """``in_features -> hidden... -> num_classes`` with ReLU: one 'token' per example and layer (T = 1)."""
+
+    family = "mlp"
+
+    def __init__(
+        self, in_features: int = 3072, hidden: tuple[int, ...] = (1024, 1024), num_classes: int = 10
+    ) -> None:
+        self.in_features, self.hidden, self.num_classes = in_features, tuple(hidden), num_classes
+
+    def build(self) -> nn.Module:
+        widths = [self.in_features, *self.hidden]
+        layers: list[nn.Module] = []
+        for fan_in, fan_out in itertools.pairwise(widths):
+            layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(widths[-1], self.num_classes)).train()
+
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        return {
+            "x": torch.randn(batch_size, self.in_features, generator=generator),
+            "labels": torch.randint(0, self.num_classes, (batch_size,), generator=generator),
+        }
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return _classification_loss(model(batch["x"]), batch["labels"])
+
+
+def _positions(batch_size: int, seq_len: int) -> torch.Tensor:
+    """Position ids of shape (B, T), one row per example: left to the model, GPT-2 broadcasts a (1, T) row
+    over the batch, and Opacus' per-example gradient of the position embedding then fails."""
+    return torch.arange(seq_len).repeat(batch_size, 1)
+
+
+def _need(seq_len: int | None) -> int:
+    if seq_len is None:
+        raise ValueError("a sequence model needs a sequence length: give seq_lens in the suite's model entry")
+    return seq_len
+
+
+def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
+    """Module types owning trainable parameters that the privacy engine has no rule for.
+
+    Returns ``{type name: sorted parameter attribute names}`` (e.g. ``{"VisionTransformer": ["cls_token",
+    "pos_embed"]}``), so that a refused model is reported by every offending type, not only the first.
+    """
+    from dpexp.privacy.rules import rule_for
+
+    found: dict[str, set[str]] = {}
+    for module in model.modules():
+        own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if own and rule_for(module) is None:
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            found.setdefault(kind, set()).update(own)
+    return {kind: sorted(names) for kind, names in sorted(found.items())}
+
+
+def module_census(model: nn.Module) -> dict[str, int]:
+    """How many modules of each type own trainable parameters, e.g. ``{"Linear": 24, "LayerNorm": 9}``."""
+    counts = Counter(
+        type(m).__name__ for m in model.modules() if any(True for _ in m.parameters(recurse=False))
+    )
+    return dict(sorted(counts.items()))
