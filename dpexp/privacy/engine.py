@@ -187,7 +187,8 @@ class PrivacyEngine:
             self.gradient_noise_multiplier, self.count_noise_multiplier = self.noise_multiplier, 0.0
 
         self._summed: dict[str, torch.Tensor] = {}
-        self._unclipped = torch.zeros(len(self.groups), dtype=torch.float64)
+        device = next(iter(self._params.values())).device
+        self._unclipped = torch.zeros(len(self.groups), dtype=torch.float64, device=device)  # no host sync
         self._state = _StepState()
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles: list[Any] = []
@@ -372,7 +373,7 @@ class PrivacyEngine:
         norm = state.norm_sq.pop(k, zeros).clamp_min(0).sqrt()
         threshold = float(self.thresholds[k])
         coef = threshold / norm.clamp_min(threshold)  # = min(1, C_k / ||g_{i,k}||), exactly 1 for g = 0
-        self._unclipped[k] += float((norm <= threshold).sum())
+        self._unclipped[k] += (norm <= threshold).sum()
         for name in self.groups[k]:
             grads = state.arrived.pop(name, [])
             if self.backend == "ghost":
@@ -473,7 +474,7 @@ class PrivacyEngine:
         if self.adaptive is not None:
             self.thresholds = update_thresholds(
                 self.thresholds,
-                self._unclipped,
+                self._unclipped.cpu(),
                 self.batch_size,
                 self.adaptive,
                 self.count_noise_multiplier,
