@@ -16,7 +16,8 @@ gradient is ``g_i = sum_t left_{i,t} (x) right_{i,t}``. Its norm is computed eit
 instantiating ``g_i``; ``mode="auto"`` picks the cheaper one per layer, as BK-MixOpt does (Bu et al. section
 3.2). BK-MixOpt compares the two by space (ghost iff ``2 T^2 < L R``); we compare them by time, the
 quantity the benchmark measures: the ghost norm costs ``T^2 (L + R)`` multiply-adds per example, instantiation
-``T L R`` (:func:`ghost_is_cheaper`). The two rules agree on long sequences with wide layers (ghost) and on
+``T L R`` (:func:`ghost_is_cheaper`), and instantiation is only allowed while its memory stays within 4x of
+the ghost norm's. The two rules agree on long sequences with wide layers (ghost) and on
 large feature maps with few channels (instantiation); in between, e.g. a 16x16 map with 128 channels, the
 space rule picks the ghost norm at twice the cost of instantiation. Either way the memory stays O(B T^2)
 or O(B L R) for one layer at a time, and both forms are exact.
@@ -156,8 +157,9 @@ class Outer(PerExampleGrad):
 
     def ghost_is_cheaper(self) -> bool:
         t, r = self.right.shape[1], self.right.shape[-1]
-        if self.is_index:  # one-hot rows: the Gram is a comparison, instantiation a (L, R) table
-            return t * t * (1 + r) < t * r + self.left_size * r
+        if self.is_index:  # one-hot rows: the Gram is a comparison, instantiation a scatter into (L, R)
+            table = self.left_size * r
+            return t * t * (1 + r) < t * r + table or table > 8 * t * t
         return ghost_is_cheaper(t, self.left_size, r)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
@@ -177,8 +179,9 @@ class Outer(PerExampleGrad):
 
 
 def ghost_is_cheaper(t: int, left: int, right: int) -> bool:
-    """Ghost norm ``T^2 (L + R)`` vs instantiation ``T L R`` multiply-adds per example."""
-    return t * (left + right) < left * right
+    """Ghost norm ``T^2 (L + R)`` vs instantiation ``T L R`` multiply-adds per example; instantiation is also
+    ruled out when its ``L R`` values per example exceed 4x the ghost norm's ``2 T^2``."""
+    return t * (left + right) < left * right or left * right > 8 * t * t
 
 
 def _left_gram(a: Outer, b: Outer, dtype: torch.dtype) -> torch.Tensor:
