@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -211,11 +210,3 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             found.setdefault(kind, set()).update(own)
     return {kind: sorted(names) for kind, names in sorted(found.items())}
-
-
-def module_census(model: nn.Module) -> dict[str, int]:
-    """How many modules of each type own trainable parameters, e.g. ``{"Linear": 24, "LayerNorm": 9}``."""
-    counts = Counter(
-        type(m).__name__ for m in model.modules() if any(True for _ in m.parameters(recurse=False))
-    )
-    return dict(sorted(counts.items()))
