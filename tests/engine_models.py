@@ -162,13 +162,25 @@ class ScaledInput(nn.Module):
         return self.fc(torch.tanh(x * self.scale))
 
 
-def vit() -> nn.Module:
-    """timm's VisionTransformer: cls_token/pos_embed owned by the model itself (fallback), timm LayerNorm."""
+def vit(**kwargs) -> nn.Module:
+    """timm's VisionTransformer: cls_token/pos_embed owned by the model itself (the token rule), timm
+    LayerNorm. Dropout before the tap is harmless, but the oracle's loop needs a deterministic forward."""
     from timm.models.vision_transformer import VisionTransformer
 
     model = VisionTransformer(
-        img_size=8, patch_size=4, in_chans=3, num_classes=3, embed_dim=8, depth=1, num_heads=2, mlp_ratio=2.0
+        img_size=8,
+        patch_size=4,
+        in_chans=3,
+        num_classes=3,
+        embed_dim=8,
+        depth=1,
+        num_heads=2,
+        mlp_ratio=2.0,
+        **kwargs,
     )
+    for token in (model.pos_embed, model.cls_token, model.reg_token):  # timm starts tokens at ~0
+        if token is not None:
+            torch.nn.init.normal_(token, std=0.1)
     return model.double().eval()
 
 
@@ -188,12 +200,14 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
             "y": torch.randint(0, 3, (batch_size,), generator=gen),
         }
         return ScaledInput().double(), classification_loss, batch
-    if name == "vit":
+    if name in ("vit", "vit_registers"):
         batch = {
             "x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
             "y": torch.randint(0, 3, (batch_size,), generator=gen),
         }
-        return vit(), classification_loss, batch
+        # vit_registers: two register tokens and a position embedding that skips the prefix tokens (DeiT-3)
+        extra = {"reg_tokens": 2, "no_embed_class": True} if name == "vit_registers" else {}
+        return vit(**extra), classification_loss, batch
     if name == "wrn_block":
         batch = {
             "x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
@@ -213,4 +227,15 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
     raise KeyError(name)
 
 
-CASES = ["mlp", "wrn_block", "sequence", "gpt2", "roberta", "bert", "gpt2_lora", "fallback", "vit"]
+CASES = [
+    "mlp",
+    "wrn_block",
+    "sequence",
+    "gpt2",
+    "roberta",
+    "bert",
+    "gpt2_lora",
+    "fallback",
+    "vit",
+    "vit_registers",
+]

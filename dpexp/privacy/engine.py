@@ -48,6 +48,10 @@ from dpexp.privacy.rules.functional import check_deterministic, functional_per_e
 Backend = Literal["bk", "ghost", "instantiate"]
 
 
+def _versions(args: tuple, kwargs: dict[str, Any]) -> list[int]:
+    return [t._version for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+
+
 class _Anchor(torch.autograd.Function):
     """Makes the output of an input layer (whose input and parameters need no gradient) require one, so
     that backpropagation still reaches the layer and its output-gradient hook fires."""
@@ -275,9 +279,14 @@ class PrivacyEngine:
         ]
         self._handles.append(BroadcastExpander(self.model, expanded, active=lambda: not self._recomputing))
         for layer in self._layers:
-            self._handles.append(
-                layer.module.register_forward_hook(partial(self._on_forward, layer), with_kwargs=True)
-            )
+            tap = layer.rule.tap if layer.rule is not None else None
+            if tap is None:
+                hook = partial(self._on_forward, layer)
+                handle = layer.module.register_forward_hook(hook, with_kwargs=True)
+            else:
+                hook = partial(self._on_tap, layer)
+                handle = layer.module.get_submodule(tap).register_forward_pre_hook(hook)
+            self._handles.append(handle)
 
     def _on_forward(
         self, layer: _Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor
@@ -290,15 +299,25 @@ class PrivacyEngine:
                 "privacy engine needs a tensor output to capture its gradient; freeze its parameters or "
                 "register a rule for it."
             )
-        use = _Use(layer, args, kwargs, [t._version for t in (*args, *kwargs.values()) if torch.is_tensor(t)])
+        return self._record_use(_Use(layer, args, kwargs, _versions(args, kwargs)), output)
+
+    def _on_tap(self, layer: _Layer, tap: nn.Module, args: tuple) -> Any:
+        """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
+        if not torch.is_grad_enabled() or self._recomputing:
+            return None
+        x = self._record_use(_Use(layer, args[:1], {}, _versions(args[:1], {})), args[0])
+        return (x, *args[1:])
+
+    def _record_use(self, use: _Use, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a use of a layer and hook the gradient of ``tensor`` (anchored if it needs none)."""
         state = self._state
         state.num_uses += 1
-        for k in {self._group_of[p] for p in layer.params.values()}:
+        for k in {self._group_of[p] for p in use.layer.params.values()}:
             state.pending[k] = state.pending.get(k, 0) + 1
-        if not output.requires_grad:
-            output = _Anchor.apply(output, self._anchor)
-        output.register_hook(partial(self._on_output_grad, use))
-        return output
+        if not tensor.requires_grad:
+            tensor = _Anchor.apply(tensor, self._anchor)
+        tensor.register_hook(partial(self._on_output_grad, use))
+        return tensor
 
     def _on_output_grad(self, use: _Use, dy: torch.Tensor) -> None:
         state = self._state
@@ -347,7 +366,14 @@ class PrivacyEngine:
     def _per_example_grads(self, use: _Use, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
         layer = use.layer
         if layer.rule is not None:
-            return layer.rule.per_example_grads(layer.module, use.args[0], dy)
+            grads = layer.rule.per_example_grads(layer.module, use.args[0], dy)
+            missing = set(layer.params) - set(grads)
+            if missing:  # never leave a trainable parameter without its per-example gradient
+                raise RuntimeError(
+                    f"the rule for layer {layer.name!r} ({type(layer.module).__name__}) gave no per-example "
+                    f"gradient for its trainable parameters {sorted(missing)}; fix or replace the rule."
+                )
+            return grads
         self._recomputing = True
         try:
             return functional_per_example_grads(layer.module, list(layer.params), use.args, use.kwargs, dy)

@@ -27,11 +27,18 @@ CheckFn = Callable[[nn.Module], None]
 
 @dataclass(frozen=True)
 class LayerRule:
-    """``per_example_grads(module, x, dy) -> {param_name: PerExampleGrad}`` plus a construction-time check."""
+    """``per_example_grads(module, x, dy) -> {param_name: PerExampleGrad}`` plus a construction-time check.
+
+    ``x`` is the module's input and ``dy`` the gradient of the loss with respect to its output. A rule with a
+    ``tap`` instead reads the input of the submodule of that name and the gradient with respect to that input:
+    for parameters that enter the computation inside a larger module's forward (a Vision Transformer's class
+    token and position embedding are added just before its ``pos_drop``).
+    """
 
     per_example_grads: GradFn
     check: CheckFn | None = None
     expand_broadcast_input: bool = False  # inputs of batch size 1 are expanded to the batch (position ids)
+    tap: str | None = None
 
 
 _RULES: dict[str, LayerRule] = {}
@@ -42,15 +49,18 @@ def _qualified_name(module_type: type) -> str:
 
 
 def register_rule(
-    *module_types: type[nn.Module] | str, check: CheckFn | None = None, expand_broadcast_input: bool = False
+    *module_types: type[nn.Module] | str,
+    check: CheckFn | None = None,
+    expand_broadcast_input: bool = False,
+    tap: str | None = None,
 ) -> Callable[[GradFn], GradFn]:
     """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
-    qualified class names such as ``"transformers.pytorch_utils.Conv1D"``)."""
+    qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`."""
 
     def decorate(fn: GradFn) -> GradFn:
         for module_type in module_types:
             key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
-            _RULES[key] = LayerRule(fn, check, expand_broadcast_input)
+            _RULES[key] = LayerRule(fn, check, expand_broadcast_input, tap)
         return fn
 
     return decorate
@@ -71,4 +81,4 @@ def as_sequence(x: torch.Tensor) -> torch.Tensor:
 
 
 # Importing the rule modules registers them.
-from dpexp.privacy.rules import conv, embedding, linear, norm, ws_conv  # noqa: E402,F401
+from dpexp.privacy.rules import conv, embedding, linear, norm, vision_tokens, ws_conv  # noqa: E402,F401

@@ -1,7 +1,7 @@
 """Exact generic fallback: per-example gradients of a module's own parameters with ``torch.func``.
 
-Used for modules that own trainable parameters but have no registered rule, e.g. a Vision Transformer's
-``cls_token``/``pos_embed`` (owned by the model itself) or BEiT's layer-scale ``gamma``. For the output
+Used for modules that own trainable parameters but have no registered rule, e.g. BEiT's layer-scale
+``gamma`` (owned by its block) or a user's custom layer. For the output
 gradient ``dy_i`` captured by the engine, ``g_i = d/dtheta <module(x_i; theta), dy_i>``, computed for all
 examples at once with ``vmap(grad(...))`` over the module's forward. This recomputes the module's forward
 and backward once more, so it costs about as much as the module itself; it is exact as long as the
