@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine
+from dpexp.privacy import noise as noise_module
 
 
 class ThreeLayers(nn.Module):
@@ -90,23 +91,42 @@ def test_noise_added_once_per_logical_step():
 
 def test_noise_is_drawn_exactly_once_per_step(monkeypatch):
     """Count the noise draws: one per parameter per optimizer.step(), none in engine.backward()."""
+    import dpexp.privacy.engine as engine_module
+
     model = ThreeLayers()
     engine = PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0)
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     calls = []
-    real = torch.randn
+    real = engine_module.add_gaussian_noise_
 
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
+    def counting(tensor, std, generator=None):
+        calls.append(tensor.shape)
+        return real(tensor, std, generator)
 
-    monkeypatch.setattr(torch, "randn", counting)
+    monkeypatch.setattr(engine_module, "add_gaussian_noise_", counting)
     for _ in range(3):
-        engine.backward(model(real(2, 40)).sum(1))
+        engine.backward(model(torch.randn(2, 40)).sum(1))
     assert calls == []
     optimizer.step()
-    assert len(calls) == 3
+    assert sorted(calls) == sorted(p.shape for p in model.parameters())
     assert engine.steps == 1
+
+
+@pytest.mark.parametrize("device_path", ["chunked", "whole"])
+def test_gaussian_noise_is_independent_in_every_chunk(monkeypatch, device_path):
+    """CPU noise is drawn chunk by chunk: every element (also in the last, partial chunk) gets its own draw
+    of the right std, and chunks are not copies of each other."""
+    monkeypatch.setattr(noise_module, "CPU_NOISE_CHUNK", 1000)
+    base = torch.arange(10_500, dtype=torch.float64)
+    tensor = base.clone() if device_path == "chunked" else base.clone().view(105, 100).t()  # non-contiguous
+    noise_module.add_gaussian_noise_(tensor, 3.0, torch.Generator().manual_seed(0))
+    z = (tensor - (base if device_path == "chunked" else base.view(105, 100).t())).flatten()
+    assert (z != 0).all()
+    chunks = z[:10_000].view(10, 1000)
+    for chunk in [*chunks, z[10_000:]]:
+        assert chunk.std().item() == pytest.approx(3.0, rel=0.15)
+    corr = torch.corrcoef(chunks)
+    assert (corr - torch.eye(10, dtype=corr.dtype)).abs().max() < 0.15
 
 
 def test_empty_poisson_batch_still_gets_noise():

@@ -40,7 +40,7 @@ from dpexp.privacy import accounting
 from dpexp.privacy.adaptive import AdaptiveConfig, update_thresholds
 from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
-from dpexp.privacy.noise import Allocation, noise_stds
+from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
 from dpexp.privacy.rules import LayerRule, rule_for, supported_types
 from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
@@ -490,10 +490,7 @@ class PrivacyEngine:
                 if grad is None:
                     grad = torch.zeros_like(param)
                 if std > 0:
-                    noise = torch.randn(
-                        param.shape, generator=self.generator, device=param.device, dtype=param.dtype
-                    )
-                    grad.add_(noise, alpha=std)
+                    add_gaussian_noise_(grad, std, self.generator)
                 param.grad = grad.div_(self.batch_size)
 
     def _end_step(self) -> None:

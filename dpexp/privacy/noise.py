@@ -13,6 +13,8 @@ import torch
 
 Allocation = Literal["global", "equal_budget", "weighted"]
 
+CPU_NOISE_CHUNK = 1 << 18  # values drawn at a time on CPU (1 MiB in float32: stays in cache)
+
 
 def allocation_weights(thresholds: torch.Tensor, dims: torch.Tensor, allocation: Allocation) -> torch.Tensor:
     """``gamma_k``: 1 (global), ``C_k`` (equal budget) or ``C_k / sqrt(d_k)`` (weighted)."""
@@ -32,3 +34,22 @@ def noise_stds(
     gamma = allocation_weights(thresholds, dims, allocation)
     sensitivity = (thresholds.pow(2) / gamma.pow(2)).sum().sqrt()
     return noise_multiplier * sensitivity * gamma
+
+
+def add_gaussian_noise_(
+    tensor: torch.Tensor, std: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``tensor += z``, ``z ~ N(0, std^2 I)``, in place; returns ``tensor``.
+
+    On CPU the noise is drawn chunk by chunk into one small buffer and added while it is still in cache: a
+    tensor-sized temporary (64 MB for a 50k x 256 embedding) would be page-faulted in afresh at every step and
+    read back from memory. Every element still gets its own independent draw.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        noise = torch.randn(tensor.shape, generator=generator, device=tensor.device, dtype=tensor.dtype)
+        return tensor.add_(noise, alpha=std)
+    flat = tensor.view(-1)
+    buffer = torch.empty(min(CPU_NOISE_CHUNK, flat.numel()), dtype=tensor.dtype)
+    for piece in flat.split(CPU_NOISE_CHUNK):
+        piece.add_(buffer[: piece.numel()].normal_(generator=generator), alpha=std)
+    return tensor
