@@ -95,6 +95,7 @@ class _StepState:
 
     batch_size: int | None = None
     num_uses: int = 0
+    layer_uses: dict[str, int] = field(default_factory=dict)  # layer name -> calls in this forward pass
     pending: dict[int, int] = field(default_factory=dict)  # group -> uses not yet delivered
     arrived: dict[str, list[PerExampleGrad]] = field(default_factory=dict)  # parameter -> this pass
     norm_sq: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -174,6 +175,7 @@ class PrivacyEngine:
         )
         self.groups = partition(layout, clipping, groups)
         self._group_of = {name: k for k, group in enumerate(self.groups) for name in group}
+        self._shared = {name for name, owners in layout.owners.items() if len(owners) > 1}  # tied weights
         self._group_dims = torch.tensor(
             [sum(layout.numel[n] for n in g) for g in self.groups], dtype=torch.float64
         )
@@ -312,6 +314,7 @@ class PrivacyEngine:
         """Count a use of a layer and hook the gradient of ``tensor`` (anchored if it needs none)."""
         state = self._state
         state.num_uses += 1
+        state.layer_uses[use.layer.name] = state.layer_uses.get(use.layer.name, 0) + 1
         for k in {self._group_of[p] for p in use.layer.params.values()}:
             state.pending[k] = state.pending.get(k, 0) + 1
         if not tensor.requires_grad:
@@ -349,6 +352,7 @@ class PrivacyEngine:
                 if name is not None:
                     self._accumulate(name, grad.weighted_sum(state.coef[self._group_of[name]]))
             return
+        single_use = state.layer_uses[layer.name] == 1  # then its unshared parameters need no cross term
         for attr, grad in grads.items():
             name = layer.params.get(attr)
             if name is None:
@@ -357,6 +361,13 @@ class PrivacyEngine:
                 grad = Dense(grad.instantiate())
             elif self.backend == "bk" and state.pending[self._group_of[name]] == 1:
                 grad.retain()  # the group is clipped and summed right after this norm (fused per-layer)
+            elif (
+                self.backend == "bk"
+                and single_use
+                and name not in self._shared
+                and grad.smaller_instantiated()
+            ):
+                grad.retain(release=True)  # waits for its group in less memory than its factors
             self._add_norm_contribution(name, grad)
         for k in {self._group_of[p] for p in layer.params.values()}:
             state.pending[k] -= 1

@@ -52,11 +52,15 @@ class PerExampleGrad(ABC):
 
     When the clipped sum follows right away (fused per-layer clipping), :meth:`retain` keeps per-example
     gradients that were instantiated for the norm, and the sum becomes ``tensordot(c, g)`` instead of a second
-    pass over the layer's activations.
+    pass over the layer's activations. ``retain(release=True)`` also drops the factors once the gradients are
+    instantiated: worth it in flat clipping, where a layer waits for the whole backward pass, whenever the
+    per-example gradients are smaller than the activation and output gradient they are formed from
+    (:meth:`smaller_instantiated`; e.g. a convolution with few channels on a large feature map).
     """
 
     shape: torch.Size
     _retain: bool = False
+    _release: bool = False
     _kept: torch.Tensor | None = None
 
     @property
@@ -71,9 +75,18 @@ class PerExampleGrad(ABC):
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         """``sum_i coef_i g_i`` computed from the factors."""
 
-    def retain(self) -> None:
-        """Keep instantiated per-example gradients for :meth:`weighted_sum` (costs B x |param| memory)."""
-        self._retain = True
+    def retain(self, release: bool = False) -> None:
+        """Keep instantiated per-example gradients for :meth:`weighted_sum` (costs B x |param| memory);
+        with ``release``, drop the factors once they are instantiated (no cross term may follow)."""
+        self._retain, self._release = True, release
+
+    def smaller_instantiated(self) -> bool:
+        """Whether the per-example gradients hold fewer values than the factors they are formed from."""
+        return False
+
+    def _release_factors(self) -> None:
+        """Drop the references to the activation and output gradient (see :meth:`retain`)."""
+        return None  # explicit per-example gradients have no factors
 
     def per_example(self) -> torch.Tensor:
         """:meth:`instantiate`, remembered after :meth:`retain`."""
@@ -82,6 +95,8 @@ class PerExampleGrad(ABC):
         grads = self.instantiate()
         if self._retain:
             self._kept = grads
+            if self._release:
+                self._release_factors()
         return grads
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
@@ -128,10 +143,11 @@ class Outer(PerExampleGrad):
     def __init__(self, left: torch.Tensor, right: torch.Tensor, shape: torch.Size, left_size: int) -> None:
         self.left, self.right, self.shape, self.left_size = left, right, torch.Size(shape), left_size
         self.is_index = not left.is_floating_point()
+        self._batch_size = right.shape[0]
 
     @property
     def batch_size(self) -> int:
-        return self.right.shape[0]
+        return self._batch_size
 
     def instantiate(self) -> torch.Tensor:
         b, _, r = self.right.shape
@@ -167,6 +183,13 @@ class Outer(PerExampleGrad):
         output gradient (``L R <= 4 T (L + R)`` values per example), which autograd keeps anyway."""
         t, r = self.right.shape[1], self.right.shape[-1]
         return not self.is_index and self.left_size * r <= 4 * t * (self.left_size + r)
+
+    def smaller_instantiated(self) -> bool:
+        t, r = self.right.shape[1], self.right.shape[-1]
+        return not self.is_index and self.left_size * r <= t * (self.left_size + r)
+
+    def _release_factors(self) -> None:
+        self.left = self.right = None  # type: ignore[assignment]
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """In ``auto`` mode a retained (fused per-layer) gradient is instantiated whenever that fits: its sum

@@ -61,10 +61,11 @@ class ConvWeightGrads(PerExampleGrad):
 
     def __init__(self, module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, dy: torch.Tensor) -> None:
         self.module, self.x, self.dy, self.shape = module, x, dy, module.weight.shape
+        self._batch_size = dy.shape[0]
 
     @property
     def batch_size(self) -> int:
-        return self.dy.shape[0]
+        return self._batch_size
 
     def outer(self) -> Outer:
         """The book-keeping form over unfolded patches (for the ghost norm)."""
@@ -86,8 +87,18 @@ class ConvWeightGrads(PerExampleGrad):
         scaled = self.dy * coef.to(self.dy.dtype).view(-1, *[1] * (self.dy.dim() - 1))
         return _weight_grad(self.module, self.x, scaled, 1, self.shape)
 
+    def smaller_instantiated(self) -> bool:
+        return self.shape.numel() <= self.x[0].numel() + self.dy[0].numel()
+
+    def _release_factors(self) -> None:
+        self.x = self.dy = None  # type: ignore[assignment]
+
+    def uses_ghost_norm(self, mode: NormMode) -> bool:
+        """Ghost norm when forced, or in ``auto`` mode when cheaper and the gradients are not kept anyway."""
+        return mode == "ghost" or (mode == "auto" and not self._retain and self.ghost_is_cheaper())
+
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        if mode == "ghost" or (mode == "auto" and self.ghost_is_cheaper()):
+        if self.uses_ghost_norm(mode):
             return self.outer().norm_sq("ghost")
         return super().norm_sq()
 

@@ -49,8 +49,11 @@ class Standardized(PerExampleGrad):
         u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape)
         return self._vjp(u).view(self.batch_size, *self.shape)
 
-    def retain(self) -> None:
-        self.inner.retain()
+    def retain(self, release: bool = False) -> None:
+        self.inner.retain(release)
+
+    def smaller_instantiated(self) -> bool:
+        return self.inner.smaller_instantiated()
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
@@ -60,7 +63,7 @@ class Standardized(PerExampleGrad):
         and ``<w_hat_r, u_r>``, by the ghost form or from the instantiated ``u`` (never forming ``J^T u``)."""
         dtype = torch.promote_types(self.w_hat.dtype, torch.float32)
         w_hat, s = self.w_hat.to(dtype), self.s.squeeze(1).to(dtype)
-        if mode == "ghost" or (mode == "auto" and self.inner.ghost_is_cheaper()):
+        if self.inner.uses_ghost_norm(mode):
             outer = self.inner.outer()
             g, a = outer.left.to(dtype), outer.right.to(dtype)
             scaled = Outer(g / s, a, outer.shape, outer.left_size).norm_sq("ghost")
