@@ -79,6 +79,7 @@ class Schema:
     steps: int | None = MISSING
     batch_size: int = MISSING
     physical_batch_size: int = MISSING
+    group_by_length: bool = MISSING
     sampling: Sampling = MISSING
     eval_every: int | None = MISSING
     eval_batch_size: int = MISSING

@@ -227,8 +227,9 @@ class _Run:
         window_loss = torch.zeros((), device=self.device)
         window_count = 0
         self._tick = time.perf_counter()
+        lengths = self._example_lengths() if cfg.group_by_length else None
         for step, indices in enumerate(sampler, start=1):
-            for micro in split_micro_batches(indices, plan.physical_batch_size):
+            for micro in split_micro_batches(indices, plan.physical_batch_size, lengths):
                 batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
                 loss = self.task.per_example_loss(self.backend.model, batch)
                 self.backend.backward(loss)
@@ -265,6 +266,11 @@ class _Run:
             peak_memory_bytes=memory,
             peak_memory_kind=memory_kind,
         )
+
+    def _example_lengths(self) -> list[int] | None:
+        """Every training example's length for grouping micro-batches; None if the task has no lengths."""
+        lengths = [self.task.example_length(self.dataset[i]) for i in range(len(self.dataset))]
+        return None if any(n is None for n in lengths) else lengths
 
     @contextmanager
     def _outside_training(self) -> Iterator[None]:

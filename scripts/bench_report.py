@@ -3,7 +3,8 @@
 ``make bench-report`` (or ``python scripts/bench_report.py [--results DIR]``) reads every ``*.json`` that
 ``python -m dpexp.bench`` wrote in DIR and writes, next to them:
 
-* ``README.md``: the issue-4 targets with met/missed and the margin, then per suite the machine, a table
+* ``README.md``: the issue-4 targets with met/missed and the margin (and a link to the hand-written
+  ``analysis.md`` of the misses when it exists), then per suite the machine, a table
   (model, method, batch, s/step median [min, max], examples/s, throughput and memory ratios to
   ``nonprivate``), the failures with their messages and, on GPU, the largest batch per method;
 * ``<suite>.png``: throughput and peak-memory ratio per method and model (``kind: models`` suites), or
@@ -243,6 +244,12 @@ def write_markdown(suites: list[dict[str, Any]], out: Path, plots: dict[str, lis
         "",
         *targets_table(suites),
     ]
+    if (out / "analysis.md").exists():
+        lines += [
+            "",
+            "Why the missed targets are missed, with the profiles behind it and what was done about it:",
+            "[analysis.md](analysis.md) (written by hand; the numbers above come from the JSON alone).",
+        ]
     for suite in suites:
         lines += ["", f"## Suite `{suite['suite']}`", "", *machine_lines(suite), "", *results_table(suite)]
         if errors := error_lines(suite):

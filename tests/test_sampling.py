@@ -89,3 +89,12 @@ def test_split_micro_batches(size, physical, expected):
 def test_split_micro_batches_rejects_nonpositive_size():
     with pytest.raises(ValueError, match="physical_batch_size"):
         split_micro_batches([1, 2], 0)
+
+
+def test_split_micro_batches_groups_by_length_without_changing_the_step():
+    lengths = [9, 1, 5, 3, 7, 2, 8, 4]
+    indices = [0, 2, 3, 5, 6, 7]
+    micro = split_micro_batches(indices, 2, lengths)
+    assert micro == [[5, 3], [7, 2], [6, 0]]  # lengths (2, 3), (4, 5), (8, 9)
+    assert sorted(i for m in micro for i in m) == indices
+    assert split_micro_batches([], 2, lengths) == []

@@ -213,3 +213,22 @@ def test_training_runs_with_every_clip_option(
     record = run_training(compose_config(overrides), tmp_path / "run", {"task": "e2e", "clip": clip})
     assert record["status"] == "completed" and record["steps"] == 2
     assert {"bleu", "rougeL", "nll"} <= set(record) and math.isfinite(record["nll"])
+
+
+def test_grouping_micro_batches_by_length_keeps_the_run(
+    e2e_root: Path, tmp_path: Path, compose_config
+) -> None:
+    """Ordering a logical batch by length before splitting it changes only the padding: same examples, same
+    clipped sum, so the same model (up to float summation order)."""
+    overrides = [
+        "task=e2e", "model=gpt2_tiny", f"data.root={e2e_root}", "clip=bk", "optim=adam", "steps=3",
+        "batch_size=4", "physical_batch_size=1", "progress=false", "eval_every=null", "task.max_new_tokens=4",
+        "task.eval_max_inputs=4", "model.config.n_layer=1", "model.config.n_embd=32", "model.config.n_head=2",
+        "model.tokenizer=trained", "model.dropout=0.0",
+    ]  # fmt: skip
+    runs = {
+        flag: run_training(compose_config([*overrides, f"group_by_length={flag}"]), tmp_path / str(flag))
+        for flag in ("true", "false")
+    }
+    assert runs["true"]["examples_seen"] == runs["false"]["examples_seen"]
+    assert runs["true"]["nll"] == pytest.approx(runs["false"]["nll"], rel=1e-4)

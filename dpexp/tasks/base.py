@@ -79,6 +79,11 @@ class Task(ABC):
     def collate(self, examples: list[Any]) -> dict[str, torch.Tensor]:
         """Turn a list of training examples into a batch (a dict of batch-first tensors)."""
 
+    def example_length(self, example: Any) -> int | None:
+        """The padded size a training example contributes (its token count), or None when all examples have
+        the same size. The trainer groups micro-batches by it (``group_by_length``)."""
+        return None
+
     @abstractmethod
     def per_example_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One loss per example, shape (B,). Sequence tasks sum their token losses (Li et al. 2022)."""

@@ -370,6 +370,9 @@ class GenerationTask(Task):
         self._require_setup()
         return self._tok
 
+    def example_length(self, example: dict[str, Any]) -> int:
+        return len(example["input_ids"])
+
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Right-pad to the longest example: ``input_ids``, ``attention_mask``, ``labels``, each (B, T)."""
         self._require_setup()

@@ -293,6 +293,9 @@ class GlueTask(Task):
     def collate(self, examples: list[Example]) -> dict[str, torch.Tensor]:
         return collate_encoded(examples, self._pad_token_id)
 
+    def example_length(self, example: Example) -> int:
+        return len(example["input_ids"])
+
     def logits(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Class scores (B, K): the classification head, or the label words' masked-LM logits at the mask."""
         inputs = {
