@@ -29,6 +29,21 @@ def _groups_of(model, clipping, groups):
     return engine.groups
 
 
+def _oracle_at_median(model, loss_fn, batch, clipping: str):
+    """Thresholds at the median per-group norm (about half the examples clipped) and the oracle update."""
+    grads = per_example_grads(model, loss_fn, batch)
+    partition = _groups_of(model, clipping, None)
+    thresholds = group_norms(grads, partition).median(0).values.tolist()
+    size = next(iter(batch.values())).shape[0]
+    return thresholds, clipped_mean(grads, partition, thresholds, batch_size=size)
+
+
+def _assert_matches(delta, expected, tolerance: float = 1e-5) -> None:
+    for name, want in expected.items():
+        err = (delta[name] - want).norm() / want.norm().clamp_min(1e-12)
+        assert err < tolerance, f"{name}: relative error {err:.2e}"
+
+
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -72,10 +87,7 @@ def test_update_matches_oracle(case, backend, clipping, groups):
 def test_forced_norm_modes_match_oracle(case, norm_mode):
     """Ghost and instantiated norms are both exact, whichever the cost rule would pick."""
     model, loss_fn, batch = make_case(case, batch_size=4)
-    grads = per_example_grads(model, loss_fn, batch)
-    partition = _groups_of(model, "per_layer", None)
-    thresholds = group_norms(grads, partition).median(0).values.tolist()
-    expected = clipped_mean(grads, partition, thresholds, batch_size=4)
+    thresholds, expected = _oracle_at_median(model, loss_fn, batch, "per_layer")
     delta, _ = engine_update(
         model,
         loss_fn,
@@ -87,8 +99,7 @@ def test_forced_norm_modes_match_oracle(case, norm_mode):
         max_grad_norm=1.0,
         norm_mode=norm_mode,
     )
-    for name, want in expected.items():
-        assert (delta[name] - want).norm() / want.norm().clamp_min(1e-12) < 1e-5, name
+    _assert_matches(delta, expected)
 
 
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -107,10 +118,7 @@ def _float32_gpt2_oracle():
     """A float32 GPT-2 case, the median thresholds of its flat norms, and the oracle update."""
     model, loss_fn, batch = make_case("gpt2", batch_size=4)
     model = model.float()
-    grads = per_example_grads(model, loss_fn, batch)
-    partition = _groups_of(model, "flat", None)
-    thresholds = group_norms(grads, partition).median(0).values.tolist()
-    return model, loss_fn, batch, thresholds, clipped_mean(grads, partition, thresholds, batch_size=4)
+    return model, loss_fn, batch, *_oracle_at_median(model, loss_fn, batch, "flat")
 
 
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -119,8 +127,7 @@ def test_float32_matches_oracle():
     delta, _ = engine_update(
         model, loss_fn, batch, [[0, 1], [2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
     )
-    for name, want in expected.items():
-        assert (delta[name] - want).norm() / want.norm().clamp_min(1e-12) < 1e-4, name
+    _assert_matches(delta, expected, tolerance=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -158,13 +165,9 @@ def test_flat_layers_kept_instantiated_match_oracle(case, monkeypatch):
 
     monkeypatch.setattr(PerExampleGrad, "retain", spy)
     model, loss_fn, batch = make_case(case, batch_size=4)
-    grads = per_example_grads(model, loss_fn, batch)
-    partition = _groups_of(model, "flat", None)
-    thresholds = group_norms(grads, partition).median(0).values.tolist()
-    expected = clipped_mean(grads, partition, thresholds, batch_size=4)
+    thresholds, expected = _oracle_at_median(model, loss_fn, batch, "flat")
     delta, _ = engine_update(
         model, loss_fn, batch, [[0, 1], [2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
     )
     assert released, "no layer took the keep-instantiated path"
-    for name, want in expected.items():
-        assert (delta[name] - want).norm() / want.norm().clamp_min(1e-12) < 1e-5, name
+    _assert_matches(delta, expected)
