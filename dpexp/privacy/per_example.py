@@ -178,12 +178,6 @@ class Outer(PerExampleGrad):
             return t * t * (1 + r) < t * r + table or table > 8 * t * t
         return ghost_is_cheaper(t, self.left_size, r)
 
-    def retained_instantiation_fits(self) -> bool:
-        """Whether instantiating for a fused clipped sum holds at most 4x the layer's own activation and
-        output gradient (``L R <= 4 T (L + R)`` values per example), which autograd keeps anyway."""
-        t, r = self.right.shape[1], self.right.shape[-1]
-        return not self.is_index and self.left_size * r <= 4 * t * (self.left_size + r)
-
     def smaller_instantiated(self) -> bool:
         t, r = self.right.shape[1], self.right.shape[-1]
         return not self.is_index and self.left_size * r <= t * (self.left_size + r)
@@ -192,10 +186,8 @@ class Outer(PerExampleGrad):
         self.left = self.right = None  # type: ignore[assignment]
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        """In ``auto`` mode a retained (fused per-layer) gradient is instantiated whenever that fits: its sum
-        is then ``tensordot(c, g)`` (``B L R``), whereas the ghost norm still needs the clipped sum's matmul
-        (``B T L R``) on top of its own ``T^2 (L + R)``."""
-        if mode == "auto" and self._retain and self.retained_instantiation_fits():
+        """Ghost or instantiated by cost in ``auto`` mode; instantiated if the factors are to be released."""
+        if mode == "auto" and self._release:
             return super().norm_sq()
         if mode == "instantiate" or (mode == "auto" and not self.ghost_is_cheaper()):
             return super().norm_sq()

@@ -94,8 +94,8 @@ class ConvWeightGrads(PerExampleGrad):
         self.x = self.dy = None  # type: ignore[assignment]
 
     def uses_ghost_norm(self, mode: NormMode) -> bool:
-        """Ghost norm when forced, or in ``auto`` mode when cheaper and the gradients are not kept anyway."""
-        return mode == "ghost" or (mode == "auto" and not self._retain and self.ghost_is_cheaper())
+        """Ghost norm when forced, or in ``auto`` mode when cheaper and the factors are not to be released."""
+        return mode == "ghost" or (mode == "auto" and not self._release and self.ghost_is_cheaper())
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         if self.uses_ghost_norm(mode):
