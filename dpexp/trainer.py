@@ -268,9 +268,11 @@ class _Run:
         )
 
     def _example_lengths(self) -> list[int] | None:
-        """Every training example's length for grouping micro-batches; None if the task has no lengths."""
-        lengths = [self.task.example_length(self.dataset[i]) for i in range(len(self.dataset))]
-        return None if any(n is None for n in lengths) else lengths
+        """Every training example's length for grouping micro-batches; None if the task has no lengths
+        (decided from the first example, so image tasks never load their whole training set here)."""
+        if len(self.dataset) == 0 or self.task.example_length(self.dataset[0]) is None:
+            return None
+        return [self.task.example_length(self.dataset[i]) for i in range(len(self.dataset))]
 
     @contextmanager
     def _outside_training(self) -> Iterator[None]:
