@@ -171,3 +171,37 @@ def test_flat_layers_kept_instantiated_match_oracle(case, monkeypatch):
     )
     assert released, "no layer took the keep-instantiated path"
     _assert_matches(delta, expected)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+@pytest.mark.parametrize("case", ["gpt2", "roberta", "vit"])
+def test_per_layer_linear_sums_from_kept_instantiations_match_oracle(case, monkeypatch):
+    """Fused per-layer bk instantiates a linear layer's per-example gradients for its norm when they fit in
+    4x the layer's factors, even where the ghost norm alone would be cheaper (the clipped sum is then a
+    ``tensordot`` instead of a matmul over T), and the update is still exact."""
+    from dpexp.privacy.per_example import Outer
+
+    kept = []
+    real = Outer.norm_sq
+
+    def spy(self, mode="auto"):
+        out = real(self, mode)
+        if self._kept is not None and self.ghost_is_cheaper():
+            kept.append(self.shape)
+        return out
+
+    monkeypatch.setattr(Outer, "norm_sq", spy)
+    model, loss_fn, batch = make_case(case, batch_size=4)
+    thresholds, expected = _oracle_at_median(model, loss_fn, batch, "per_layer")
+    delta, _ = engine_update(
+        model,
+        loss_fn,
+        batch,
+        [[0, 1], [2, 3]],
+        batch_size=4,
+        thresholds=thresholds,
+        max_grad_norm=1.0,
+        clipping="per_layer",
+    )
+    assert kept, "no layer with a cheaper ghost norm was instantiated for its fused sum"
+    _assert_matches(delta, expected)

@@ -106,8 +106,8 @@ class PerExampleGrad(ABC):
         return self._weighted_sum(coef)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        """``||g_i||^2`` for each example, shape (B,)."""
-        return _accurate(self.per_example()).flatten(1).pow(2).sum(1)
+        """``||g_i||^2`` for each example, shape (B,) (one fused reduction: no squared temporary)."""
+        return torch.linalg.vector_norm(_accurate(self.per_example()).flatten(1), dim=1).square()
 
     def dot(self, other: PerExampleGrad) -> torch.Tensor:
         """``<g_i, g'_i>`` for each example, shape (B,): the cross term of a parameter used twice."""
@@ -182,12 +182,21 @@ class Outer(PerExampleGrad):
         t, r = self.right.shape[1], self.right.shape[-1]
         return not self.is_index and self.left_size * r <= t * (self.left_size + r)
 
+    def retained_instantiation_fits(self) -> bool:
+        """Whether instantiating for a fused clipped sum holds at most 4x the layer's own activation and
+        output gradient (``L R <= 4 T (L + R)`` values per example), which autograd keeps anyway."""
+        t, r = self.right.shape[1], self.right.shape[-1]
+        return not self.is_index and self.left_size * r <= 4 * t * (self.left_size + r)
+
     def _release_factors(self) -> None:
         self.left = self.right = None  # type: ignore[assignment]
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        """Ghost or instantiated by cost in ``auto`` mode; instantiated if the factors are to be released."""
-        if mode == "auto" and self._release:
+        """Ghost or instantiated by cost in ``auto`` mode. Instantiated if the factors are to be released, and
+        for a retained (fused per-layer) gradient whenever that fits: its sum is then ``tensordot(c, g)``
+        (``B L R``), whereas the ghost norm still needs the clipped sum's matmul (``B T L R``) on top of its
+        own ``T^2 (L + R)``."""
+        if mode == "auto" and (self._release or (self._retain and self.retained_instantiation_fits())):
             return super().norm_sq()
         if mode == "instantiate" or (mode == "auto" and not self.ghost_is_cheaper()):
             return super().norm_sq()
