@@ -20,7 +20,14 @@ Backends (how the clipped sum ``sum_i c_i g_i`` is obtained):
   one the clipped sums with the now known factors; nothing is held across the first backward.
 * ``instantiate``: per-example gradients are materialised (the Opacus way), for reference.
 
-Norms use the ghost norm or instantiation per layer by cost (``norm_mode="auto"``, BK-MixOpt).
+Norms use the ghost norm or instantiation per layer by cost (``norm_mode="auto"``, BK-MixOpt: the ghost
+norm's ``T^2 (L + R)`` against instantiation's ``T L R``, with a memory cap). Instantiated per-example
+gradients are kept, so that the clipped sum is ``tensordot(c, g)`` instead of a second matmul over T:
+
+* in fused per-layer clipping, for linear layers whose per-example gradients hold at most 4x the values of
+  the layer's activation and output gradient (a transient: one layer at a time);
+* in flat clipping, for single-use untied layers whose per-example gradients are smaller than those factors
+  (they wait for the input layer, so only a memory-neutral trade is made).
 """
 
 from __future__ import annotations
