@@ -158,10 +158,10 @@ def test_flat_layers_kept_instantiated_match_oracle(case, monkeypatch):
     released = []
     real = PerExampleGrad.retain
 
-    def spy(self, release=False):
+    def spy(self, release=False, max_values=0):
         if release:
             released.append(type(self).__name__)
-        return real(self, release)
+        return real(self, release, max_values)
 
     monkeypatch.setattr(PerExampleGrad, "retain", spy)
     model, loss_fn, batch = make_case(case, batch_size=4)
@@ -205,3 +205,21 @@ def test_per_layer_linear_sums_from_kept_instantiations_match_oracle(case, monke
     )
     assert kept, "no layer with a cheaper ghost norm was instantiated for its fused sum"
     _assert_matches(delta, expected)
+
+
+def test_instantiation_for_a_fused_sum_stays_within_the_values_budget():
+    """A linear layer's per-example gradients are instantiated for a fused sum only while ``B L R`` stays
+    within the budget the engine passes (its trainable parameter count); beyond it the ghost norm is used
+    (e.g. an untied LM head with a large vocabulary). The norm is exact either way."""
+    from dpexp.privacy.per_example import Outer
+
+    g, a = torch.randn(2, 2, 12), torch.randn(2, 2, 6)  # B = T = 2, L = 12, R = 6: the ghost norm is cheaper
+    expected = torch.einsum("btl,btr->blr", g, a).flatten(1).pow(2).sum(1)
+    within, beyond = Outer(g, a, torch.Size([12, 6]), 12), Outer(g, a, torch.Size([12, 6]), 12)
+    within.retain(max_values=2 * 12 * 6)
+    beyond.retain(max_values=2 * 12 * 6 - 1)
+    for grad in (within, beyond):
+        torch.testing.assert_close(grad.norm_sq(), expected, rtol=1e-5, atol=0)
+    assert within._kept is not None and beyond._kept is None
+    c = torch.tensor([0.5, 1.0])
+    torch.testing.assert_close(within.weighted_sum(c), beyond.weighted_sum(c), rtol=1e-5, atol=1e-6)

@@ -183,6 +183,7 @@ class PrivacyEngine:
         self.groups = partition(layout, clipping, groups)
         self._group_of = {name: k for k, group in enumerate(self.groups) for name in group}
         self._shared = {name for name, owners in layout.owners.items() if len(owners) > 1}  # tied weights
+        self._n_trainable = sum(layout.numel.values())
         self._group_dims = torch.tensor(
             [sum(layout.numel[n] for n in g) for g in self.groups], dtype=torch.float64
         )
@@ -367,7 +368,9 @@ class PrivacyEngine:
             if self.backend == "instantiate":
                 grad = Dense(grad.instantiate())
             elif self.backend == "bk" and state.pending[self._group_of[name]] == 1:
-                grad.retain()  # the group is clipped and summed right after this norm (fused per-layer)
+                # the group is clipped and summed right after this norm (fused per-layer); an instantiation
+                # made for that may hold as many values as the trainable parameters (one transient)
+                grad.retain(max_values=self._n_trainable)
             elif (
                 self.backend == "bk"
                 and single_use

@@ -61,6 +61,7 @@ class PerExampleGrad(ABC):
     shape: torch.Size
     _retain: bool = False
     _release: bool = False
+    _max_kept: int = 0
     _kept: torch.Tensor | None = None
 
     @property
@@ -75,10 +76,12 @@ class PerExampleGrad(ABC):
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         """``sum_i coef_i g_i`` computed from the factors."""
 
-    def retain(self, release: bool = False) -> None:
+    def retain(self, release: bool = False, max_values: int = 0) -> None:
         """Keep instantiated per-example gradients for :meth:`weighted_sum` (costs B x |param| memory);
-        with ``release``, drop the factors once they are instantiated (no cross term may follow)."""
-        self._retain, self._release = True, release
+        with ``release``, drop the factors once they are instantiated (no cross term may follow).
+        ``max_values`` bounds the B x |param| values of an instantiation made only to be kept
+        (:meth:`Outer.retained_instantiation_fits`)."""
+        self._retain, self._release, self._max_kept = True, release, max_values
 
     def smaller_instantiated(self) -> bool:
         """Whether the per-example gradients hold fewer values than the factors they are formed from."""
@@ -184,9 +187,16 @@ class Outer(PerExampleGrad):
 
     def retained_instantiation_fits(self) -> bool:
         """Whether instantiating for a fused clipped sum holds at most 4x the layer's own activation and
-        output gradient (``L R <= 4 T (L + R)`` values per example), which autograd keeps anyway."""
+        output gradient (``L R <= 4 T (L + R)`` values per example, which autograd keeps anyway) and at most
+        the ``max_values`` given to :meth:`retain` (``B L R``; the engine allows one more parameter-sized
+        tensor, which keeps e.g. an untied 50k-vocabulary LM head on the ghost norm)."""
         t, r = self.right.shape[1], self.right.shape[-1]
-        return not self.is_index and self.left_size * r <= 4 * t * (self.left_size + r)
+        values = self.left_size * r
+        return (
+            not self.is_index
+            and values <= 4 * t * (self.left_size + r)
+            and self.batch_size * values <= self._max_kept
+        )
 
     def _release_factors(self) -> None:
         self.left = self.right = None  # type: ignore[assignment]

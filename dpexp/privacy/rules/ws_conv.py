@@ -49,8 +49,8 @@ class Standardized(PerExampleGrad):
         u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape)
         return self._vjp(u).view(self.batch_size, *self.shape)
 
-    def retain(self, release: bool = False) -> None:
-        self.inner.retain(release)
+    def retain(self, release: bool = False, max_values: int = 0) -> None:
+        self.inner.retain(release, max_values)
 
     def smaller_instantiated(self) -> bool:
         return self.inner.smaller_instantiated()
