@@ -343,8 +343,8 @@ def _group_key(run: dict[str, Any]) -> tuple:
     return run["model_name"], run["batch_size"], run["seq_len"]
 
 
-def _adjacent_baselines(runs: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
-    """The nearest successful baseline runs before and after ``runs[index]`` in its group."""
+def _adjacent_baselines(runs: list[dict[str, Any]], index: int) -> list[int]:
+    """Indices of the nearest successful baseline runs before and after ``runs[index]`` in its group."""
     key = _group_key(runs[index])
     same = [
         i
@@ -353,7 +353,7 @@ def _adjacent_baselines(runs: list[dict[str, Any]], index: int) -> list[dict[str
     ]
     before = [i for i in same if i < index]
     after = [i for i in same if i > index]
-    return [runs[i] for i in ([before[-1]] if before else []) + ([after[0]] if after else [])]
+    return ([before[-1]] if before else []) + ([after[0]] if after else [])
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -365,11 +365,24 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def _paired_throughput(runs: list[dict[str, Any]], index: int) -> float | None:
+    """Baseline s/step over ``runs[index]``'s s/step (medians), the baseline being the runs just before and
+    after it: the machine's drift between rounds cancels within each pair."""
+    neighbours = _adjacent_baselines(runs, index)
+    if not neighbours:
+        return None
+    baseline = statistics.median(t for i in neighbours for t in runs[i]["step_s"])
+    return baseline / statistics.median(runs[index]["step_s"])
+
+
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per (model, method, batch, seq): pooled timings and memory, and ratios to the baseline.
 
-    ``ratios.throughput = median baseline s/step / median method s/step`` and the memory ratios use the
-    baseline runs adjacent to the method's runs (for the baseline itself: all of its runs, ratio 1).
+    ``ratios.throughput`` is the median over the method's runs of the paired ratio (baseline s/step of the
+    adjacent baseline runs / the run's s/step; :func:`_paired_throughput`), so that a round measured while the
+    machine was slow is compared with baselines measured in that same state; pooling all steps instead would
+    compare across rounds. The memory ratios use the baseline runs adjacent to the method's runs (for the
+    baseline itself: all of its runs, ratio 1).
     ``step_mem`` is the memory a step adds on top of the built model (peak - pre-step).
     """
     records: dict[tuple, dict[str, Any]] = {}
@@ -380,7 +393,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if run["method"] == BASELINE:
             record["baseline_runs"].add(index)
         else:
-            record["baseline_runs"].update(runs.index(b) for b in _adjacent_baselines(runs, index))
+            record["baseline_runs"].update(_adjacent_baselines(runs, index))
     out = []
     for (model_name, batch_size, seq_len, method), record in records.items():
         mine = [runs[i] for i in record["runs"]]
@@ -402,7 +415,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(entry)
             continue
         steps = [t for r in ok for t in r["step_s"]]
-        base_steps = [t for r in base for t in r["step_s"]]
+        ok_indices = [i for i in record["runs"] if runs[i]["status"] == "ok"]
+        paired = [1.0] if method == BASELINE else [_paired_throughput(runs, i) for i in ok_indices]
         median = statistics.median(steps)
         peak = _median([r["peak_mem_mb"] for r in ok])
         step_mem = _median([_delta(r) for r in ok])
@@ -415,7 +429,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             mem_kind=ok[0]["mem_kind"],
             n_params=ok[0]["n_params"],
             ratios={
-                "throughput": _ratio(statistics.median(base_steps), median) if base_steps else None,
+                "throughput": _median(paired),
+                "throughput_per_run": paired,
                 "peak_mem": _ratio(peak, _median([r["peak_mem_mb"] for r in base])),
                 "step_mem": _ratio(step_mem, _median([_delta(r) for r in base])),
             },

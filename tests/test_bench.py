@@ -49,7 +49,7 @@ def test_smoke_suite_writes_schema_and_report(tmp_path: Path) -> None:
         step = record["step_s"]
         assert 0 < step["min"] <= step["median"] <= step["max"] and step["n"] == 2 * len(record["runs"])
         assert record["examples_per_s"] == pytest.approx(4 / step["median"])
-        assert set(record["ratios"]) == {"throughput", "peak_mem", "step_mem"}
+        assert set(record["ratios"]) == {"throughput", "throughput_per_run", "peak_mem", "step_mem"}
     assert records["nonprivate"]["ratios"]["throughput"] == pytest.approx(1.0)
     assert records["bk"]["baseline_runs"] == [0, 2]
     assert records["bk"]["ratios"]["throughput"] > 0
@@ -180,13 +180,30 @@ def test_aggregate_uses_the_adjacent_baselines_of_each_method() -> None:
     records = {(r["method"], r["batch_size"]): r for r in bench.aggregate(runs)}
     a, b = records[("a", 8)], records[("b", 8)]
     assert a["baseline_runs"] == [0, 2] and b["baseline_runs"] == [2, 4]
-    assert a["ratios"]["throughput"] == pytest.approx(1.5 / 1.5)  # median of baseline steps (1, 1, 2, 2)
+    assert a["ratios"]["throughput"] == pytest.approx(1.5 / 1.5)  # median of neighbour steps (1, 1, 2, 2)
     assert b["ratios"]["throughput"] == pytest.approx(3.0 / 6.0)
     assert a["ratios"]["peak_mem"] == pytest.approx(1.5) and a["ratios"]["step_mem"] == pytest.approx(2.0)
     base = records[("nonprivate", 8)]
     assert base["runs"] == [0, 2, 4] and base["step_s"]["median"] == pytest.approx(2.0)
     assert records[("c", 8)]["status"] == "error" and records[("c", 8)]["error"] == "boom"
     assert records[("nonprivate", 16)]["ratios"]["throughput"] == pytest.approx(1.0)
+
+
+def test_throughput_ratio_pairs_each_round_with_its_own_baselines() -> None:
+    # The machine slowed down during round 2 (neighbours 1 s and 5 s). Per round the method is 0.5x of its
+    # neighbours (1 / 2 and median(1, 1, 5, 5) / 6); pooling all steps would give 1 s / 4 s = 0.25x.
+    runs = [
+        _run("nonprivate", 1.0),
+        _run("a", 2.0),
+        _run("nonprivate", 1.0),
+        _run("nonprivate", 1.0),
+        _run("a", 6.0),
+        _run("nonprivate", 5.0),
+    ]
+    records = {r["method"]: r for r in bench.aggregate(runs)}
+    assert records["a"]["ratios"]["throughput"] == pytest.approx(0.5)
+    assert records["a"]["ratios"]["throughput_per_run"] == pytest.approx([0.5, 0.5])
+    assert records["nonprivate"]["ratios"]["throughput"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(("limit", "start", "cap"), [(37, 8, 4096), (5, 8, 4096), (0, 4, 64), (200, 16, 64)])
