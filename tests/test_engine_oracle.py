@@ -38,6 +38,24 @@ def _oracle_at_median(model, loss_fn, batch, clipping: str):
     return thresholds, clipped_mean(grads, partition, thresholds, batch_size=size)
 
 
+def _per_layer_update_and_oracle(case: str, micro_batches: list[list[int]], **engine_kwargs):
+    """Per-layer update of ``case`` (batch 4) at the oracle's median thresholds, and the oracle's."""
+    model, loss_fn, batch = make_case(case, batch_size=4)
+    thresholds, expected = _oracle_at_median(model, loss_fn, batch, "per_layer")
+    delta, _ = engine_update(
+        model,
+        loss_fn,
+        batch,
+        micro_batches,
+        batch_size=4,
+        clipping="per_layer",
+        thresholds=thresholds,
+        max_grad_norm=1.0,
+        **engine_kwargs,
+    )
+    return delta, expected
+
+
 def _assert_matches(delta, expected, tolerance: float = 1e-5) -> None:
     for name, want in expected.items():
         err = (delta[name] - want).norm() / want.norm().clamp_min(1e-12)
@@ -86,20 +104,7 @@ def test_update_matches_oracle(case, backend, clipping, groups):
 @pytest.mark.parametrize("norm_mode", ["ghost", "instantiate"])
 def test_forced_norm_modes_match_oracle(case, norm_mode):
     """Ghost and instantiated norms are both exact, whichever the cost rule would pick."""
-    model, loss_fn, batch = make_case(case, batch_size=4)
-    thresholds, expected = _oracle_at_median(model, loss_fn, batch, "per_layer")
-    delta, _ = engine_update(
-        model,
-        loss_fn,
-        batch,
-        [[0, 1, 2, 3]],
-        batch_size=4,
-        clipping="per_layer",
-        thresholds=thresholds,
-        max_grad_norm=1.0,
-        norm_mode=norm_mode,
-    )
-    _assert_matches(delta, expected)
+    _assert_matches(*_per_layer_update_and_oracle(case, [[0, 1, 2, 3]], norm_mode=norm_mode))
 
 
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -191,18 +196,7 @@ def test_per_layer_linear_sums_from_kept_instantiations_match_oracle(case, monke
         return out
 
     monkeypatch.setattr(Outer, "norm_sq", spy)
-    model, loss_fn, batch = make_case(case, batch_size=4)
-    thresholds, expected = _oracle_at_median(model, loss_fn, batch, "per_layer")
-    delta, _ = engine_update(
-        model,
-        loss_fn,
-        batch,
-        [[0, 1], [2, 3]],
-        batch_size=4,
-        thresholds=thresholds,
-        max_grad_norm=1.0,
-        clipping="per_layer",
-    )
+    delta, expected = _per_layer_update_and_oracle(case, [[0, 1], [2, 3]])
     assert kept, "no layer with a cheaper ghost norm was instantiated for its fused sum"
     _assert_matches(delta, expected)
 
