@@ -119,11 +119,11 @@ def test_expected_batch_size_divides_the_sum():
         torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
 
 
-def _float32_gpt2_oracle():
-    """A float32 GPT-2 case, the median thresholds of its flat norms, and the oracle update."""
+def _float32_gpt2_oracle(clipping: str = "flat"):
+    """A float32 GPT-2 case, the median thresholds of its group norms, and the oracle update."""
     model, loss_fn, batch = make_case("gpt2", batch_size=4)
     model = model.float()
-    return model, loss_fn, batch, *_oracle_at_median(model, loss_fn, batch, "flat")
+    return model, loss_fn, batch, *_oracle_at_median(model, loss_fn, batch, clipping)
 
 
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -136,16 +136,25 @@ def test_float32_matches_oracle():
 
 
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0")
-def test_bfloat16_autocast_is_close_to_the_float32_oracle():
-    """Under autocast the factors are bf16; norms are accumulated in float32, so clipping stays accurate."""
-    model, loss_fn, batch, thresholds, expected = _float32_gpt2_oracle()
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_bfloat16_autocast_is_close_to_the_float32_oracle(clipping):
+    """Under autocast the factors are bf16 (a layer's saved input may stay float32); norms are accumulated in
+    float32, so clipping stays accurate, whether per-example gradients are instantiated or not."""
+    model, loss_fn, batch, thresholds, expected = _float32_gpt2_oracle(clipping)
 
     def autocast_loss(m, b):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return loss_fn(m, b).float()
 
     delta, _ = engine_update(
-        model, autocast_loss, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
+        model,
+        autocast_loss,
+        batch,
+        [[0, 1, 2, 3]],
+        batch_size=4,
+        thresholds=thresholds,
+        max_grad_norm=1.0,
+        clipping=clipping,
     )
     flat_got = torch.cat([delta[n].flatten() for n in expected])
     flat_want = torch.cat([w.flatten() for w in expected.values()])
@@ -217,3 +226,46 @@ def test_instantiation_for_a_fused_sum_stays_within_the_values_budget():
     assert within._kept is not None and beyond._kept is None
     c = torch.tensor([0.5, 1.0])
     torch.testing.assert_close(within.weighted_sum(c), beyond.weighted_sum(c), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+@pytest.mark.parametrize("case", ["gpt2", "roberta"])
+def test_flat_keeps_larger_linear_instantiations_within_the_budget(case, monkeypatch):
+    """Flat bk also keeps linear layers' per-example gradients that are larger than their factors, as long
+    as the extra values of one backward pass stay within one parameter-sized tensor; the update is exact."""
+    from dpexp.privacy.per_example import PerExampleGrad
+
+    extras = []
+    real = PerExampleGrad.retain
+
+    def spy(self, release=False, max_values=0):
+        if release:
+            extras.append(self.held_extra_values())
+        return real(self, release, max_values)
+
+    monkeypatch.setattr(PerExampleGrad, "retain", spy)
+    model, loss_fn, batch = make_case(case, batch_size=4)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    thresholds, expected = _oracle_at_median(model, loss_fn, batch, "flat")
+    delta, _ = engine_update(
+        model, loss_fn, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
+    )
+    larger = [e for e in extras if e > 0]
+    assert larger, "no layer larger than its factors was kept"
+    assert sum(larger) <= n_trainable
+    _assert_matches(delta, expected)
+
+    # with a budget of only the largest extra, fewer layers are kept and the budget holds; still exact
+    from dpexp.privacy import engine as engine_module
+
+    budget = max(larger)
+    monkeypatch.setattr(
+        engine_module.PrivacyEngine, "_new_state", lambda self: engine_module._StepState(held_budget=budget)
+    )
+    extras.clear()
+    delta, _ = engine_update(
+        model, loss_fn, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
+    )
+    constrained = [e for e in extras if e > 0]
+    assert sum(constrained) <= budget and len(constrained) < len(larger)
+    _assert_matches(delta, expected)

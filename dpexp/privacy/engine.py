@@ -26,8 +26,9 @@ gradients are kept, so that the clipped sum is ``tensordot(c, g)`` instead of a 
 
 * in fused per-layer clipping, for linear layers whose per-example gradients hold at most 4x the values of
   the layer's activation and output gradient (a transient: one layer at a time);
-* in flat clipping, for single-use untied layers whose per-example gradients are smaller than those factors
-  (they wait for the input layer, so only a memory-neutral trade is made).
+* in flat clipping, for single-use untied layers whose per-example gradients are smaller than those factors,
+  or (linear layers) larger by at most what is left of a budget of one parameter-sized tensor per backward
+  pass: they wait for the input layer, so the budget bounds the memory they add.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class _StepState:
     norm_sq: dict[int, torch.Tensor] = field(default_factory=dict)
     coef: dict[int, torch.Tensor] = field(default_factory=dict)
     phase: str = "idle"  # idle | norm | sum | norm_and_sum
+    held_budget: int = 0  # values flat bk may still hold in kept per-example gradients beyond their factors
 
 
 class PrivacyEngine:
@@ -203,7 +205,7 @@ class PrivacyEngine:
         self._summed: dict[str, torch.Tensor] = {}
         device = next(iter(self._params.values())).device
         self._unclipped = torch.zeros(len(self.groups), dtype=torch.float64, device=device)  # no host sync
-        self._state = _StepState()
+        self._state = self._new_state()
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles: list[Any] = []
         self._optimizer_handles: list[Any] = []
@@ -371,18 +373,23 @@ class PrivacyEngine:
                 # the group is clipped and summed right after this norm (fused per-layer); an instantiation
                 # made for that may hold as many values as the trainable parameters (one transient)
                 grad.retain(max_values=self._n_trainable)
-            elif (
-                self.backend == "bk"
-                and single_use
-                and name not in self._shared
-                and grad.smaller_instantiated()
-            ):
-                grad.retain(release=True)  # waits for its group in less memory than its factors
+            elif self.backend == "bk" and single_use and name not in self._shared:
+                self._keep_instantiated_if_affordable(grad)
             self._add_norm_contribution(name, grad)
         for k in {self._group_of[p] for p in layer.params.values()}:
             state.pending[k] -= 1
             if state.pending[k] == 0:
                 self._finish_group(k)
+
+    def _keep_instantiated_if_affordable(self, grad: PerExampleGrad) -> None:
+        """Flat bk: a layer's per-example gradients replace its activation and output gradient until the group
+        finishes (the clipped sum is then a ``tensordot``) where they are smaller, or where the extra values
+        fit in what is left of this backward pass's budget (one parameter-sized tensor)."""
+        extra = grad.held_extra_values()
+        if extra is None or extra > self._state.held_budget:
+            return
+        self._state.held_budget -= max(extra, 0)
+        grad.retain(release=True)
 
     def _per_example_grads(self, use: _Use, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
         layer = use.layer
@@ -470,7 +477,11 @@ class PrivacyEngine:
                 total.backward()
                 self._finish_pending()
         finally:
-            self._state = _StepState()
+            self._state = self._new_state()
+
+    def _new_state(self) -> _StepState:
+        """Flat bk may hold one parameter-sized tensor of kept per-example gradients per backward pass."""
+        return _StepState(held_budget=self._n_trainable)
 
     def _finish_pending(self) -> None:
         """Groups some of whose layers got no gradient (unused outputs) are finished with those at zero."""

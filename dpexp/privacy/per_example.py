@@ -53,9 +53,10 @@ class PerExampleGrad(ABC):
     When the clipped sum follows right away (fused per-layer clipping), :meth:`retain` keeps per-example
     gradients that were instantiated for the norm, and the sum becomes ``tensordot(c, g)`` instead of a second
     pass over the layer's activations. ``retain(release=True)`` also drops the factors once the gradients are
-    instantiated: worth it in flat clipping, where a layer waits for the whole backward pass, whenever the
-    per-example gradients are smaller than the activation and output gradient they are formed from
-    (:meth:`smaller_instantiated`; e.g. a convolution with few channels on a large feature map).
+    instantiated: worth it in flat clipping, where a layer waits for the whole backward pass, when the
+    per-example gradients are smaller than the activation and output gradient they are formed from (e.g. a
+    convolution with few channels on a large feature map) or the extra values fit the engine's budget
+    (:meth:`held_extra_values`).
     """
 
     shape: torch.Size
@@ -83,9 +84,11 @@ class PerExampleGrad(ABC):
         (:meth:`Outer.retained_instantiation_fits`)."""
         self._retain, self._release, self._max_kept = True, release, max_values
 
-    def smaller_instantiated(self) -> bool:
-        """Whether the per-example gradients hold fewer values than the factors they are formed from."""
-        return False
+    def held_extra_values(self) -> int | None:
+        """Values held beyond the factors if the per-example gradients replace them until the group finishes
+        (negative: fewer); None where that does not pay (no factors, or an instantiation slower than the
+        second pass it saves)."""
+        return None
 
     def _release_factors(self) -> None:
         """Drop the references to the activation and output gradient (see :meth:`retain`)."""
@@ -158,7 +161,8 @@ class Outer(PerExampleGrad):
             flat = (self.left + self.left_size * torch.arange(b, device=self.left.device)[:, None]).flatten()
             out = self.right.new_zeros(b * self.left_size, r).index_add_(0, flat, self.right.reshape(-1, r))
             return out.view(b, *self.shape)
-        return torch.einsum("btl,btr->blr", self.left, self.right).reshape(b, *self.shape)
+        left, right = _same_precision(self.left, self.right)
+        return torch.einsum("btl,btr->blr", left, right).reshape(b, *self.shape)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         r = self.right.shape[-1]
@@ -181,9 +185,13 @@ class Outer(PerExampleGrad):
             return t * t * (1 + r) < t * r + table or table > 8 * t * t
         return ghost_is_cheaper(t, self.left_size, r)
 
-    def smaller_instantiated(self) -> bool:
+    def held_extra_values(self) -> int | None:
+        """``B (L R - T (L + R))``: instantiation plus ``tensordot`` beats the ghost norm plus the clipped
+        sum's matmul at any size (fewer flops, an efficient batched matmul), so only memory decides."""
+        if self.is_index:
+            return None
         t, r = self.right.shape[1], self.right.shape[-1]
-        return not self.is_index and self.left_size * r <= t * (self.left_size + r)
+        return self.batch_size * (self.left_size * r - t * (self.left_size + r))
 
     def retained_instantiation_fits(self) -> bool:
         """Whether instantiating for a fused clipped sum holds at most 4x the layer's own activation and

@@ -87,8 +87,11 @@ class ConvWeightGrads(PerExampleGrad):
         scaled = self.dy * coef.to(self.dy.dtype).view(-1, *[1] * (self.dy.dim() - 1))
         return _weight_grad(self.module, self.x, scaled, 1, self.shape)
 
-    def smaller_instantiated(self) -> bool:
-        return self.shape.numel() <= self.x[0].numel() + self.dy[0].numel()
+    def held_extra_values(self) -> int | None:
+        """Kept only where smaller than the feature maps: a batch-grouped per-example convolution is slower on
+        CPU than the second weight-gradient pass it would save."""
+        extra = self.batch_size * (self.shape.numel() - self.x[0].numel() - self.dy[0].numel())
+        return extra if extra <= 0 else None
 
     def _release_factors(self) -> None:
         self.x = self.dy = None  # type: ignore[assignment]

@@ -52,8 +52,8 @@ class Standardized(PerExampleGrad):
     def retain(self, release: bool = False, max_values: int = 0) -> None:
         self.inner.retain(release, max_values)
 
-    def smaller_instantiated(self) -> bool:
-        return self.inner.smaller_instantiated()
+    def held_extra_values(self) -> int | None:
+        return self.inner.held_extra_values()
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
