@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dpexp.layers import WSConv2d
+from dpexp.layers import WSConv2d, weight_standardization
 from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad
 from dpexp.privacy.rules import register_rule
 from dpexp.privacy.rules.conv import ConvWeightGrads, check_conv
@@ -30,11 +30,8 @@ class Standardized(PerExampleGrad):
 
     def __init__(self, inner: ConvWeightGrads, weight: torch.Tensor, eps: float) -> None:
         self.inner, self.shape = inner, weight.shape
-        flat = weight.detach().flatten(1)
-        var, mean = torch.var_mean(flat, dim=1, unbiased=False, keepdim=True)
-        self.s = torch.sqrt(var + eps)  # (C_out, 1)
-        self.w_hat = (flat - mean) / self.s  # (C_out, p), as dpexp.layers.standardize_weight
-        self.p = flat.shape[1]
+        self.w_hat, self.s = weight_standardization(weight.detach(), eps)  # (C_out, p), (C_out, 1)
+        self.p = self.w_hat.shape[1]
 
     @property
     def batch_size(self) -> int:
@@ -42,7 +39,7 @@ class Standardized(PerExampleGrad):
 
     def _vjp(self, u: torch.Tensor) -> torch.Tensor:
         """``J^T u`` for u of shape (..., C_out, p)."""
-        proj = (u * self.w_hat).sum(-1, keepdim=True) / self.p
+        proj = torch.einsum("...rp,rp->...r", u, self.w_hat).unsqueeze(-1) / self.p
         return (u - u.mean(-1, keepdim=True) - self.w_hat * proj) / self.s
 
     def instantiate(self) -> torch.Tensor:
@@ -71,8 +68,8 @@ class Standardized(PerExampleGrad):
             proj = torch.einsum("btr,btr->br", g, a @ w_hat.T)
         else:
             u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape).to(dtype)
-            scaled = (u.pow(2).sum(-1) / s.pow(2)).sum(-1)
-            total, proj = u.sum(-1), (u * w_hat).sum(-1)
+            scaled = (torch.linalg.vector_norm(u, dim=-1).square() / s.pow(2)).sum(-1)
+            total, proj = u.sum(-1), torch.einsum("brp,rp->br", u, w_hat)
         coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
         return scaled + (-total.pow(2) / self.p / s.pow(2) + proj.pow(2) * coeff).sum(-1)
 
