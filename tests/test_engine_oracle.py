@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from dpexp.privacy import PrivacyEngine
+from dpexp.privacy import engine as engine_module
+from dpexp.privacy.per_example import Outer, PerExampleGrad
 from tests.engine_models import CASES, make_case
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
 
@@ -167,8 +169,6 @@ def test_flat_layers_kept_instantiated_match_oracle(case, monkeypatch):
     """Flat bk keeps the per-example gradients of layers where they are smaller than the layer's activation
     and output gradient, and drops those factors; the update is still exact. Tied weights (GPT-2's wte /
     lm_head, which need a cross term) are never released."""
-    from dpexp.privacy.per_example import PerExampleGrad
-
     released = []
     real = PerExampleGrad.retain
 
@@ -193,8 +193,6 @@ def test_per_layer_linear_sums_from_kept_instantiations_match_oracle(case, monke
     """Fused per-layer bk instantiates a linear layer's per-example gradients for its norm when they fit in
     4x the layer's factors, even where the ghost norm alone would be cheaper (the clipped sum is then a
     ``tensordot`` instead of a matmul over T), and the update is still exact."""
-    from dpexp.privacy.per_example import Outer
-
     kept = []
     real = Outer.norm_sq
 
@@ -214,8 +212,6 @@ def test_instantiation_for_a_fused_sum_stays_within_the_values_budget():
     """A linear layer's per-example gradients are instantiated for a fused sum only while ``B L R`` stays
     within the budget the engine passes (its trainable parameter count); beyond it the ghost norm is used
     (e.g. an untied LM head with a large vocabulary). The norm is exact either way."""
-    from dpexp.privacy.per_example import Outer
-
     g, a = torch.randn(2, 2, 12), torch.randn(2, 2, 6)  # B = T = 2, L = 12, R = 6: the ghost norm is cheaper
     expected = torch.einsum("btl,btr->blr", g, a).flatten(1).pow(2).sum(1)
     within, beyond = Outer(g, a, torch.Size([12, 6]), 12), Outer(g, a, torch.Size([12, 6]), 12)
@@ -233,8 +229,6 @@ def test_instantiation_for_a_fused_sum_stays_within_the_values_budget():
 def test_flat_keeps_larger_linear_instantiations_within_the_budget(case, monkeypatch):
     """Flat bk also keeps linear layers' per-example gradients that are larger than their factors, as long
     as the extra values of one backward pass stay within one parameter-sized tensor; the update is exact."""
-    from dpexp.privacy.per_example import PerExampleGrad
-
     extras = []
     real = PerExampleGrad.retain
 
@@ -256,8 +250,6 @@ def test_flat_keeps_larger_linear_instantiations_within_the_budget(case, monkeyp
     _assert_matches(delta, expected)
 
     # with a budget of only the largest extra, fewer layers are kept and the budget holds; still exact
-    from dpexp.privacy import engine as engine_module
-
     budget = max(larger)
     monkeypatch.setattr(
         engine_module.PrivacyEngine, "_new_state", lambda self: engine_module._StepState(held_budget=budget)
