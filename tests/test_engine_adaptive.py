@@ -82,3 +82,50 @@ def test_budget_split_follows_proposition_3_1():
     assert s_new == pytest.approx((sigma**-2 - k / (2 * s_b) ** 2) ** -0.5)
     assert k * sigma**2 / (4 * s_b**2) == pytest.approx(r)  # Remark 3.1
     assert s_new > sigma
+
+
+def _centred_counts_after(model, x, y, thresholds):
+    engine = PrivacyEngine(
+        model,
+        batch_size=8,
+        sample_size=100,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        clipping="per_layer",
+        thresholds=thresholds,
+        adaptive={"budget_fraction": 0.5},
+    )
+    engine.backward(model(x, y))
+    counts = engine._centred_counts.clone()
+    engine.detach()
+    return counts
+
+
+def test_released_count_has_sensitivity_one_half():
+    """The count statistic released for adaptive thresholds is centred: removing any one example (clipped or
+    not, in either group) moves each group's count by exactly 1/2, the sensitivity the budget split of
+    Proposition 3.1 pays for (the uncentred count would move by 0 or 1)."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    x[0] = 0.0  # a zero-gradient example (never clipped)
+    x[1] *= 1e6  # a huge one (always clipped)
+    thresholds = [4.0, 5.0]  # about half the examples clipped in each group
+    full = _centred_counts_after(model, x, y, thresholds)
+    norms = torch.stack([x.norm(dim=1), (3 * y).norm(dim=1)], 1)
+    expected = ((norms <= torch.tensor(thresholds)).double() - 0.5).sum(0)
+    torch.testing.assert_close(full, expected)
+    for j in range(8):
+        keep = [i for i in range(8) if i != j]
+        reduced = _centred_counts_after(model, x[keep], y[keep], thresholds)
+        assert torch.allclose((full - reduced).abs(), torch.full((2,), 0.5, dtype=torch.float64))
+
+
+def test_threshold_update_reads_the_centred_count_with_the_expected_batch_size():
+    from dpexp.privacy.adaptive import AdaptiveConfig, update_thresholds
+
+    config = AdaptiveConfig(target_quantile=0.5, quantile_lr=0.3)
+    thresholds = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    # B = 10 expected; centred counts +5 (all 10 unclipped) and -5 (all clipped): fractions 1 and 0
+    updated = update_thresholds(thresholds, torch.tensor([5.0, -5.0]), 10, config, global_norm=1.0)
+    torch.testing.assert_close(updated, torch.exp(torch.tensor([-0.15, 0.15], dtype=torch.float64)))

@@ -261,3 +261,28 @@ def test_flat_keeps_larger_linear_instantiations_within_the_budget(case, monkeyp
     constrained = [e for e in extras if e > 0]
     assert sum(constrained) <= budget and len(constrained) < len(larger)
     _assert_matches(delta, expected)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_explicit_per_example_gradients_are_clipped_like_examples(clipping):
+    """Examples given by their gradients (the audit's Dirac canaries) are clipped per group with the engine's
+    thresholds and summed: a coordinate of value v becomes v * min(1, C_k / |v|)."""
+    from dpexp.privacy.per_example import OneHot
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+    engine = PrivacyEngine(
+        model, batch_size=4, sample_size=40, max_grad_norm=2.0, noise_multiplier=0.0, clipping=clipping
+    )
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    index = torch.tensor([0, 5, 5])
+    value = torch.tensor([10.0, 0.5, -3.0], dtype=torch.float64)
+    engine.add_per_example_gradients({"0.weight": OneHot(index, value, model[0].weight.shape)})
+    optimizer.step()
+    threshold = float(engine.thresholds[0])
+    clipped = value * (threshold / value.abs()).clamp(max=1.0)
+    expected = torch.zeros(12, dtype=torch.float64).index_add_(0, index, clipped).view(4, 3) / 4
+    torch.testing.assert_close(before["0.weight"] - model[0].weight.detach(), expected)
+    for name in ("0.bias", "1.weight", "1.bias"):
+        assert torch.equal(before[name], dict(model.named_parameters())[name].detach())

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -45,7 +45,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpexp.privacy import accounting
-from dpexp.privacy.adaptive import AdaptiveConfig, update_thresholds
+from dpexp.privacy.adaptive import (
+    AdaptiveConfig,
+    centred_counts,
+    release_centred_counts,
+    update_thresholds,
+)
 from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
 from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
@@ -204,7 +209,8 @@ class PrivacyEngine:
 
         self._summed: dict[str, torch.Tensor] = {}
         device = next(iter(self._params.values())).device
-        self._unclipped = torch.zeros(len(self.groups), dtype=torch.float64, device=device)  # no host sync
+        # sum_i (1[unclipped] - 1/2) per group, on the device (no host sync per group)
+        self._centred_counts = torch.zeros(len(self.groups), dtype=torch.float64, device=device)
         self._state = self._new_state()
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles: list[Any] = []
@@ -420,14 +426,20 @@ class PrivacyEngine:
         state.norm_sq[k] = state.norm_sq.get(k, 0) + contribution.double()
         previous.append(grad)
 
+    def _clipping_factors(self, k: int, norm_sq: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+        """``c_i = min(1, C_k / ||g_{i,k}||)`` (exactly 1 for g = 0) from squared group norms (None: all
+        zero), shape (b,); counts the unclipped examples for adaptive thresholds."""
+        if norm_sq is None:
+            device = self._params[self.groups[k][0]].device
+            norm_sq = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        norm = norm_sq.clamp_min(0).sqrt()
+        threshold = float(self.thresholds[k])
+        self._centred_counts[k] += centred_counts(norm, threshold)
+        return threshold / norm.clamp_min(threshold)
+
     def _finish_group(self, k: int) -> None:
         state = self._state
-        device = self._params[self.groups[k][0]].device
-        zeros = torch.zeros(state.batch_size, dtype=torch.float64, device=device)
-        norm = state.norm_sq.pop(k, zeros).clamp_min(0).sqrt()
-        threshold = float(self.thresholds[k])
-        coef = threshold / norm.clamp_min(threshold)  # = min(1, C_k / ||g_{i,k}||), exactly 1 for g = 0
-        self._unclipped[k] += (norm <= threshold).sum()
+        coef = self._clipping_factors(k, state.norm_sq.pop(k, None), state.batch_size)
         for name in self.groups[k]:
             grads = state.arrived.pop(name, [])
             if self.backend == "ghost":
@@ -448,6 +460,32 @@ class PrivacyEngine:
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters the engine clips, noises and updates, by name (their requires_grad is off)."""
         return dict(self._params)
+
+    def add_per_example_gradients(self, grads: Mapping[str, PerExampleGrad]) -> None:
+        """Clip and accumulate examples given by their per-example gradients instead of a loss: ``grads``
+        maps parameter names to per-example gradients of one batch of n examples (a parameter left out has
+        gradient 0). They are clipped group by group with the current thresholds and counted for adaptive
+        thresholds exactly like examples of :meth:`backward`; the privacy audit's gradient canaries
+        (Steinke et al. 2023) enter the mechanism this way."""
+        unknown = sorted(set(grads) - set(self._params))
+        if unknown:
+            raise ValueError(f"add_per_example_gradients: {unknown[:5]} are not trainable parameters")
+        sizes = {grad.batch_size for grad in grads.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"add_per_example_gradients: need one batch size for all parameters: {sizes}")
+        (size,) = sizes
+        for name, grad in grads.items():
+            if tuple(grad.shape) != tuple(self._params[name].shape):
+                raise ValueError(
+                    f"add_per_example_gradients: {name!r} has shape {tuple(self._params[name].shape)}, "
+                    f"the gradients {tuple(grad.shape)}"
+                )
+        for k, group in enumerate(self.groups):
+            present = [name for name in group if name in grads]
+            norm_sq = sum(grads[n].norm_sq(self.norm_mode).double() for n in present) if present else None
+            coef = self._clipping_factors(k, norm_sq, size)
+            for name in present:
+                self._accumulate(name, grads[name].weighted_sum(coef))
 
     def backward(self, per_example_loss: torch.Tensor) -> None:
         """Accumulate ``sum_i clip(g_i)`` for one (micro-)batch; ``per_example_loss`` has shape (b,)."""
@@ -527,17 +565,14 @@ class PrivacyEngine:
 
     def _end_step(self) -> None:
         if self.adaptive is not None:
+            released = release_centred_counts(
+                self._centred_counts, self.count_noise_multiplier, self.generator
+            )
             self.thresholds = update_thresholds(
-                self.thresholds,
-                self._unclipped.cpu(),
-                self.batch_size,
-                self.adaptive,
-                self.count_noise_multiplier,
-                self.max_grad_norm,
-                self.generator,
+                self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm
             )
         self._summed.clear()
-        self._unclipped.zero_()
+        self._centred_counts.zero_()
         self.steps += 1
 
     def get_epsilon(self, delta: float, accountant: str | None = None) -> float:

@@ -139,6 +139,31 @@ class Dense(PerExampleGrad):
         return torch.tensordot(coef.to(self.grads.dtype), self.grads, dims=1)
 
 
+class OneHot(PerExampleGrad):
+    """``g_i = value_i e_{index_i}``: one coordinate per example (the audit's Dirac gradient canaries,
+    Steinke et al. 2023, section 6); ``index`` and ``value`` have shape (B,), indices into the flattened
+    parameter."""
+
+    def __init__(self, index: torch.Tensor, value: torch.Tensor, shape: torch.Size) -> None:
+        self.index, self.value, self.shape = index, value, torch.Size(shape)
+
+    @property
+    def batch_size(self) -> int:
+        return self.index.shape[0]
+
+    def instantiate(self) -> torch.Tensor:
+        out = self.value.new_zeros(self.batch_size, self.shape.numel())
+        out[torch.arange(self.batch_size, device=self.index.device), self.index] = self.value
+        return out.view(self.batch_size, *self.shape)
+
+    def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+        out = self.value.new_zeros(self.shape.numel())
+        return out.index_add_(0, self.index, coef.to(self.value.dtype) * self.value).view(self.shape)
+
+    def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
+        return _accurate(self.value).square()
+
+
 class Outer(PerExampleGrad):
     """``g_i = sum_t left_{i,t} (x) right_{i,t}``, an (L, R) matrix reshaped (C order) to ``shape``.
 
