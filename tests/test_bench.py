@@ -139,7 +139,7 @@ def test_refused_model_records_the_error_and_the_modules_without_rule() -> None:
     result = bench.run_config(spec)
     assert result["status"] == "error" and result["stage"] == "build"
     assert result["error"].startswith("ValueError:") and "BatchNorm1d" in result["error"]
-    assert "dpexp/privacy/engine.py" in result["where"]
+    assert "dpexp/privacy/capture.py" in result["where"]
     assert result["unsupported_modules"] == {"torch.nn.modules.batchnorm.BatchNorm1d": ["bias", "weight"]}
 
 

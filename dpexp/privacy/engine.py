@@ -42,7 +42,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpexp.privacy import accounting
 from dpexp.privacy.adaptive import (
@@ -52,11 +51,22 @@ from dpexp.privacy.adaptive import (
     update_thresholds,
 )
 from dpexp.privacy.broadcast import BroadcastExpander
+from dpexp.privacy.capture import (
+    BufferWatch,
+    Layer,
+    RowFingerprint,
+    compute_dtype,
+    differentiable_inputs,
+    discover_layers,
+    mismatched_parameters,
+    probe_weights,
+    structure_signature,
+)
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
 from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
-from dpexp.privacy.rules import LayerRule, rule_for, supported_types
-from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
+from dpexp.privacy.precision import tolerance
+from dpexp.privacy.rules.functional import functional_per_example_grads
 
 Backend = Literal["bk", "ghost", "instantiate"]
 
@@ -78,24 +88,21 @@ class _Anchor(torch.autograd.Function):
         return None, None
 
 
-@dataclass
-class _Layer:
-    """A module owning trainable parameters, with its rule (None: the exact torch.func fallback)."""
-
-    name: str
-    module: nn.Module
-    rule: LayerRule | None
-    params: dict[str, str]  # attribute name in the module ('weight') -> model parameter name
+class VerificationError(RuntimeError):
+    """The engine could not establish what the privacy guarantee needs of this model (per-example structure,
+    every use of every parameter; :mod:`dpexp.privacy.capture`) and refuses to continue."""
 
 
 @dataclass
 class _Use:
     """One call of a layer in the current forward pass: its inputs and their versions at call time."""
 
-    layer: _Layer
+    layer: Layer
     args: tuple
     kwargs: dict[str, Any]
     versions: list[int]
+    output: torch.Tensor | None = None  # kept for the torch.func fallback only (it checks its inputs with it)
+    fingerprint: RowFingerprint | None = None  # of the probe's output gradient, until the plain pass
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -113,8 +120,17 @@ class _StepState:
     arrived: dict[str, list[PerExampleGrad]] = field(default_factory=dict)  # parameter -> this pass
     norm_sq: dict[int, torch.Tensor] = field(default_factory=dict)
     coef: dict[int, torch.Tensor] = field(default_factory=dict)
-    phase: str = "idle"  # idle | norm | sum | norm_and_sum
+    phase: str = "idle"  # idle | probe | norm | sum | norm_and_sum
     held_budget: int = 0  # values flat bk may still hold in kept per-example gradients beyond their factors
+    model_calls: int = 0  # forwards of the engine's model (not just of its layers)
+    path: list[tuple] = field(default_factory=list)  # (layer, input ranks) of every use, in call order
+    verifying: bool = False  # parameters require gradients in this forward (capture checks 1-2)
+    structure: tuple | None = None  # input structure of the verified forward
+    leaves: list[torch.Tensor] = field(default_factory=list)  # the model's probed floating-point inputs
+    leaf_probes: list[torch.Tensor | None] = field(default_factory=list)  # their gradients in the probe
+    probe_weights: torch.Tensor | None = None  # v, shape (b,)
+    probe_sums: dict[str, torch.Tensor] = field(default_factory=dict)  # sum_i v_i g_i by the engine
+    probe_dtypes: set[torch.dtype] = field(default_factory=set)
 
 
 class PrivacyEngine:
@@ -138,6 +154,9 @@ class PrivacyEngine:
             (``dpexp.privacy.rules.functional``; costs a second forward/backward of that module) instead
             of refusing them.
         generator: random generator for the noise, on the parameters' device (default: torch's global one).
+        verify_every_step: verify per-example structure and parameter uses on every micro-batch instead of
+            on the first one of each input structure (:mod:`dpexp.privacy.capture`); for models whose
+            forward takes data-dependent paths through their layers. Costs about one more backward pass.
     """
 
     def __init__(
@@ -162,6 +181,7 @@ class PrivacyEngine:
         norm_mode: NormMode = "auto",
         generic_fallback: bool = True,
         generator: torch.Generator | None = None,
+        verify_every_step: bool = False,
     ) -> None:
         if batch_size < 1 or sample_size < 1:
             raise ValueError(f"batch_size ({batch_size}) and sample_size ({sample_size}) must be positive")
@@ -181,7 +201,12 @@ class PrivacyEngine:
         self.steps = 0
 
         self._recomputing = False
-        self._layers, self._params = self._discover_layers(model, generic_fallback)
+        self._layers, self._params = discover_layers(model, generic_fallback)
+        self._verify_every_step = verify_every_step
+        self._verified_structures: set[tuple] = set()
+        self._verified_paths: set[tuple] = set()
+        self._buffers = BufferWatch(model)
+        self._refusal: VerificationError | None = None
         layout = ParameterLayout(
             names=list(self._params),
             numel={n: p.numel() for n, p in self._params.items()},
@@ -220,44 +245,6 @@ class PrivacyEngine:
             p.requires_grad_(False)  # ghost differentiation: the engine forms these gradients itself
 
     # ------------------------------------------------------------------ construction
-    @staticmethod
-    def _discover_layers(
-        model: nn.Module, generic_fallback: bool
-    ) -> tuple[list[_Layer], dict[str, nn.Parameter]]:
-        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-        layers: list[_Layer] = []
-        for mod_name, module in model.named_modules():
-            if isinstance(module, _BatchNorm):
-                raise ValueError(
-                    f"module {mod_name!r} ({type(module).__name__}) mixes examples in a batch, which breaks "
-                    "per-example privacy; replace it with GroupNorm or LayerNorm."
-                )
-            own = {attr: names[id(p)] for attr, p in module.named_parameters(recurse=False) if id(p) in names}
-            if not own:
-                continue
-            rule = rule_for(module)
-            if rule is None and generic_fallback:
-                check_deterministic(mod_name, module)
-                warnings.warn(
-                    f"module {mod_name!r} ({type(module).__name__}) has no per-example gradient rule; its "
-                    f"parameters {sorted(own)} use the exact but slower torch.func fallback.",
-                    stacklevel=3,
-                )
-            elif rule is None:
-                raise ValueError(
-                    f"module {mod_name!r} of type {type(module).__name__} has trainable parameters "
-                    f"{sorted(own)} but no per-example gradient rule. Supported types: {supported_types()}. "
-                    "Freeze its parameters, replace the module, or register a rule with "
-                    "dpexp.privacy.rules.register_rule."
-                )
-            if rule is not None and rule.check is not None:
-                rule.check(module)
-            layers.append(_Layer(mod_name, module, rule, own))
-        params = {n: p for n, p in model.named_parameters() if id(p) in names}
-        if not params:
-            raise ValueError("the model has no trainable parameters")
-        return layers, params
-
     def _initial_thresholds(self, thresholds: Sequence[float] | None) -> torch.Tensor:
         values = (
             default_thresholds(self.max_grad_norm, len(self.groups)) if thresholds is None else thresholds
@@ -296,6 +283,8 @@ class PrivacyEngine:
             ly.module for ly in self._layers if ly.rule is not None and ly.rule.expand_broadcast_input
         ]
         self._handles.append(BroadcastExpander(self.model, expanded, active=lambda: not self._recomputing))
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._after_model_call))
         for layer in self._layers:
             tap = layer.rule.tap if layer.rule is not None else None
             if tap is None:
@@ -306,8 +295,31 @@ class PrivacyEngine:
                 handle = layer.module.get_submodule(tap).register_forward_pre_hook(hook)
             self._handles.append(handle)
 
+    def _on_model_call(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Start of a training forward of the model: watch its buffers, and verify it (parameters require
+        gradients, floating-point inputs become probed leaves) if its input structure is new."""
+        if not torch.is_grad_enabled() or self._recomputing:
+            return None
+        state = self._state
+        state.model_calls += 1
+        param = next(iter(self._params.values()))
+        state.probe_dtypes.add(compute_dtype(param.device, param.dtype))
+        self._buffers.start()
+        structure = structure_signature(args, kwargs)
+        if state.verifying or not (self._verify_every_step or structure not in self._verified_structures):
+            return None
+        state.verifying, state.structure = True, structure
+        for p in self._params.values():
+            p.requires_grad_(True)
+        args, kwargs, state.leaves = differentiable_inputs(args, kwargs)
+        return args, kwargs
+
+    def _after_model_call(self, model: nn.Module, args: tuple, output: Any) -> None:
+        if torch.is_grad_enabled() and not self._recomputing:
+            self._buffers.check()
+
     def _on_forward(
-        self, layer: _Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor
+        self, layer: Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor
     ) -> Any:
         if not torch.is_grad_enabled() or self._recomputing:
             return None
@@ -317,9 +329,12 @@ class PrivacyEngine:
                 "privacy engine needs a tensor output to capture its gradient; freeze its parameters or "
                 "register a rule for it."
             )
-        return self._record_use(_Use(layer, args, kwargs, _versions(args, kwargs)), output)
+        use = _Use(layer, args, kwargs, _versions(args, kwargs))
+        if layer.rule is None:
+            use.output = output
+        return self._record_use(use, output)
 
-    def _on_tap(self, layer: _Layer, tap: nn.Module, args: tuple) -> Any:
+    def _on_tap(self, layer: Layer, tap: nn.Module, args: tuple) -> Any:
         """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
         if not torch.is_grad_enabled() or self._recomputing:
             return None
@@ -331,6 +346,7 @@ class PrivacyEngine:
         state = self._state
         state.num_uses += 1
         state.layer_uses[use.layer.name] = state.layer_uses.get(use.layer.name, 0) + 1
+        state.path.append((use.layer.name, tuple(t.dim() for t in use.tensors)))
         for k in {self._group_of[p] for p in use.layer.params.values()}:
             state.pending[k] = state.pending.get(k, 0) + 1
         if not tensor.requires_grad:
@@ -345,20 +361,23 @@ class PrivacyEngine:
                 "gradients of a model under a PrivacyEngine must be computed with "
                 "engine.backward(per_example_loss), not loss.backward()"
             )
+        self._check_use(use, dy)
+        if state.phase == "probe":
+            self._probe_use(use, dy)
+            return
         layer = use.layer
-        tensors = use.tensors
-        if [t._version for t in tensors] != use.versions:
-            raise RuntimeError(
-                f"the input of layer {layer.name!r} was modified in place after the layer used it; "
-                "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
-            )
-        x = tensors[0]
-        if x.shape[0] != state.batch_size or dy.shape[0] != state.batch_size:
-            raise RuntimeError(
-                f"layer {layer.name!r} saw a batch of {x.shape[0]} inputs / {dy.shape[0]} output gradients "
-                f"but the loss has {state.batch_size} examples: inputs broadcast over the batch cannot be "
-                "clipped per example. Expand them to the batch size before this layer."
-            )
+        if use.fingerprint is not None:  # the first plain pass after the probe
+            mixed = use.fingerprint.mixed_rows(dy, state.probe_weights)
+            use.fingerprint = None
+            if mixed.numel():
+                raise self._refuse(
+                    f"layer {layer.name!r} ({type(layer.module).__name__}): row {int(mixed[0])} of its "
+                    "output gradient depends on other examples' losses, so dim 0 of its input and output is "
+                    "not the example index (a time-major or flattened tensor whose leading size happens to "
+                    "equal the batch size, a tensor shared by all examples, or examples mixed after this "
+                    "layer). "
+                    "Make the layer's input batch-first and per-example, or freeze its parameters."
+                )
         grads = self._per_example_grads(use, dy)
         if state.phase != "norm":
             use.args, use.kwargs = (), {}  # last pass over this use: free its activation with the layer
@@ -387,6 +406,46 @@ class PrivacyEngine:
             if state.pending[k] == 0:
                 self._finish_group(k)
 
+    def _check_use(self, use: _Use, dy: torch.Tensor) -> None:
+        """The captured input is unchanged since the call, and dim 0 of input and output gradient has the
+        batch size (necessary, not sufficient: the probe establishes the rest)."""
+        layer, tensors, size = use.layer, use.tensors, self._state.batch_size
+        if [t._version for t in tensors] != use.versions:
+            raise RuntimeError(
+                f"the input of layer {layer.name!r} was modified in place after the layer used it; "
+                "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
+            )
+        x = tensors[0]
+        if x.dim() == 0 or x.shape[0] != size or dy.dim() == 0 or dy.shape[0] != size:
+            raise self._refuse(
+                f"layer {layer.name!r} ({type(layer.module).__name__}) got an input of shape "
+                f"{tuple(x.shape)} and an output gradient of shape {tuple(dy.shape)}, but the loss has "
+                f"{size} examples: the engine needs the example index in dim 0 of every layer's input and "
+                "output. "
+                "Inputs broadcast over the batch (leading size 1), time-major or flattened (B*T, ...) "
+                "tensors and tensors shared by all examples are not batch-first. Make the layer's input "
+                "batch-first (expand broadcast inputs to the batch), or freeze its parameters."
+            )
+
+    def _probe_use(self, use: _Use, dy: torch.Tensor) -> None:
+        """Probe pass (losses weighted by v): fingerprint the rows of the output gradient, and add this use's
+        per-example gradients, summed over the batch, to the engine's side of the parameter-use check."""
+        state = self._state
+        use.fingerprint = RowFingerprint(dy)
+        state.probe_dtypes.add(dy.dtype)
+        ones = torch.ones(dy.shape[0], dtype=torch.float64, device=dy.device)
+        for attr, grad in self._per_example_grads(use, dy).items():
+            name = use.layer.params.get(attr)
+            if name is not None:
+                total = grad.weighted_sum(ones).double()
+                previous = state.probe_sums.get(name)
+                state.probe_sums[name] = total if previous is None else previous + total
+
+    def _refuse(self, message: str) -> VerificationError:
+        """A refusal: the engine stops accepting steps (sums of this step may be partial)."""
+        self._refusal = VerificationError(message)
+        return self._refusal
+
     def _keep_instantiated_if_affordable(self, grad: PerExampleGrad) -> None:
         """Flat bk: a layer's per-example gradients replace its activation and output gradient until the group
         finishes (the clipped sum is then a ``tensordot``) where they are smaller, or where the extra values
@@ -410,7 +469,9 @@ class PrivacyEngine:
             return grads
         self._recomputing = True
         try:
-            return functional_per_example_grads(layer.module, list(layer.params), use.args, use.kwargs, dy)
+            return functional_per_example_grads(
+                layer.module, list(layer.params), use.args, use.kwargs, dy, use.output, layer.name
+            )
         finally:
             self._recomputing = False
 
@@ -497,25 +558,90 @@ class PrivacyEngine:
                 f"engine.backward needs a 1-D tensor with one loss per example, got shape {shape}; "
                 "use reduction='none' (and sum token losses per example)."
             )
+        if self._refusal is not None:
+            raise VerificationError(f"the engine refused this model earlier: {self._refusal}")
         state = self._state
-        if not state.num_uses:
-            raise RuntimeError("no forward pass with gradients enabled was recorded before engine.backward")
-        if state.batch_size != per_example_loss.shape[0]:
-            state.batch_size = per_example_loss.shape[0]
-        total = per_example_loss.sum()
+        if not state.model_calls:
+            raise RuntimeError(
+                "no forward pass of the model given to the PrivacyEngine with gradients enabled was recorded "
+                "before engine.backward: call that model (its hooks verify the forward), or give the engine "
+                "the module you call."
+            )
+        state.batch_size = per_example_loss.shape[0]
+        path = tuple(state.path)
+        probing = state.batch_size > 1 and (state.verifying or path not in self._verified_paths)
         try:
+            if probing and not state.verifying:
+                raise self._refuse(
+                    "the model called its layers in a sequence that was never verified (data-dependent "
+                    "control flow), and parameters did not require gradients in this forward, so their uses "
+                    "cannot be checked. Construct the PrivacyEngine with verify_every_step=True."
+                )
+            if probing:
+                self._probe(per_example_loss)
+            for p in self._params.values():
+                p.requires_grad_(False)  # from here on the engine forms the parameter gradients itself
+            total = per_example_loss.sum()
+            state.phase = "norm" if self.backend == "ghost" else "norm_and_sum"
+            total.backward(retain_graph=self.backend == "ghost")
+            if probing:
+                self._check_model_inputs()
+            self._finish_pending()
             if self.backend == "ghost":
-                state.phase = "norm"
-                total.backward(retain_graph=True)
-                self._finish_pending()
                 state.phase = "sum"
                 total.backward()
-            else:
-                state.phase = "norm_and_sum"
-                total.backward()
-                self._finish_pending()
+            if probing:
+                self._verified_structures.add(state.structure)
+                self._verified_paths.add(path)
         finally:
+            for p in self._params.values():
+                p.requires_grad_(False)
             self._state = self._new_state()
+
+    def _probe(self, per_example_loss: torch.Tensor) -> None:
+        """Backpropagate ``sum_i v_i l_i`` through the same graph (capture checks 1 and 2): fingerprint every
+        output gradient (compared with the plain pass in :meth:`_on_output_grad`), keep the gradients of the
+        model's probed inputs, and compare every parameter's per-example gradients, summed over the batch,
+        with autograd's gradient."""
+        state = self._state
+        state.phase = "probe"
+        state.probe_weights = v = probe_weights(state.batch_size, per_example_loss)
+        names = list(self._params)
+        inputs = [*self._params.values(), *state.leaves]
+        grads = torch.autograd.grad(per_example_loss, inputs, v, retain_graph=True, allow_unused=True)
+        state.leaf_probes = list(grads[len(names) :])
+        tol = max(
+            tolerance(dtype) for dtype in {*state.probe_dtypes, *(g.dtype for g in grads if g is not None)}
+        )
+        mismatched = mismatched_parameters(state.probe_sums, dict(zip(names, grads, strict=False)), tol)
+        state.probe_sums = {}
+        if mismatched:
+            name, gap = mismatched[0]
+            owners = [ly.name for ly in self._layers if name in ly.params.values()]
+            raise self._refuse(
+                f"parameter {name!r}: the per-example gradients from its module{'s' * (len(owners) > 1)} "
+                f"{owners} do not add up to its gradient (relative difference {gap:.2g}): it is used outside "
+                "their forward (e.g. F.linear(h, emb.weight) as a hand-tied output layer, or in the loss), "
+                "where the engine cannot clip it, or a rule is wrong. Use it through a module (an nn.Linear "
+                "whose weight is the tied parameter is exact), or freeze it."
+                + (f" Also: {[n for n, _ in mismatched[1:5]]}." if len(mismatched) > 1 else "")
+            )
+
+    def _check_model_inputs(self) -> None:
+        """Capture check 1 at the model's inputs: the gradient of a floating-point input with the batch size
+        in dim 0 must scale row by row with the probe weights, or examples are mixed before any layer."""
+        state = self._state
+        for i, (leaf, probe) in enumerate(zip(state.leaves, state.leaf_probes, strict=True)):
+            if probe is None or leaf.grad is None or leaf.shape[0] != state.batch_size:
+                continue
+            mixed = RowFingerprint(probe).mixed_rows(leaf.grad, state.probe_weights)
+            if mixed.numel():
+                raise self._refuse(
+                    f"floating-point input {i} of the model (shape {tuple(leaf.shape)}): the loss of one "
+                    "example depends on another example's input, so the forward mixes examples before or "
+                    "between its layers (batch statistics, or a tensor shared by all examples passed with "
+                    "the batch). Per-example clipping cannot bound such an example's influence."
+                )
 
     def _new_state(self) -> _StepState:
         """Flat bk may hold one parameter-sized tensor of kept per-example gradients per backward pass."""
@@ -549,6 +675,8 @@ class PrivacyEngine:
 
     def _privatize(self) -> None:
         """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step."""
+        if self._refusal is not None:
+            raise VerificationError(f"the engine refused this model earlier: {self._refusal}")
         stds = noise_stds(
             self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation
         )

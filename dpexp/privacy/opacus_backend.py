@@ -27,6 +27,7 @@ from torch import nn
 
 from dpexp.backends import TrainingBackend, check_per_example_loss
 from dpexp.privacy.broadcast import BroadcastExpander
+from dpexp.privacy.capture import BufferWatch
 
 GRAD_SAMPLE_MODES = ("hooks", "ghost")
 # Opacus' full backward hooks warn when the model input needs no gradient (e.g. images); harmless here.
@@ -40,7 +41,9 @@ class OpacusBackend(TrainingBackend):
     """Opacus clipping and noise with noise added once per logical step.
 
     ``model`` must be in training mode and free of modules that mix examples (BatchNorm): Opacus' validator
-    raises otherwise. ``optimizer`` must hold exactly the model's trainable parameters.
+    raises otherwise; a module that changes a buffer in a training forward is refused at that forward
+    (:class:`dpexp.privacy.capture.BufferWatch`). ``optimizer`` must hold exactly the model's trainable
+    parameters.
     """
 
     def __init__(
@@ -67,6 +70,8 @@ class OpacusBackend(TrainingBackend):
             )
         model.train()
         ModuleValidator.validate(model, strict=True)
+        # the engine's rule for state carried across examples: no buffer may change in a training forward
+        self._buffer_hooks = BufferWatch(model).hooks()
         # position ids of batch size 1 would give Opacus batch-summed gradients (dpexp.privacy.broadcast)
         embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
         self._expander = BroadcastExpander(model, embeddings)
@@ -130,5 +135,7 @@ class OpacusBackend(TrainingBackend):
         self._pending = False
 
     def close(self) -> None:
+        for handle in self._buffer_hooks:
+            handle.remove()
         self._expander.remove()
         self.model.to_standard_module()

@@ -1,15 +1,22 @@
 """Exact generic fallback: per-example gradients of a module's own parameters with ``torch.func``.
 
 Used for modules that own trainable parameters but have no registered rule, e.g. BEiT's layer-scale
-``gamma`` (owned by its block) or a user's custom layer. For the output
-gradient ``dy_i`` captured by the engine, ``g_i = d/dtheta <module(x_i; theta), dy_i>``, computed for all
-examples at once with ``vmap(grad(...))`` over the module's forward. This recomputes the module's forward
-and backward once more, so it costs about as much as the module itself; it is exact as long as the
-forward is deterministic (no dropout), which the engine checks at construction.
+``gamma`` (owned by its block) or a user's custom layer. For the output gradient ``dy_i`` captured by the
+engine, ``g_i = d/dtheta <module(x_i; theta), dy_i>``, computed for all examples at once with
+``vmap(grad(...))`` over the module's forward. This recomputes the module's forward and backward once more,
+so it costs about as much as the module itself; it is exact as long as the forward is deterministic (no
+dropout), which the engine checks at construction.
+
+Which arguments carry the example index is established, not guessed from their sizes: only tensors whose
+dim 0 has the batch size *can* be batched, and a choice of batched arguments is accepted only if the
+vmapped forward reproduces the output the module actually produced in the forward pass (a tensor shared by
+all examples whose first dimension happens to equal the batch size, vmapped as if it were per-example,
+changes the output). No reproducing choice, or several that disagree: the module is refused.
 """
 
 from __future__ import annotations
 
+from itertools import product
 from typing import Any
 
 import torch
@@ -17,6 +24,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
+from dpexp.privacy.precision import tolerance
+
+MAX_AMBIGUOUS_ARGUMENTS = 4  # tensors with dim 0 = B whose role is searched (2^n vmapped forwards at most)
 
 
 def check_deterministic(name: str, module: nn.Module) -> None:
@@ -35,25 +45,84 @@ def check_deterministic(name: str, module: nn.Module) -> None:
             )
 
 
+def _reproduces(recorded: torch.Tensor, recomputed: torch.Tensor) -> bool:
+    if recorded.shape != recomputed.shape:
+        return False
+    tol = tolerance(recorded.dtype)
+    scale = float(recorded.detach().abs().max()) if recorded.numel() else 0.0
+    return bool(torch.allclose(recomputed, recorded.detach(), rtol=tol, atol=tol * scale))
+
+
 def functional_per_example_grads(
-    module: nn.Module, attrs: list[str], args: tuple, kwargs: dict[str, Any], dy: torch.Tensor
+    module: nn.Module,
+    attrs: list[str],
+    args: tuple,
+    kwargs: dict[str, Any],
+    dy: torch.Tensor,
+    output: torch.Tensor,
+    name: str,
 ) -> dict[str, PerExampleGrad]:
-    """Per-example gradients of ``module``'s own parameters ``attrs``; batched inputs have dim 0 = B."""
+    """Per-example gradients of ``module``'s own parameters ``attrs`` for one call (``args``, ``kwargs``,
+    recorded ``output``, output gradient ``dy`` of shape (B, ...)); ``name`` is the module's name in the
+    model, for errors."""
     size = dy.shape[0]
-
-    def batched(v: Any) -> bool:
-        return torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size
-
-    arg_dims = tuple(0 if batched(a) else None for a in args)
-    kwarg_dims = {k: 0 if batched(v) else None for k, v in kwargs.items()}
+    keys = [*range(len(args)), *kwargs]
+    values = [*args, *kwargs.values()]
+    candidates = [
+        i for i, v in enumerate(values) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size
+    ]
+    if len(candidates) > MAX_AMBIGUOUS_ARGUMENTS:
+        raise RuntimeError(
+            f"module {name!r} ({type(module).__name__}) has no per-example gradient rule and "
+            f"{len(candidates)} tensor arguments with the batch size in dim 0; the fallback cannot establish "
+            "which of them carry the example index. Register a rule for it or freeze its parameters."
+        )
     params = {attr: getattr(module, attr).detach() for attr in attrs}
+    found: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
+    for choice in product((0, None), repeat=len(candidates)):  # all batched first
+        batched = {i for i, d in zip(candidates, choice, strict=True) if d == 0}
+        dims = [0 if i in batched else None for i in range(len(values))]
+        try:
+            grads, recomputed = _vmapped(module, params, keys, values, dims, dy, len(args))
+        except RuntimeError:
+            continue  # shapes that do not fit this choice
+        if _reproduces(output, recomputed):
+            found.append((grads, recomputed))
+            if len(found) > 1:
+                break
+    if not found:
+        raise RuntimeError(
+            f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and no choice of "
+            "which of its inputs carry the example index in dim 0 reproduces its output per example: its "
+            "inputs are not batch-first, or its forward mixes examples. Register a rule, make it "
+            "batch-first, or freeze its parameters."
+        )
+    if len(found) > 1 and not all(_reproduces(found[0][0][attr], found[1][0][attr]) for attr in attrs):
+        raise RuntimeError(
+            f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and its tensor "
+            "arguments with the batch size in dim 0 reproduce its output both as per-example and as shared "
+            "inputs, with different gradients: which of them carry the example index cannot be established. "
+            "Register a rule for it or freeze its parameters."
+        )
+    return {attr: Dense(g) for attr, g in found[0][0].items()}
 
-    def inner_product(p: dict[str, torch.Tensor], a: tuple, kw: dict[str, Any], dy_i: torch.Tensor):
-        a = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(a, arg_dims, strict=True))
-        kw = {k: (v.unsqueeze(0) if kwarg_dims[k] == 0 else v) for k, v in kw.items()}
-        out = functional_call(module, p, a, kw)
-        return (out * dy_i.unsqueeze(0).to(out.dtype)).sum()
+
+def _vmapped(
+    module: nn.Module,
+    params: dict[str, torch.Tensor],
+    keys: list,
+    values: list,
+    dims: list[int | None],
+    dy: torch.Tensor,
+    num_args: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``(g_i, module(x_i))`` for every example i, vmapping dim 0 of the values with ``dims[j] == 0``."""
+
+    def inner_product(p: dict[str, torch.Tensor], vals: list, dy_i: torch.Tensor):
+        vals = [v.unsqueeze(0) if d == 0 else v for v, d in zip(vals, dims, strict=True)]
+        kw = dict(zip(keys[num_args:], vals[num_args:], strict=True))
+        out = functional_call(module, p, tuple(vals[:num_args]), kw)
+        return (out * dy_i.unsqueeze(0).to(out.dtype)).sum(), out.squeeze(0)
 
     with torch.enable_grad():
-        grads = vmap(grad(inner_product), in_dims=(None, arg_dims, kwarg_dims, 0))(params, args, kwargs, dy)
-    return {attr: Dense(g) for attr, g in grads.items()}
+        return vmap(grad(inner_product, has_aux=True), in_dims=(None, dims, 0))(params, values, dy)

@@ -1,0 +1,332 @@
+"""The engine establishes what it assumes about a model, on models it did not choose, or refuses
+(dpexp.privacy.capture): per-example structure, every use of every trainable parameter, no state carried
+across examples. Each refusal below was a silent privacy violation before the check existed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.engine import VerificationError
+from tests.oracle import clipped_mean, group_norms, per_example_grads
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
+
+
+def _engine(model: nn.Module, **kwargs) -> PrivacyEngine:
+    defaults = {"batch_size": 4, "sample_size": 40, "max_grad_norm": 1.0, "noise_multiplier": 0.0}
+    return PrivacyEngine(model, **{**defaults, **kwargs})
+
+
+def _step(model: nn.Module, loss_fn, batch, **kwargs) -> dict[str, torch.Tensor]:
+    """One SGD(lr=1) step under the engine; returns minus the update."""
+    engine = _engine(model, **kwargs)
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.backward(loss_fn(model, batch))
+    optimizer.step()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+
+def _cross_entropy(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+class TimeMajor(nn.Module):
+    """(B, T, d) -> (T, B, d) -> Linear -> back: dim 0 of the layer's input is time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.fc(x.transpose(0, 1)).transpose(0, 1)
+        return self.head(torch.tanh(h)).sum(1)
+
+
+class Scale(nn.Module):
+    """No rule: the torch.func fallback."""
+
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, p, mix=None):
+        return p * self.w if mix is None else mix @ (p * self.w)
+
+
+class SharedPositions(nn.Module):
+    """A fallback module applied to a (T, d) tensor shared by all examples, then broadcast over the batch."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(length, 3))
+        self.scale = Scale()
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(x + self.scale(self.pos)).sum(1)
+
+
+def _sequence_batch(batch_size: int, length: int):
+    gen = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(batch_size, length, 3, generator=gen), "y": torch.randint(0, 2, (batch_size,))}
+
+
+@pytest.mark.parametrize("length", [4, 6])  # 4 = the micro-batch size: only the probe can tell
+def test_time_major_layer_is_refused(length):
+    with pytest.raises(VerificationError, match=r"layer 'fc' \(Linear\)"):
+        _step(TimeMajor(), _cross_entropy, _sequence_batch(4, length))
+
+
+@pytest.mark.parametrize("length", [4, 6])
+def test_fallback_on_a_tensor_shared_by_all_examples_is_refused(length):
+    with pytest.raises(VerificationError, match=r"layer 'scale' \(Scale\)"):
+        _step(SharedPositions(length), _cross_entropy, _sequence_batch(4, length))
+
+
+@pytest.mark.parametrize("length", [4, 7])
+def test_t5_relative_attention_bias_is_refused(length):
+    """T5's relative_attention_bias is an Embedding on (q, k) buckets, broadcast over the batch later."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=30, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_heads=2, dropout_rate=0.0)
+    model = T5EncoderModel(config).double()
+    batch = {"ids": torch.randint(0, 30, (4, length))}
+
+    def loss(m, b):
+        return m(input_ids=b["ids"]).last_hidden_state.pow(2).sum((1, 2))
+
+    with pytest.raises(VerificationError, match="relative_attention_bias"):
+        _step(model, loss, batch)
+
+
+class HandTied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 3)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.fc(self.emb(ids))), self.emb.weight)
+
+
+class ReadOnlyWeights(nn.Module):
+    """``fc`` is never called: its weights are only read through F.linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return F.linear(x, self.fc.weight, self.fc.bias)
+
+
+def test_hand_tied_output_layer_is_refused_naming_the_parameter():
+    ids = torch.randint(0, 7, (4, 5), generator=torch.Generator().manual_seed(0))
+
+    def loss(m, b):
+        logits = m(b["ids"])
+        return F.cross_entropy(logits.flatten(0, 1), b["ids"].flatten(), reduction="none").view(4, 5).sum(1)
+
+    with pytest.raises(VerificationError, match=r"parameter 'emb.weight'.*\['emb'\].*F.linear"):
+        _step(HandTied(), loss, {"ids": ids})
+
+
+def test_weights_read_outside_their_module_are_refused():
+    batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(VerificationError, match=r"parameter 'fc.(weight|bias)'"):
+        _step(ReadOnlyWeights(), _cross_entropy, batch)
+
+
+def test_parameter_used_in_the_loss_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}
+
+    def loss(m, b):  # a per-example penalty on the first layer's weight, outside any module call
+        return _cross_entropy(m, b) + (m[0].weight.pow(2).sum() * b["x"].pow(2).sum(1))
+
+    with pytest.raises(VerificationError, match=r"parameter '0.weight'"):
+        _step(model, loss, batch)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_running_statistics_are_refused_before_a_step(affine):
+    model = nn.Sequential(
+        nn.Conv2d(2, 2, 3),
+        nn.InstanceNorm2d(2, track_running_stats=True, affine=affine),
+        nn.Flatten(),
+        nn.Linear(18, 2),
+    )
+    engine = _engine(model)
+    with pytest.raises(ValueError, match=r"module '1' \(InstanceNorm2d\) changed its buffer 'running_mean'"):
+        model(torch.randn(4, 2, 5, 5))
+    assert engine.steps == 0
+
+
+def test_running_statistics_are_refused_in_the_opacus_baseline():
+    from dpexp.privacy.opacus_backend import OpacusBackend
+
+    class Accumulating(nn.Module):  # state Opacus' validator does not know about
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(4))
+
+        def forward(self, x):
+            if self.training:
+                self.seen += x.detach().mean(0)
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), Accumulating(), nn.Linear(4, 2))
+    backend = OpacusBackend(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        batch_size=4,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+    )
+    with pytest.raises(ValueError, match=r"module '1' \(Accumulating\) changed its buffer 'seen'"):
+        backend.model(torch.randn(4, 4))
+
+
+class BatchCentred(nn.Module):
+    """Subtracts the batch mean before its only layer: examples mixed before any trainable layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0, keepdim=True))
+
+
+def test_examples_mixed_before_the_first_layer_are_refused():
+    batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(VerificationError, match="floating-point input 0 of the model"):
+        _step(BatchCentred(), _cross_entropy, batch)
+
+
+def test_a_loss_that_mixes_examples_is_refused():
+    model = nn.Linear(3, 3)
+    x = torch.randn(4, 3)
+
+    def contrastive(m, b):  # every example's loss depends on every other example's output
+        z = m(b["x"])
+        return torch.logsumexp(z @ z.T, dim=1)
+
+    with pytest.raises(VerificationError, match=r"layer '' \(Linear\)"):
+        _step(model, contrastive, {"x": x})
+
+
+class MaskedMix(nn.Module):
+    """A fallback module taking a per-example input and a (T, T) matrix shared by all examples, with
+    T = B: the fallback must vmap over the first only, which it establishes from the recorded output."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.register_buffer("mix", torch.tril(torch.ones(length, length)) / length)
+        self.scale = Scale()
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.scale(x, self.mix))).sum(1)
+
+
+def test_fallback_establishes_which_inputs_carry_the_example():
+    model = MaskedMix(4).double()
+    batch = _sequence_batch(4, 4)
+    batch["x"] = batch["x"].double()
+    grads = per_example_grads(model, _cross_entropy, batch)
+    groups = [list(grads[0])]
+    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=4)
+    delta = _step(copy.deepcopy(model), _cross_entropy, batch, thresholds=thresholds)
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-7, atol=1e-10)
+
+
+def _counting_probes(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = PrivacyEngine._probe
+
+    def spy(self, loss):
+        calls.append(loss.shape[0])
+        return real(self, loss)
+
+    monkeypatch.setattr(PrivacyEngine, "_probe", spy)
+    return calls
+
+
+def test_verification_runs_once_per_input_structure(monkeypatch):
+    calls = _counting_probes(monkeypatch)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    engine = _engine(model)
+    for shape in [(1, 3), (4, 3), (3, 3), (2, 5, 3), (4, 6, 3)]:
+        out = model(torch.randn(*shape))
+        engine.backward(out.reshape(shape[0], -1).sum(1))
+    # the single example is not probed (nothing to mix); then once per structure (rank 2, rank 3)
+    assert calls == [4, 2]
+    assert all(not p.requires_grad for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_verify_every_step_probes_every_micro_batch(monkeypatch):
+    calls = _counting_probes(monkeypatch)
+    model = nn.Linear(3, 2)
+    engine = _engine(model, verify_every_step=True)
+    for _ in range(3):
+        engine.backward(model(torch.randn(4, 3)).sum(1))
+    assert calls == [4, 4, 4]
+
+
+class Branching(nn.Module):
+    """Data-dependent control flow: which layer runs depends on the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.a(x) if float(x.sum()) > 0 else self.b(x)
+
+
+def test_an_unverified_path_through_the_layers_is_refused_unless_every_step_is_verified():
+    positive, negative = torch.rand(4, 3), -torch.rand(4, 3)
+    model = Branching()
+    engine = _engine(model)
+    engine.backward(model(positive).sum(1))
+    with pytest.raises(VerificationError, match="verify_every_step=True"):
+        engine.backward(model(negative).sum(1))
+    with pytest.raises(VerificationError, match="refused this model earlier"):
+        engine.backward(model(positive).sum(1))
+
+    model = Branching()
+    engine = _engine(model, verify_every_step=True)
+    engine.backward(model(positive).sum(1))
+    engine.backward(model(negative).sum(1))
+
+
+def test_verification_leaves_the_random_state_alone():
+    """Probe weights and directions come from their own generator: a seeded run is the same with or
+    without verification."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    engine = _engine(model)
+    x = torch.randn(4, 3)
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    engine.backward(model(x).sum(1))
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_layers_called_without_the_model_are_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    engine = _engine(model)
+    with pytest.raises(RuntimeError, match="model given to the PrivacyEngine"):
+        engine.backward(model[1](model[0](torch.randn(4, 3))).sum(1))
