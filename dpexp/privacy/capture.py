@@ -163,28 +163,62 @@ class RowFingerprint:
         return (gap > tolerance(plain.dtype) * scale + tiny).nonzero().flatten()
 
 
+class ProjectedSums:
+    """Two random rank-one projections ``u_j^T G w_j`` of the gradient sum G of every parameter (G flattened
+    to (rows, rest)), and a bound on its norm, accumulated piece by piece. Two computations of the same
+    gradients agree on them up to rounding, and any difference D shows (``u^T D w`` has standard deviation
+    ``||D||_F`` for Gaussian u, w), while only one parameter-sized tensor is held at a time."""
+
+    def __init__(self, directions: Mapping[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        self.directions = directions
+        self.projections: dict[str, torch.Tensor] = {}
+        self.norms: dict[str, float] = {}
+
+    @staticmethod
+    def directions_for(
+        params: Mapping[str, torch.Tensor],
+    ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Gaussian (u, w) pairs for every parameter, from the probe's own generator."""
+        out = {}
+        for name, p in params.items():
+            generator = probe_generator(p.device)
+            rows = p.shape[0] if p.dim() else 1
+            out[name] = [
+                tuple(
+                    torch.randn(n, generator=generator, device=p.device, dtype=torch.float64)
+                    for n in (rows, p.numel() // rows)
+                )
+                for _ in range(2)
+            ]
+        return out
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        """Accumulate one piece of parameter ``name``'s gradient sum."""
+        matrix = value.detach().double().reshape(len(self.directions[name][0][0]), -1)
+        projections = torch.stack([u @ matrix @ w for u, w in self.directions[name]])
+        self.projections[name] = self.projections.get(name, 0) + projections
+        self.norms[name] = self.norms.get(name, 0.0) + float(torch.linalg.vector_norm(matrix))
+
+
 def mismatched_parameters(
-    engine_sums: Mapping[str, torch.Tensor], autograd_grads: Mapping[str, torch.Tensor | None], tol: float
+    engine: ProjectedSums, autograd: ProjectedSums, tol: float
 ) -> list[tuple[str, float]]:
-    """Parameters whose engine-computed gradient sum differs from autograd's by more than ``tol`` times the
-    larger of the two, with the relative difference; a parameter autograd never reached has gradient 0.
+    """Parameters whose two gradient sums differ by more than ``tol`` times the larger, with an estimate of
+    the relative difference; a parameter one side never reached has gradient 0.
 
     Differences below ``tol`` times the norm of the whole gradient are rounding: a parameter whose exact
     gradient is 0 (a key bias, which softmax cancels) has two unrelated round-off values.
     """
-    pairs = {}
-    for name, want in autograd_grads.items():
-        got = engine_sums.get(name)
-        if want is None and got is None:
-            continue
-        want = torch.zeros_like(got) if want is None else want.double()
-        pairs[name] = (torch.zeros_like(want) if got is None else got.double(), want)
-    floor = tol * float(sum(float(w.norm()) ** 2 for _, w in pairs.values()) ** 0.5)
+    names = [n for n in engine.directions if n in engine.norms or n in autograd.norms]
+    zero = torch.zeros(2, dtype=torch.float64)
+    scales = {n: max(engine.norms.get(n, 0.0), autograd.norms.get(n, 0.0)) for n in names}
+    floor = tol * sum(v**2 for v in scales.values()) ** 0.5
     out = []
-    for name, (got, want) in pairs.items():
-        gap, scale = float((got - want).norm()), float(max(got.norm(), want.norm()))
-        if gap > tol * scale + floor:
-            out.append((name, gap / scale))
+    for name in names:
+        gap = engine.projections.get(name, zero).cpu() - autograd.projections.get(name, zero).cpu()
+        gap = float(gap.abs().max())
+        if gap > tol * scales[name] + floor:
+            out.append((name, gap / scales[name]))
     return out
 
 

@@ -54,6 +54,7 @@ from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.capture import (
     BufferWatch,
     Layer,
+    ProjectedSums,
     RowFingerprint,
     compute_dtype,
     differentiable_inputs,
@@ -129,7 +130,7 @@ class _StepState:
     leaves: list[torch.Tensor] = field(default_factory=list)  # the model's probed floating-point inputs
     leaf_probes: list[torch.Tensor | None] = field(default_factory=list)  # their gradients in the probe
     probe_weights: torch.Tensor | None = None  # v, shape (b,)
-    probe_sums: dict[str, torch.Tensor] = field(default_factory=dict)  # sum_i v_i g_i by the engine
+    engine_sums: ProjectedSums | None = None  # sum_i v_i g_i by the engine's rules, projected
     probe_dtypes: set[torch.dtype] = field(default_factory=set)
 
 
@@ -437,9 +438,7 @@ class PrivacyEngine:
         for attr, grad in self._per_example_grads(use, dy).items():
             name = use.layer.params.get(attr)
             if name is not None:
-                total = grad.weighted_sum(ones).double()
-                previous = state.probe_sums.get(name)
-                state.probe_sums[name] = total if previous is None else previous + total
+                state.engine_sums.add(name, grad.weighted_sum(ones))
 
     def _refuse(self, message: str) -> VerificationError:
         """A refusal: the engine stops accepting steps (sums of this step may be partial)."""
@@ -602,19 +601,38 @@ class PrivacyEngine:
         """Backpropagate ``sum_i v_i l_i`` through the same graph (capture checks 1 and 2): fingerprint every
         output gradient (compared with the plain pass in :meth:`_on_output_grad`), keep the gradients of the
         model's probed inputs, and compare every parameter's per-example gradients, summed over the batch,
-        with autograd's gradient."""
+        with autograd's gradient (both projected, one parameter at a time: no parameter-sized state)."""
         state = self._state
         state.phase = "probe"
-        state.probe_weights = v = probe_weights(state.batch_size, per_example_loss)
-        names = list(self._params)
-        inputs = [*self._params.values(), *state.leaves]
-        grads = torch.autograd.grad(per_example_loss, inputs, v, retain_graph=True, allow_unused=True)
-        state.leaf_probes = list(grads[len(names) :])
-        tol = max(
-            tolerance(dtype) for dtype in {*state.probe_dtypes, *(g.dtype for g in grads if g is not None)}
-        )
-        mismatched = mismatched_parameters(state.probe_sums, dict(zip(names, grads, strict=False)), tol)
-        state.probe_sums = {}
+        state.probe_weights = probe_weights(state.batch_size, per_example_loss)
+        directions = ProjectedSums.directions_for(self._params)
+        state.engine_sums, autograd_sums = ProjectedSums(directions), ProjectedSums(directions)
+
+        def project(name: str, param: nn.Parameter) -> None:
+            autograd_sums.add(name, param.grad)
+            param.grad = None
+
+        kept = {name: p.grad for name, p in self._params.items()}
+        handles = [p.register_post_accumulate_grad_hook(partial(project, n)) for n, p in self._params.items()]
+        try:
+            for p in [*self._params.values(), *state.leaves]:
+                p.grad = None
+            torch.autograd.backward(
+                per_example_loss,
+                state.probe_weights,
+                retain_graph=True,
+                inputs=[*self._params.values(), *state.leaves],
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+            for name, p in self._params.items():
+                p.grad = kept[name]
+        state.leaf_probes = [leaf.grad for leaf in state.leaves]
+        for leaf in state.leaves:
+            leaf.grad = None
+        tol = max(tolerance(dtype) for dtype in state.probe_dtypes)
+        mismatched = mismatched_parameters(state.engine_sums, autograd_sums, tol)
         if mismatched:
             name, gap = mismatched[0]
             owners = [ly.name for ly in self._layers if name in ly.params.values()]
