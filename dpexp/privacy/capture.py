@@ -121,6 +121,11 @@ def probe_generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(_PROBE_SEED)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision tensors (reductions and random draws), else the dtype itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def probe_weights(batch_size: int, like: torch.Tensor) -> torch.Tensor:
     """Random per-example loss weights ``v_i`` in {1/4, 1/2, 1, 2, 4}, shape (b,), in ``like``'s dtype and
     device. Powers of two scale every rounding step of example i's backward exactly, so an output gradient
@@ -145,13 +150,14 @@ class RowFingerprint:
     def __init__(self, t: torch.Tensor) -> None:
         generator = probe_generator(t.device)
         self.directions = torch.randn(
-            (2, t[0].numel()), generator=generator, device=t.device, dtype=torch.float64
+            (2, t[0].numel()), generator=generator, device=t.device, dtype=_wide(t.dtype)
         ).to(t.dtype)
         self.projections, self.norms = self._measure(t)
 
     def _measure(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = t.reshape(t.shape[0], -1)
-        return (rows @ self.directions.T).double(), torch.linalg.vector_norm(rows.double(), dim=1)
+        rows = t.reshape(t.shape[0], -1)  # no copies: the output gradient of an LM head is large
+        norms = torch.linalg.vector_norm(rows, dim=1, dtype=_wide(rows.dtype))
+        return (rows @ self.directions.T).double(), norms.double()
 
     def mixed_rows(self, plain: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Indices of the rows where ``self`` (the probe, weights ``v``) is not ``v_i`` times ``plain``'s."""
@@ -193,11 +199,14 @@ class ProjectedSums:
         return out
 
     def add(self, name: str, value: torch.Tensor) -> None:
-        """Accumulate one piece of parameter ``name``'s gradient sum."""
-        matrix = value.detach().double().reshape(len(self.directions[name][0][0]), -1)
-        projections = torch.stack([u @ matrix @ w for u, w in self.directions[name]])
+        """Accumulate one piece of parameter ``name``'s gradient sum (no copy of it is made)."""
+        matrix = value.detach().reshape(len(self.directions[name][0][0]), -1)
+        dtype = _wide(matrix.dtype)
+        projections = torch.stack(
+            [(u.to(dtype) @ matrix.to(dtype) @ w.to(dtype)).double() for u, w in self.directions[name]]
+        )
         self.projections[name] = self.projections.get(name, 0) + projections
-        self.norms[name] = self.norms.get(name, 0.0) + float(torch.linalg.vector_norm(matrix))
+        self.norms[name] = self.norms.get(name, 0.0) + float(torch.linalg.vector_norm(matrix, dtype=dtype))
 
 
 def mismatched_parameters(
