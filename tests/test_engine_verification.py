@@ -330,3 +330,25 @@ def test_layers_called_without_the_model_are_refused():
     engine = _engine(model)
     with pytest.raises(RuntimeError, match="model given to the PrivacyEngine"):
         engine.backward(model[1](model[0](torch.randn(4, 3))).sum(1))
+
+
+class RolledLinear(nn.Linear):
+    """Same forward as nn.Linear; its (deliberately wrong) rule gives example i the gradient of i + 1."""
+
+
+def test_a_rule_that_attributes_gradients_to_the_wrong_example_is_refused(monkeypatch):
+    """The sum over examples is right, only the attribution is wrong: clipping would bound the wrong vector.
+    The parameter-use check weights examples by the probe's v_i, so it sees it."""
+    from dpexp.privacy import rules
+    from dpexp.privacy.per_example import Dense
+
+    def rolled(module, x, dy):
+        grads = rules.rule_for(nn.Linear(1, 1)).per_example_grads(module, x, dy)
+        return {name: Dense(grad.instantiate().roll(1, 0)) for name, grad in grads.items()}
+
+    monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))
+    rules.register_rule(RolledLinear)(rolled)
+    model = nn.Sequential(RolledLinear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(VerificationError, match=r"parameter '0.(weight|bias)'.*a rule is wrong"):
+        _step(model, _cross_entropy, batch)

@@ -13,12 +13,13 @@ on the model the user brought, and the engine refuses what it cannot establish.
    loss i alone (:class:`RowFingerprint`). A layer's input shares dim 0 with its output (linear, convolution,
    embedding, normalisation), and the model's floating-point inputs are probed the same way, which exposes
    examples mixed before the first trainable layer.
-2. **Every use of every trainable parameter.** Hooks see module calls; a parameter can also be used outside
-   them (``F.linear(h, emb.weight)`` as a hand-tied output layer, a weight read only through ``F.linear`` or
-   in the loss). On a verified micro-batch the parameters require gradients, and for every parameter the
-   engine's per-example gradients summed over the batch must equal autograd's gradient of the (probe-
-   weighted) loss: a use the hooks did not see, or a wrong rule, leaves a difference
-   (:func:`mismatched_parameters`).
+2. **Every use of every trainable parameter, attributed to the right example.** Hooks see module calls; a
+   parameter can also be used outside them (``F.linear(h, emb.weight)`` as a hand-tied output layer, a weight
+   read only through ``F.linear`` or in the loss). On a verified micro-batch the parameters require gradients,
+   and for every parameter the engine's per-example gradients weighted by the probe's ``v_i`` must add up to
+   autograd's gradient of ``sum_i v_i l_i``: a use the hooks did not see leaves a difference, and so does a
+   rule (built in or registered by a user) that gives example i a gradient that is not its own
+   (:class:`ProjectedSums`, :func:`mismatched_parameters`).
 3. **No cross-example state.** A training forward must not change any buffer of the model: running statistics
    computed from raw batches are neither clipped nor noised and reach evaluation (:class:`BufferWatch`).
 
@@ -126,12 +127,17 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+PROBE_EXPONENTS = 9  # v_i = 2^k, k in [-4, 4]: distinct for up to 9 examples, within float16's range
+
+
 def probe_weights(batch_size: int, like: torch.Tensor) -> torch.Tensor:
-    """Random per-example loss weights ``v_i`` in {1/4, 1/2, 1, 2, 4}, shape (b,), in ``like``'s dtype and
-    device. Powers of two scale every rounding step of example i's backward exactly, so an output gradient
-    that is per-example scales exactly in any precision (bfloat16 included), and a mixed one does not."""
+    """Per-example loss weights ``v_i``, shape (b,), in ``like``'s dtype and device: powers of two, so that
+    they scale every rounding step of example i's backward exactly (an output gradient that is per-example
+    scales exactly in any precision, bfloat16 included), in random order and distinct for up to
+    ``PROBE_EXPONENTS`` examples (two examples mixed with equal weights would be invisible)."""
     generator = probe_generator(like.device)
-    exponents = torch.randint(-2, 3, (batch_size,), generator=generator, device=like.device)
+    order = torch.randperm(batch_size, generator=generator, device=like.device)
+    exponents = order % PROBE_EXPONENTS - PROBE_EXPONENTS // 2
     return torch.pow(2.0, exponents.double()).to(like.dtype)
 
 

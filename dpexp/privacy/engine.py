@@ -130,7 +130,8 @@ class _StepState:
     leaves: list[torch.Tensor] = field(default_factory=list)  # the model's probed floating-point inputs
     leaf_probes: list[torch.Tensor | None] = field(default_factory=list)  # their gradients in the probe
     probe_weights: torch.Tensor | None = None  # v, shape (b,)
-    engine_sums: ProjectedSums | None = None  # sum_i v_i g_i by the engine's rules, projected
+    engine_sums: ProjectedSums | None = None  # sum_i v_i g_i from the engine's per-example gradients
+    autograd_sums: ProjectedSums | None = None  # sum_i v_i grad l_i from autograd (the probe)
     probe_dtypes: set[torch.dtype] = field(default_factory=set)
 
 
@@ -380,6 +381,10 @@ class PrivacyEngine:
                     "Make the layer's input batch-first and per-example, or freeze its parameters."
                 )
         grads = self._per_example_grads(use, dy)
+        if state.engine_sums is not None and state.phase != "sum":  # verified: sum_i v_i g_i for check 2
+            for attr, grad in grads.items():
+                if attr in layer.params:
+                    state.engine_sums.add(layer.params[attr], grad.weighted_sum(state.probe_weights))
         if state.phase != "norm":
             use.args, use.kwargs = (), {}  # last pass over this use: free its activation with the layer
         if state.phase == "sum":
@@ -429,16 +434,9 @@ class PrivacyEngine:
             )
 
     def _probe_use(self, use: _Use, dy: torch.Tensor) -> None:
-        """Probe pass (losses weighted by v): fingerprint the rows of the output gradient, and add this use's
-        per-example gradients, summed over the batch, to the engine's side of the parameter-use check."""
-        state = self._state
+        """Probe pass (losses weighted by v): fingerprint the rows of the output gradient."""
         use.fingerprint = RowFingerprint(dy)
-        state.probe_dtypes.add(dy.dtype)
-        ones = torch.ones(dy.shape[0], dtype=torch.float64, device=dy.device)
-        for attr, grad in self._per_example_grads(use, dy).items():
-            name = use.layer.params.get(attr)
-            if name is not None:
-                state.engine_sums.add(name, grad.weighted_sum(ones))
+        self._state.probe_dtypes.add(dy.dtype)
 
     def _refuse(self, message: str) -> VerificationError:
         """A refusal: the engine stops accepting steps (sums of this step may be partial)."""
@@ -584,6 +582,7 @@ class PrivacyEngine:
             state.phase = "norm" if self.backend == "ghost" else "norm_and_sum"
             total.backward(retain_graph=self.backend == "ghost")
             if probing:
+                self._check_parameter_uses()
                 self._check_model_inputs()
             self._finish_pending()
             if self.backend == "ghost":
@@ -598,18 +597,18 @@ class PrivacyEngine:
             self._state = self._new_state()
 
     def _probe(self, per_example_loss: torch.Tensor) -> None:
-        """Backpropagate ``sum_i v_i l_i`` through the same graph (capture checks 1 and 2): fingerprint every
-        output gradient (compared with the plain pass in :meth:`_on_output_grad`), keep the gradients of the
-        model's probed inputs, and compare every parameter's per-example gradients, summed over the batch,
-        with autograd's gradient (both projected, one parameter at a time: no parameter-sized state)."""
+        """Backpropagate ``sum_i v_i l_i`` through the same graph: fingerprint every output gradient
+        (compared with the plain pass in :meth:`_on_output_grad`), keep the gradients of the model's probed
+        inputs, and project autograd's gradient of every parameter (one at a time, no parameter-sized state)
+        for :meth:`_check_parameter_uses`."""
         state = self._state
         state.phase = "probe"
         state.probe_weights = probe_weights(state.batch_size, per_example_loss)
         directions = ProjectedSums.directions_for(self._params)
-        state.engine_sums, autograd_sums = ProjectedSums(directions), ProjectedSums(directions)
+        state.engine_sums, state.autograd_sums = ProjectedSums(directions), ProjectedSums(directions)
 
         def project(name: str, param: nn.Parameter) -> None:
-            autograd_sums.add(name, param.grad)
+            state.autograd_sums.add(name, param.grad)
             param.grad = None
 
         kept = {name: p.grad for name, p in self._params.items()}
@@ -631,8 +630,15 @@ class PrivacyEngine:
         state.leaf_probes = [leaf.grad for leaf in state.leaves]
         for leaf in state.leaves:
             leaf.grad = None
+
+    def _check_parameter_uses(self) -> None:
+        """Capture check 2, after the first plain pass: for every parameter, the engine's per-example
+        gradients weighted by the probe's ``v_i`` must add up to autograd's gradient of ``sum_i v_i l_i``. A
+        use the hooks did not see leaves a difference; so does a rule or a batch dimension that attributes a
+        gradient to the wrong example (the sum holds for one random ``v`` only if every ``g_i`` is right)."""
+        state = self._state
         tol = max(tolerance(dtype) for dtype in state.probe_dtypes)
-        mismatched = mismatched_parameters(state.engine_sums, autograd_sums, tol)
+        mismatched = mismatched_parameters(state.engine_sums, state.autograd_sums, tol)
         if mismatched:
             name, gap = mismatched[0]
             owners = [ly.name for ly in self._layers if name in ly.params.values()]
