@@ -384,7 +384,9 @@ class PrivacyEngine:
         if state.engine_sums is not None and state.phase != "sum":  # verified: sum_i v_i g_i for check 2
             for attr, grad in grads.items():
                 if attr in layer.params:
-                    state.engine_sums.add(layer.params[attr], grad.weighted_sum(state.probe_weights))
+                    total = grad.weighted_sum(state.probe_weights)
+                    state.probe_dtypes.add(total.dtype)  # a rule may compute in lower precision
+                    state.engine_sums.add(layer.params[attr], total)
         if state.phase != "norm":
             use.args, use.kwargs = (), {}  # last pass over this use: free its activation with the layer
         if state.phase == "sum":

@@ -1,0 +1,167 @@
+"""RMSNorm rules (Llama, OLMo-2/Gemma, T5 and torch forms) against the brute-force oracle, and the claim
+that every registered Hugging Face class has the forward its form reproduces."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.rules import rms_norm, rule_for
+from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+
+
+def _hf_class(qualified: str) -> type:
+    module, name = qualified.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _forward_source(cls: type) -> str:
+    source = inspect.getsource(cls.forward)
+    source = re.sub(r"#.*", "", source)  # comments name the family
+    return re.sub(r"\s+", " ", source).strip()
+
+
+@pytest.mark.parametrize(
+    "form",
+    [rms_norm.LLAMA_FORM, rms_norm.FLOAT_PRODUCT_FORM[1:], rms_norm.T5_FORM],
+    ids=["llama", "gemma", "t5"],
+)
+def test_registered_classes_share_their_forms_forward(form):
+    sources = {_forward_source(_hf_class(name)) for name in form}
+    assert len(sources) == 1, sources
+
+
+class Normed(nn.Module):
+    """Linear -> norm -> tanh -> Linear, the norm's scale randomised (Gemma's starts at 0)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(4, 6), norm, nn.Linear(6, 3)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(self.inp(x)))).sum(1)
+
+
+def _norms():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    return {
+        "llama": LlamaRMSNorm(6, eps=1e-5),
+        "olmo2": Olmo2RMSNorm(6, eps=1e-5),
+        "gemma": GemmaRMSNorm(6, eps=1e-5),
+        "t5": T5LayerNorm(6, eps=1e-5),
+        "torch": nn.RMSNorm(6, eps=1e-5),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "olmo2", "gemma", "t5", "torch"])
+@pytest.mark.parametrize("backend", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_rms_norm_matches_oracle(name, backend, clipping):
+    torch.manual_seed(0)
+    norm = _norms()[name]
+    assert rule_for(norm) is not None
+    model = Normed(norm).double()
+    gen = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(6, 5, 4, generator=gen, dtype=torch.float64)}
+    batch["x"][0] = 0.0  # a zero-gradient example
+
+    def loss(m, b):
+        return F.softplus(m(b["x"])).sum(1)
+
+    grads = per_example_grads(model, loss, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        groups = PrivacyEngine(
+            Normed(_norms()[name]), batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0,
+            clipping=clipping,
+        ).groups  # fmt: skip
+    thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-3).tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=6)
+    delta, _ = engine_update(
+        model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, backend=backend, clipping=clipping,
+        thresholds=thresholds, max_grad_norm=1.0,
+    )  # fmt: skip
+    # OLMo-2 and Gemma compute in float32 whatever the model's dtype
+    rtol = 1e-5 if name in ("olmo2", "gemma") else 1e-7
+    for param, want in expected.items():
+        torch.testing.assert_close(delta[param], want, rtol=rtol, atol=1e-10)
+
+
+def test_torch_rms_norm_over_two_axes_matches_oracle():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Unflatten(-1, (2, 3)), nn.RMSNorm((2, 3)), nn.Flatten(-2), nn.Linear(6, 2)
+    )
+    model = model.double()
+    with torch.no_grad():
+        model[2].weight.normal_(1.0, 0.3)
+    batch = {"x": torch.randn(4, 5, 4, dtype=torch.float64)}
+
+    def loss(m, b):
+        return m(b["x"]).pow(2).sum((1, 2))
+
+    grads = per_example_grads(model, loss, batch)
+    groups = [list(grads[0])]
+    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=4)
+    delta, _ = engine_update(
+        model, loss, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
+    )
+    for param, want in expected.items():
+        torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_matches_oracle_without_fallback(clipping, tied, recwarn):
+    """A tiny Hugging Face Llama (RMSNorm, SwiGLU, rotary attention): every layer has a rule now."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).double().eval()
+    for module in model.modules():
+        if hasattr(module, "variance_epsilon"):
+            torch.nn.init.normal_(module.weight, 1.0, 0.3)
+    ids = torch.randint(0, 30, (4, 7), generator=torch.Generator().manual_seed(0))
+
+    def loss(m, b):
+        logits = m(input_ids=b["ids"]).logits[:, :-1]
+        flat = F.cross_entropy(logits.flatten(0, 1), b["ids"][:, 1:].flatten(), reduction="none")
+        return flat.view(len(b["ids"]), -1).sum(1)
+
+    batch = {"ids": ids}
+    grads = per_example_grads(model, loss, batch)
+    engine = PrivacyEngine(
+        model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0, clipping=clipping
+    )
+    groups = engine.groups
+    engine.detach()
+    assert not [w for w in recwarn if "fallback" in str(w.message)]
+    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=4)
+    delta, _ = engine_update(
+        model, loss, batch, [[0, 1], [2, 3]], batch_size=4, clipping=clipping, thresholds=thresholds,
+        max_grad_norm=1.0,
+    )  # fmt: skip
+    for param, want in expected.items():
+        torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
