@@ -1,0 +1,109 @@
+"""Convolution rules beyond plain 1-D/2-D ones: grouped and depthwise, 3-D, transposed, padding modes and
+``padding="same"``; every backend x clipping mode against the brute-force oracle."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.rules import rule_for
+from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+
+
+def _convs() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+    """name -> (convolution stack, input shape of one example)."""
+    return {
+        "grouped": (
+            nn.Sequential(nn.Conv2d(4, 6, 3, groups=2, padding=1), nn.Tanh(), nn.Conv2d(6, 6, 1)),
+            (4, 5, 5),
+        ),
+        "depthwise": (
+            nn.Sequential(nn.Conv2d(4, 4, 3, groups=4, stride=2), nn.Tanh(), nn.Conv2d(4, 3, 1)),
+            (4, 6, 6),
+        ),
+        "conv1d_grouped": (nn.Sequential(nn.Conv1d(4, 4, 3, groups=2, dilation=2)), (4, 9)),
+        "conv3d": (
+            nn.Sequential(nn.Conv3d(2, 3, 2, padding=1), nn.Tanh(), nn.Conv3d(3, 2, 2, groups=1)),
+            (2, 3, 3, 3),
+        ),
+        "transposed1d": (nn.Sequential(nn.ConvTranspose1d(3, 4, 3, stride=2, output_padding=1)), (3, 5)),
+        "transposed2d": (
+            nn.Sequential(
+                nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, groups=2), nn.Tanh(), nn.Conv2d(4, 2, 1)
+            ),
+            (4, 3, 3),
+        ),
+        "transposed3d": (nn.Sequential(nn.ConvTranspose3d(2, 2, 2)), (2, 2, 2, 2)),
+        "same_padding": (nn.Sequential(nn.Conv2d(3, 4, 4, padding="same")), (3, 5, 5)),
+        "reflect": (nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")), (3, 5, 5)),
+        "circular_1d": (nn.Sequential(nn.Conv1d(3, 4, 3, padding=2, padding_mode="circular")), (3, 7)),
+    }
+
+
+class Head(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return self.body(x).flatten(1).tanh().sum(1)
+
+
+@pytest.mark.parametrize("name", list(_convs()))
+@pytest.mark.parametrize("backend", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_convolution_matches_oracle(name, backend, clipping):
+    torch.manual_seed(0)
+    body, shape = _convs()[name]
+    assert all(rule_for(m) is not None for m in body if isinstance(m, nn.modules.conv._ConvNd))
+    model = Head(body).double()
+    batch = {"x": torch.randn(6, *shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)}
+
+    def loss(m, b):
+        return F.softplus(m(b["x"]))
+
+    grads = per_example_grads(model, loss, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        groups = PrivacyEngine(
+            Head(_convs()[name][0]), batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0,
+            clipping=clipping,
+        ).groups  # fmt: skip
+    thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-6).tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=6)
+    delta, _ = engine_update(
+        model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, backend=backend, clipping=clipping,
+        thresholds=thresholds, max_grad_norm=1.0,
+    )  # fmt: skip
+    for param, want in expected.items():
+        torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("norm_mode", ["ghost", "instantiate"])
+def test_forced_norm_modes_on_grouped_and_ungrouped_convolutions(norm_mode):
+    """Forcing the ghost norm on a convolution without a ghost form instantiates instead; both are exact."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Conv2d(3, 4, 3, groups=1), nn.Tanh(), nn.Conv2d(4, 4, 3, groups=2))
+    model = Head(body).double()
+    batch = {"x": torch.randn(4, 3, 7, 7, dtype=torch.float64)}
+
+    def loss(m, b):
+        return F.softplus(m(b["x"]))
+
+    grads = per_example_grads(model, loss, batch)
+    groups = [list(grads[0])]
+    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=4)
+    delta, _ = engine_update(
+        model, loss, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0,
+        norm_mode=norm_mode,
+    )  # fmt: skip
+    for param, want in expected.items():
+        torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
