@@ -96,7 +96,7 @@ def _centred_counts_after(model, x, y, thresholds):
         adaptive={"budget_fraction": 0.5},
     )
     engine.backward(model(x, y))
-    counts = engine._centred_counts.clone()
+    counts = engine.centred_counts
     engine.detach()
     return counts
 

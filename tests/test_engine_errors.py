@@ -141,10 +141,10 @@ def test_in_place_modification_of_a_saved_input_is_refused():
 def test_impossible_settings():
     with pytest.raises(ValueError, match="exceeds the data set size"):
         _engine(nn.Linear(2, 2), batch_size=50)
-    with pytest.raises(ValueError, match="unknown backend"):
-        _engine(nn.Linear(2, 2), backend="fast")
-    with pytest.raises(ValueError, match="noise_multiplier, or target_epsilon"):
-        _engine(nn.Linear(2, 2), noise_multiplier=None)
+    with pytest.raises(ValueError, match="unknown clipping strategy 'fast'"):
+        _engine(nn.Linear(2, 2), strategy="fast")
+    with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
+        _engine(nn.Linear(2, 2), noise_multiplier=-1.0)
 
 
 def test_optimizer_must_cover_exactly_the_private_parameters():

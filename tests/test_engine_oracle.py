@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dpexp.privacy import PrivacyEngine
-from dpexp.privacy import engine as engine_module
+from dpexp.privacy import clipping as clipping_module
 from dpexp.privacy.per_example import Outer, PerExampleGrad
 from tests.engine_models import CASES, make_case
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
@@ -252,7 +252,7 @@ def test_flat_keeps_larger_linear_instantiations_within_the_budget(case, monkeyp
     # with a budget of only the largest extra, fewer layers are kept and the budget holds; still exact
     budget = max(larger)
     monkeypatch.setattr(
-        engine_module.PrivacyEngine, "_new_state", lambda self: engine_module._StepState(held_budget=budget)
+        clipping_module.BookKeeping, "retention_budget", lambda self: clipping_module.RetentionBudget(budget)
     )
     extras.clear()
     delta, _ = engine_update(

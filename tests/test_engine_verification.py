@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpexp.privacy import PrivacyEngine
-from dpexp.privacy.engine import VerificationError
+from dpexp.privacy import PrivacyEngine, VerificationError
+from dpexp.privacy.verification import Verifier
 from tests.oracle import clipped_mean, group_norms, per_example_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
@@ -254,13 +254,13 @@ def test_fallback_establishes_which_inputs_carry_the_example():
 
 def _counting_probes(monkeypatch) -> list[int]:
     calls: list[int] = []
-    real = PrivacyEngine._probe
+    real = Verifier.run_probe
 
     def spy(self, loss):
         calls.append(loss.shape[0])
         return real(self, loss)
 
-    monkeypatch.setattr(PrivacyEngine, "_probe", spy)
+    monkeypatch.setattr(Verifier, "run_probe", spy)
     return calls
 
 

@@ -2,5 +2,6 @@
 
 from dpexp.privacy.engine import PrivacyEngine
 from dpexp.privacy.rules import register_rule
+from dpexp.privacy.verification import VerificationError
 
-__all__ = ["PrivacyEngine", "register_rule"]
+__all__ = ["PrivacyEngine", "VerificationError", "register_rule"]

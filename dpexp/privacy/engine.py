@@ -4,31 +4,16 @@ Life of one logical step (B = expected batch size, the same for every step)::
 
     engine = PrivacyEngine(model, batch_size=B, sample_size=N, max_grad_norm=C, noise_multiplier=sigma)
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=lr))
-    for micro_batch in logical_batch:           # forward hooks book-keep each layer's input
+    for micro_batch in logical_batch:           # forward hooks record each layer's input (capture)
         engine.backward(per_example_loss)       # output-gradient hooks clip and sum, group by group
-    optimizer.step()                            # noise once, / B, inner step, adapt thresholds, account
+    optimizer.step()                            # noise once, / B, inner step, adapt thresholds
     optimizer.zero_grad()
 
-Backends (how the clipped sum ``sum_i c_i g_i`` is obtained):
-
-* ``bk``: book-keeping (Bu et al. 2023, Algorithm 1). One backward pass; a group is clipped and summed as
-  soon as backpropagation has delivered every layer of it (He et al. 2023, section 3.1: per-layer clipping
-  is fused into backpropagation and each layer's tensors are freed right away; a flat group completes at
-  the input layer). Parameter gradients are never computed by autograd ("ghost differentiation"): the
-  engine turns ``requires_grad`` off on the parameters it handles and forms ``a^T diag(c) g`` itself.
-* ``ghost``: ghost clipping (Li et al. 2022, section 4): a first backward computes only norms, a second
-  one the clipped sums with the now known factors; nothing is held across the first backward.
-* ``instantiate``: per-example gradients are materialised (the Opacus way), for reference.
-
-Norms use the ghost norm or instantiation per layer by cost (``norm_mode="auto"``, BK-MixOpt: the ghost
-norm's ``T^2 (L + R)`` against instantiation's ``T L R``, with a memory cap). Instantiated per-example
-gradients are kept, so that the clipped sum is ``tensordot(c, g)`` instead of a second matmul over T:
-
-* in fused per-layer clipping, for linear layers whose per-example gradients hold at most 4x the values of
-  the layer's activation and output gradient (a transient: one layer at a time);
-* in flat clipping, for single-use untied layers whose per-example gradients are smaller than those factors,
-  or (linear layers) larger by at most what is left of a budget of one parameter-sized tensor per backward
-  pass: they wait for the input layer, so the budget bounds the memory they add.
+The engine wires its parts, each in a module of its own: :mod:`~dpexp.privacy.capture` records what the
+layers see, :mod:`~dpexp.privacy.verification` establishes what the engine assumes of it (or refuses),
+:mod:`~dpexp.privacy.clipping` turns per-example gradients into clipped sums by one of its strategies
+(``bk``, ``ghost``, ``instantiate``), :mod:`~dpexp.privacy.noise` privatises them,
+:mod:`~dpexp.privacy.adaptive` moves the thresholds and :mod:`~dpexp.privacy.accounting` says what it cost.
 """
 
 from __future__ import annotations
@@ -36,103 +21,19 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from dpexp.privacy import accounting
-from dpexp.privacy.adaptive import (
-    AdaptiveConfig,
-    centred_counts,
-    release_centred_counts,
-    update_thresholds,
-)
-from dpexp.privacy.broadcast import BroadcastExpander
-from dpexp.privacy.capture import (
-    BufferWatch,
-    Layer,
-    ProjectedSums,
-    RowFingerprint,
-    compute_dtype,
-    differentiable_inputs,
-    discover_layers,
-    mismatched_parameters,
-    probe_weights,
-    structure_signature,
-)
+from dpexp.privacy.adaptive import AdaptiveConfig, release_centred_counts, update_thresholds
+from dpexp.privacy.capture import Capture, Use, discover_layers
+from dpexp.privacy.clipping import Clipper, StrategyName, make_strategy
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
 from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
-from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
-from dpexp.privacy.precision import tolerance
-from dpexp.privacy.rules.functional import functional_per_example_grads
-
-Backend = Literal["bk", "ghost", "instantiate"]
-
-
-def _versions(args: tuple, kwargs: dict[str, Any]) -> list[int]:
-    return [t._version for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
-
-
-class _Anchor(torch.autograd.Function):
-    """Makes the output of an input layer (whose input and parameters need no gradient) require one, so
-    that backpropagation still reaches the layer and its output-gradient hook fires."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
-
-
-class VerificationError(RuntimeError):
-    """The engine could not establish what the privacy guarantee needs of this model (per-example structure,
-    every use of every parameter; :mod:`dpexp.privacy.capture`) and refuses to continue."""
-
-
-@dataclass
-class _Use:
-    """One call of a layer in the current forward pass: its inputs and their versions at call time."""
-
-    layer: Layer
-    args: tuple
-    kwargs: dict[str, Any]
-    versions: list[int]
-    output: torch.Tensor | None = None  # kept for the torch.func fallback only (it checks its inputs with it)
-    fingerprint: RowFingerprint | None = None  # of the probe's output gradient, until the plain pass
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (*self.args, *self.kwargs.values()) if torch.is_tensor(t)]
-
-
-@dataclass
-class _StepState:
-    """Everything held between a forward pass and the end of its backward pass(es)."""
-
-    batch_size: int | None = None
-    num_uses: int = 0
-    layer_uses: dict[str, int] = field(default_factory=dict)  # layer name -> calls in this forward pass
-    pending: dict[int, int] = field(default_factory=dict)  # group -> uses not yet delivered
-    arrived: dict[str, list[PerExampleGrad]] = field(default_factory=dict)  # parameter -> this pass
-    norm_sq: dict[int, torch.Tensor] = field(default_factory=dict)
-    coef: dict[int, torch.Tensor] = field(default_factory=dict)
-    phase: str = "idle"  # idle | probe | norm | sum | norm_and_sum
-    held_budget: int = 0  # values flat bk may still hold in kept per-example gradients beyond their factors
-    model_calls: int = 0  # forwards of the engine's model (not just of its layers)
-    path: list[tuple] = field(default_factory=list)  # (layer, input ranks) of every use, in call order
-    verifying: bool = False  # parameters require gradients in this forward (capture checks 1-2)
-    structure: tuple | None = None  # input structure of the verified forward
-    leaves: list[torch.Tensor] = field(default_factory=list)  # the model's probed floating-point inputs
-    leaf_probes: list[torch.Tensor | None] = field(default_factory=list)  # their gradients in the probe
-    probe_weights: torch.Tensor | None = None  # v, shape (b,)
-    engine_sums: ProjectedSums | None = None  # sum_i v_i g_i from the engine's per-example gradients
-    autograd_sums: ProjectedSums | None = None  # sum_i v_i grad l_i from autograd (the probe)
-    probe_dtypes: set[torch.dtype] = field(default_factory=set)
+from dpexp.privacy.per_example import NormMode, PerExampleGrad
+from dpexp.privacy.verification import VerificationError, Verifier, check_use
 
 
 class PrivacyEngine:
@@ -140,13 +41,16 @@ class PrivacyEngine:
 
     Args:
         model: the network; every trainable parameter must belong to a module with a rule
-            (``dpexp.privacy.rules``), otherwise construction fails naming the module.
+            (``dpexp.privacy.rules``) or go through the exact ``torch.func`` fallback.
         batch_size: expected logical batch size B (sample rate q = B / N); sums are divided by B.
         sample_size: N, the size of the private data set.
         max_grad_norm: C, the global clipping norm (per-group thresholds default to C / sqrt(K)).
-        noise_multiplier: sigma; or give ``target_epsilon``, ``target_delta`` and ``epochs`` or ``steps``.
+        noise_multiplier: sigma (0: no noise, for tests; solve it for a target epsilon with
+            :func:`dpexp.privacy.accounting.get_noise_multiplier`).
+        accountant: the default accountant of :meth:`get_epsilon`.
         clipping: "flat", "per_layer" or "groups" (``groups`` = lists of parameter names, or an int K).
-        backend: "bk", "ghost" or "instantiate" (see the module docstring).
+        strategy: "bk", "ghost" or "instantiate" (:mod:`dpexp.privacy.clipping`); ``backend`` is its old
+            name, accepted for one release.
         thresholds: initial per-group thresholds C_k.
         adaptive: ``{"target_quantile", "quantile_lr", "budget_fraction", "rescale_to_global"}`` to adapt
             the thresholds by private quantile estimation (He et al. Algorithm 1).
@@ -157,7 +61,7 @@ class PrivacyEngine:
             of refusing them.
         generator: random generator for the noise, on the parameters' device (default: torch's global one).
         verify_every_step: verify per-example structure and parameter uses on every micro-batch instead of
-            on the first one of each input structure (:mod:`dpexp.privacy.capture`); for models whose
+            on the first one of each input structure (:mod:`dpexp.privacy.verification`); for models whose
             forward takes data-dependent paths through their layers. Costs about one more backward pass.
     """
 
@@ -168,65 +72,64 @@ class PrivacyEngine:
         batch_size: int,
         sample_size: int,
         max_grad_norm: float,
-        noise_multiplier: float | None = None,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        epochs: float | None = None,
-        steps: int | None = None,
+        noise_multiplier: float,
         accountant: str = "rdp",
         clipping: ClippingMode = "flat",
         groups: Sequence[Sequence[str]] | int | None = None,
-        backend: Backend = "bk",
+        strategy: StrategyName = "bk",
+        backend: StrategyName | None = None,
         thresholds: Sequence[float] | None = None,
-        adaptive: AdaptiveConfig | dict | None = None,
+        adaptive: AdaptiveConfig | Mapping[str, Any] | None = None,
         noise_allocation: Allocation = "global",
         norm_mode: NormMode = "auto",
         generic_fallback: bool = True,
         generator: torch.Generator | None = None,
         verify_every_step: bool = False,
     ) -> None:
+        if backend is not None:
+            warnings.warn("PrivacyEngine(backend=...) is now strategy=...", DeprecationWarning, stacklevel=2)
+            strategy = backend
         if batch_size < 1 or sample_size < 1:
             raise ValueError(f"batch_size ({batch_size}) and sample_size ({sample_size}) must be positive")
         if batch_size > sample_size:
             raise ValueError(f"batch_size {batch_size} exceeds the data set size {sample_size}")
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
-        if backend not in ("bk", "ghost", "instantiate"):
-            raise ValueError(f"unknown backend {backend!r}; valid: 'bk', 'ghost', 'instantiate'")
         if norm_mode not in ("auto", "ghost", "instantiate"):
             raise ValueError(f"unknown norm_mode {norm_mode!r}; valid: 'auto', 'ghost', 'instantiate'")
+        if not noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        if noise_multiplier == 0:
+            warnings.warn(
+                "noise_multiplier=0: no privacy (epsilon = inf); use only for testing.", stacklevel=2
+            )
         self.model, self.batch_size, self.sample_size = model, batch_size, sample_size
         self.sample_rate = batch_size / sample_size
-        self.max_grad_norm, self.backend, self.accountant = float(max_grad_norm), backend, accountant
-        self.norm_mode: NormMode = "instantiate" if backend == "instantiate" else norm_mode
+        self.max_grad_norm, self.accountant = float(max_grad_norm), accountant
+        self.noise_multiplier = float(noise_multiplier)
         self.noise_allocation, self.generator = noise_allocation, generator
         self.steps = 0
 
-        self._recomputing = False
-        self._layers, self._params = discover_layers(model, generic_fallback)
-        self._verify_every_step = verify_every_step
-        self._verified_structures: set[tuple] = set()
-        self._verified_paths: set[tuple] = set()
-        self._buffers = BufferWatch(model)
-        self._refusal: VerificationError | None = None
-        layout = ParameterLayout(
-            names=list(self._params),
-            numel={n: p.numel() for n, p in self._params.items()},
-            owners={n: [ly.name for ly in self._layers if n in ly.params.values()] for n in self._params},
-        )
+        layers, self._params = discover_layers(model, generic_fallback)
+        owners = {n: [ly.name for ly in layers if n in ly.params.values()] for n in self._params}
+        layout = ParameterLayout(list(self._params), {n: p.numel() for n, p in self._params.items()}, owners)
         self.groups = partition(layout, clipping, groups)
-        self._group_of = {name: k for k, group in enumerate(self.groups) for name in group}
-        self._shared = {name for name, owners in layout.owners.items() if len(owners) > 1}  # tied weights
-        self._n_trainable = sum(layout.numel.values())
         self._group_dims = torch.tensor(
             [sum(layout.numel[n] for n in g) for g in self.groups], dtype=torch.float64
         )
-        self.thresholds = self._initial_thresholds(thresholds)
-
-        self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, dict) else adaptive
-        self.noise_multiplier = self._resolve_noise_multiplier(
-            noise_multiplier, target_epsilon, target_delta, epochs, steps
+        self.strategy = make_strategy(strategy, sum(layout.numel.values()))
+        self.norm_mode: NormMode = "instantiate" if self.strategy.name == "instantiate" else norm_mode
+        shared = {name for name, owned_by in owners.items() if len(owned_by) > 1}  # tied weights
+        self._clipper = Clipper(
+            self.groups,
+            self._params,
+            shared,
+            self._initial_thresholds(thresholds),
+            self.strategy,
+            self.norm_mode,
         )
+
+        self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, Mapping) else adaptive
         if self.adaptive is not None and self.noise_multiplier > 0:
             self.gradient_noise_multiplier, self.count_noise_multiplier = accounting.split_noise_multiplier(
                 self.noise_multiplier, len(self.groups), self.adaptive.budget_fraction
@@ -234,19 +137,15 @@ class PrivacyEngine:
         else:
             self.gradient_noise_multiplier, self.count_noise_multiplier = self.noise_multiplier, 0.0
 
-        self._summed: dict[str, torch.Tensor] = {}
-        device = next(iter(self._params.values())).device
-        # sum_i (1[unclipped] - 1/2) per group, on the device (no host sync per group)
-        self._centred_counts = torch.zeros(len(self.groups), dtype=torch.float64, device=device)
-        self._state = self._new_state()
-        self._anchor = torch.zeros((), requires_grad=True)
-        self._handles: list[Any] = []
+        self._verifier = Verifier(model, self._params, owners, verify_every_step)
+        self._capture = Capture(
+            model, layers, self._on_output_grad, self._verifier.begin_forward, self._verifier.end_forward
+        )
+        self._phase = "idle"  # idle | probe | first | second (the backward pass under way)
+        self._refusal: VerificationError | None = None
         self._optimizer_handles: list[Any] = []
-        self._install_hooks()
-        for p in self._params.values():
-            p.requires_grad_(False)  # ghost differentiation: the engine forms these gradients itself
+        self._verifier.release_parameters()  # ghost differentiation: the engine forms these gradients itself
 
-    # ------------------------------------------------------------------ construction
     def _initial_thresholds(self, thresholds: Sequence[float] | None) -> torch.Tensor:
         values = (
             default_thresholds(self.max_grad_norm, len(self.groups)) if thresholds is None else thresholds
@@ -256,297 +155,27 @@ class PrivacyEngine:
             raise ValueError(f"need {len(self.groups)} positive thresholds (one per group), got {values}")
         return torch.tensor(values, dtype=torch.float64)
 
-    def _resolve_noise_multiplier(
-        self,
-        noise_multiplier: float | None,
-        target_epsilon: float | None,
-        target_delta: float | None,
-        epochs: float | None,
-        steps: int | None,
-    ) -> float:
-        if noise_multiplier is not None:
-            if noise_multiplier < 0:
-                raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-            if noise_multiplier == 0:
-                warnings.warn(
-                    "noise_multiplier=0: no privacy (epsilon = inf); use only for testing.", stacklevel=3
-                )
-            return float(noise_multiplier)
-        if target_epsilon is None or target_delta is None or (epochs is None and steps is None):
-            raise ValueError("give noise_multiplier, or target_epsilon and target_delta with epochs or steps")
-        total_steps = steps if steps is not None else math.ceil(epochs * self.sample_size / self.batch_size)
-        return accounting.get_noise_multiplier(
-            target_epsilon, target_delta, self.sample_rate, total_steps, accountant=self.accountant
-        )
+    # ------------------------------------------------------------------ state
+    @property
+    def thresholds(self) -> torch.Tensor:
+        """The current per-group thresholds C_k, shape (K,)."""
+        return self._clipper.thresholds
 
-    # ------------------------------------------------------------------ hooks
-    def _install_hooks(self) -> None:
-        expanded = [
-            ly.module for ly in self._layers if ly.rule is not None and ly.rule.expand_broadcast_input
-        ]
-        self._handles.append(BroadcastExpander(self.model, expanded, active=lambda: not self._recomputing))
-        self._handles.append(self.model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._after_model_call))
-        for layer in self._layers:
-            tap = layer.rule.tap if layer.rule is not None else None
-            if tap is None:
-                hook = partial(self._on_forward, layer)
-                handle = layer.module.register_forward_hook(hook, with_kwargs=True)
-            else:
-                hook = partial(self._on_tap, layer)
-                handle = layer.module.get_submodule(tap).register_forward_pre_hook(hook)
-            self._handles.append(handle)
+    @thresholds.setter
+    def thresholds(self, value: torch.Tensor) -> None:
+        self._clipper.thresholds = value
 
-    def _on_model_call(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Start of a training forward of the model: watch its buffers, and verify it (parameters require
-        gradients, floating-point inputs become probed leaves) if its input structure is new."""
-        if not torch.is_grad_enabled() or self._recomputing:
-            return None
-        state = self._state
-        state.model_calls += 1
-        param = next(iter(self._params.values()))
-        state.probe_dtypes.add(compute_dtype(param.device, param.dtype))
-        self._buffers.start()
-        structure = structure_signature(args, kwargs)
-        if state.verifying or not (self._verify_every_step or structure not in self._verified_structures):
-            return None
-        state.verifying, state.structure = True, structure
-        for p in self._params.values():
-            p.requires_grad_(True)
-        args, kwargs, state.leaves = differentiable_inputs(args, kwargs)
-        return args, kwargs
+    @property
+    def centred_counts(self) -> torch.Tensor:
+        """This step's ``sum_i (1[||g_{i,k}|| <= C_k] - 1/2)`` per group so far, before noise (the statistic
+        adaptive thresholds release; sensitivity 1/2), shape (K,)."""
+        return self._clipper.centred_counts.clone()
 
-    def _after_model_call(self, model: nn.Module, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled() and not self._recomputing:
-            self._buffers.check()
-
-    def _on_forward(
-        self, layer: Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor
-    ) -> Any:
-        if not torch.is_grad_enabled() or self._recomputing:
-            return None
-        if not torch.is_tensor(output):
-            raise TypeError(
-                f"layer {layer.name!r} ({type(module).__name__}) returned {type(output).__name__}, but the "
-                "privacy engine needs a tensor output to capture its gradient; freeze its parameters or "
-                "register a rule for it."
-            )
-        use = _Use(layer, args, kwargs, _versions(args, kwargs))
-        if layer.rule is None:
-            use.output = output
-        return self._record_use(use, output)
-
-    def _on_tap(self, layer: Layer, tap: nn.Module, args: tuple) -> Any:
-        """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
-        if not torch.is_grad_enabled() or self._recomputing:
-            return None
-        x = self._record_use(_Use(layer, args[:1], {}, _versions(args[:1], {})), args[0])
-        return (x, *args[1:])
-
-    def _record_use(self, use: _Use, tensor: torch.Tensor) -> torch.Tensor:
-        """Count a use of a layer and hook the gradient of ``tensor`` (anchored if it needs none)."""
-        state = self._state
-        state.num_uses += 1
-        state.layer_uses[use.layer.name] = state.layer_uses.get(use.layer.name, 0) + 1
-        state.path.append((use.layer.name, tuple(t.dim() for t in use.tensors)))
-        for k in {self._group_of[p] for p in use.layer.params.values()}:
-            state.pending[k] = state.pending.get(k, 0) + 1
-        if not tensor.requires_grad:
-            tensor = _Anchor.apply(tensor, self._anchor)
-        tensor.register_hook(partial(self._on_output_grad, use))
-        return tensor
-
-    def _on_output_grad(self, use: _Use, dy: torch.Tensor) -> None:
-        state = self._state
-        if state.phase == "idle":
-            raise RuntimeError(
-                "gradients of a model under a PrivacyEngine must be computed with "
-                "engine.backward(per_example_loss), not loss.backward()"
-            )
-        self._check_use(use, dy)
-        if state.phase == "probe":
-            self._probe_use(use, dy)
-            return
-        layer = use.layer
-        if use.fingerprint is not None:  # the first plain pass after the probe
-            mixed = use.fingerprint.mixed_rows(dy, state.probe_weights)
-            use.fingerprint = None
-            if mixed.numel():
-                raise self._refuse(
-                    f"layer {layer.name!r} ({type(layer.module).__name__}): row {int(mixed[0])} of its "
-                    "output gradient depends on other examples' losses, so dim 0 of its input and output is "
-                    "not the example index (a time-major or flattened tensor whose leading size happens to "
-                    "equal the batch size, a tensor shared by all examples, or examples mixed after this "
-                    "layer). "
-                    "Make the layer's input batch-first and per-example, or freeze its parameters."
-                )
-        grads = self._per_example_grads(use, dy)
-        if state.engine_sums is not None and state.phase != "sum":  # verified: sum_i v_i g_i for check 2
-            for attr, grad in grads.items():
-                if attr in layer.params:
-                    total = grad.weighted_sum(state.probe_weights)
-                    state.probe_dtypes.add(total.dtype)  # a rule may compute in lower precision
-                    state.engine_sums.add(layer.params[attr], total)
-        if state.phase != "norm":
-            use.args, use.kwargs = (), {}  # last pass over this use: free its activation with the layer
-        if state.phase == "sum":
-            for attr, grad in grads.items():
-                name = layer.params.get(attr)
-                if name is not None:
-                    self._accumulate(name, grad.weighted_sum(state.coef[self._group_of[name]]))
-            return
-        single_use = state.layer_uses[layer.name] == 1  # then its unshared parameters need no cross term
-        for attr, grad in grads.items():
-            name = layer.params.get(attr)
-            if name is None:
-                continue  # frozen parameter of a layer with trainable ones (e.g. a frozen bias)
-            if self.backend == "instantiate":
-                grad = Dense(grad.instantiate())
-            elif self.backend == "bk" and state.pending[self._group_of[name]] == 1:
-                # the group is clipped and summed right after this norm (fused per-layer); an instantiation
-                # made for that may hold as many values as the trainable parameters (one transient)
-                grad.retain(max_values=self._n_trainable)
-            elif self.backend == "bk" and single_use and name not in self._shared:
-                self._keep_instantiated_if_affordable(grad)
-            self._add_norm_contribution(name, grad)
-        for k in {self._group_of[p] for p in layer.params.values()}:
-            state.pending[k] -= 1
-            if state.pending[k] == 0:
-                self._finish_group(k)
-
-    def _check_use(self, use: _Use, dy: torch.Tensor) -> None:
-        """The captured input is unchanged since the call, and dim 0 of input and output gradient has the
-        batch size (necessary, not sufficient: the probe establishes the rest)."""
-        layer, tensors, size = use.layer, use.tensors, self._state.batch_size
-        if [t._version for t in tensors] != use.versions:
-            raise RuntimeError(
-                f"the input of layer {layer.name!r} was modified in place after the layer used it; "
-                "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
-            )
-        x = tensors[0]
-        if x.dim() == 0 or x.shape[0] != size or dy.dim() == 0 or dy.shape[0] != size:
-            raise self._refuse(
-                f"layer {layer.name!r} ({type(layer.module).__name__}) got an input of shape "
-                f"{tuple(x.shape)} and an output gradient of shape {tuple(dy.shape)}, but the loss has "
-                f"{size} examples: the engine needs the example index in dim 0 of every layer's input and "
-                "output. "
-                "Inputs broadcast over the batch (leading size 1), time-major or flattened (B*T, ...) "
-                "tensors and tensors shared by all examples are not batch-first. Make the layer's input "
-                "batch-first (expand broadcast inputs to the batch), or freeze its parameters."
-            )
-
-    def _probe_use(self, use: _Use, dy: torch.Tensor) -> None:
-        """Probe pass (losses weighted by v): fingerprint the rows of the output gradient."""
-        use.fingerprint = RowFingerprint(dy)
-        self._state.probe_dtypes.add(dy.dtype)
-
-    def _refuse(self, message: str) -> VerificationError:
-        """A refusal: the engine stops accepting steps (sums of this step may be partial)."""
-        self._refusal = VerificationError(message)
-        return self._refusal
-
-    def _keep_instantiated_if_affordable(self, grad: PerExampleGrad) -> None:
-        """Flat bk: a layer's per-example gradients replace its activation and output gradient until the group
-        finishes (the clipped sum is then a ``tensordot``) where they are smaller, or where the extra values
-        fit in what is left of this backward pass's budget (one parameter-sized tensor)."""
-        extra = grad.held_extra_values()
-        if extra is None or extra > self._state.held_budget:
-            return
-        self._state.held_budget -= max(extra, 0)
-        grad.retain(release=True)
-
-    def _per_example_grads(self, use: _Use, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-        layer = use.layer
-        if layer.rule is not None:
-            grads = layer.rule.per_example_grads(layer.module, use.args[0], dy)
-            missing = set(layer.params) - set(grads)
-            if missing:  # never leave a trainable parameter without its per-example gradient
-                raise RuntimeError(
-                    f"the rule for layer {layer.name!r} ({type(layer.module).__name__}) gave no per-example "
-                    f"gradient for its trainable parameters {sorted(missing)}; fix or replace the rule."
-                )
-            return grads
-        self._recomputing = True
-        try:
-            return functional_per_example_grads(
-                layer.module, list(layer.params), use.args, use.kwargs, dy, use.output, layer.name
-            )
-        finally:
-            self._recomputing = False
-
-    # ------------------------------------------------------------------ clipping
-    def _add_norm_contribution(self, name: str, grad: PerExampleGrad) -> None:
-        """``||sum_u g_u||^2 = sum_u ||g_u||^2 + 2 sum_{u<v} <g_u, g_v>`` over the uses of a parameter."""
-        state = self._state
-        k = self._group_of[name]
-        previous = state.arrived.setdefault(name, [])
-        contribution = grad.norm_sq(self.norm_mode)
-        for other in previous:
-            contribution = contribution + 2 * grad.dot(other)
-        state.norm_sq[k] = state.norm_sq.get(k, 0) + contribution.double()
-        previous.append(grad)
-
-    def _clipping_factors(self, k: int, norm_sq: torch.Tensor | None, batch_size: int) -> torch.Tensor:
-        """``c_i = min(1, C_k / ||g_{i,k}||)`` (exactly 1 for g = 0) from squared group norms (None: all
-        zero), shape (b,); counts the unclipped examples for adaptive thresholds."""
-        if norm_sq is None:
-            device = self._params[self.groups[k][0]].device
-            norm_sq = torch.zeros(batch_size, dtype=torch.float64, device=device)
-        norm = norm_sq.clamp_min(0).sqrt()
-        threshold = float(self.thresholds[k])
-        self._centred_counts[k] += centred_counts(norm, threshold)
-        return threshold / norm.clamp_min(threshold)
-
-    def _finish_group(self, k: int) -> None:
-        state = self._state
-        coef = self._clipping_factors(k, state.norm_sq.pop(k, None), state.batch_size)
-        for name in self.groups[k]:
-            grads = state.arrived.pop(name, [])
-            if self.backend == "ghost":
-                continue  # sums come from the second backward pass
-            for grad in grads:
-                self._accumulate(name, grad.weighted_sum(coef))
-        state.coef[k] = coef
-
-    def _accumulate(self, name: str, value: torch.Tensor) -> None:
-        param = self._params[name]
-        value = value.to(param.dtype)
-        if name in self._summed:
-            self._summed[name].add_(value)
-        else:
-            self._summed[name] = value  # a fresh tensor from weighted_sum: owned from here on
-
-    # ------------------------------------------------------------------ public API
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters the engine clips, noises and updates, by name (their requires_grad is off)."""
         return dict(self._params)
 
-    def add_per_example_gradients(self, grads: Mapping[str, PerExampleGrad]) -> None:
-        """Clip and accumulate examples given by their per-example gradients instead of a loss: ``grads``
-        maps parameter names to per-example gradients of one batch of n examples (a parameter left out has
-        gradient 0). They are clipped group by group with the current thresholds and counted for adaptive
-        thresholds exactly like examples of :meth:`backward`; the privacy audit's gradient canaries
-        (Steinke et al. 2023) enter the mechanism this way."""
-        unknown = sorted(set(grads) - set(self._params))
-        if unknown:
-            raise ValueError(f"add_per_example_gradients: {unknown[:5]} are not trainable parameters")
-        sizes = {grad.batch_size for grad in grads.values()}
-        if len(sizes) != 1:
-            raise ValueError(f"add_per_example_gradients: need one batch size for all parameters: {sizes}")
-        (size,) = sizes
-        for name, grad in grads.items():
-            if tuple(grad.shape) != tuple(self._params[name].shape):
-                raise ValueError(
-                    f"add_per_example_gradients: {name!r} has shape {tuple(self._params[name].shape)}, "
-                    f"the gradients {tuple(grad.shape)}"
-                )
-        for k, group in enumerate(self.groups):
-            present = [name for name in group if name in grads]
-            norm_sq = sum(grads[n].norm_sq(self.norm_mode).double() for n in present) if present else None
-            coef = self._clipping_factors(k, norm_sq, size)
-            for name in present:
-                self._accumulate(name, grads[name].weighted_sum(coef))
-
+    # ------------------------------------------------------------------ backward
     def backward(self, per_example_loss: torch.Tensor) -> None:
         """Accumulate ``sum_i clip(g_i)`` for one (micro-)batch; ``per_example_loss`` has shape (b,)."""
         if not torch.is_tensor(per_example_loss) or per_example_loss.dim() != 1:
@@ -557,130 +186,89 @@ class PrivacyEngine:
                 f"engine.backward needs a 1-D tensor with one loss per example, got shape {shape}; "
                 "use reduction='none' (and sum token losses per example)."
             )
-        if self._refusal is not None:
-            raise VerificationError(f"the engine refused this model earlier: {self._refusal}")
-        state = self._state
-        if not state.model_calls:
+        self._check_not_refused()
+        forward = self._capture.take()
+        if not forward.model_calls:
             raise RuntimeError(
                 "no forward pass of the model given to the PrivacyEngine with gradients enabled was recorded "
                 "before engine.backward: call that model (its hooks verify the forward), or give the engine "
                 "the module you call."
             )
-        state.batch_size = per_example_loss.shape[0]
-        path = tuple(state.path)
-        probing = state.batch_size > 1 and (state.verifying or path not in self._verified_paths)
+        self._batch_size = per_example_loss.shape[0]
         try:
-            if probing and not state.verifying:
-                raise self._refuse(
-                    "the model called its layers in a sequence that was never verified (data-dependent "
-                    "control flow), and parameters did not require gradients in this forward, so their uses "
-                    "cannot be checked. Construct the PrivacyEngine with verify_every_step=True."
-                )
+            probing = self._verifier.start_backward(forward, self._batch_size)
             if probing:
-                self._probe(per_example_loss)
-            for p in self._params.values():
-                p.requires_grad_(False)  # from here on the engine forms the parameter gradients itself
+                self._phase = "probe"
+                self._verifier.run_probe(per_example_loss)
+            self._verifier.release_parameters()
             total = per_example_loss.sum()
-            state.phase = "norm" if self.backend == "ghost" else "norm_and_sum"
-            total.backward(retain_graph=self.backend == "ghost")
+            passes = self.strategy.passes
+            self._phase = "first"
+            self._clipper.begin(forward, self._batch_size)
+            total.backward(retain_graph=passes > 1)
             if probing:
-                self._check_parameter_uses()
-                self._check_model_inputs()
-            self._finish_pending()
-            if self.backend == "ghost":
-                state.phase = "sum"
+                self._verifier.after_first_pass()
+            self._clipper.finish_pending()
+            if passes > 1:
+                self._phase = "second"
+                self._clipper.begin(forward, self._batch_size, second=True)
                 total.backward()
-            if probing:
-                self._verified_structures.add(state.structure)
-                self._verified_paths.add(path)
+        except VerificationError as error:
+            self._refusal = error  # sums of this step may be partial: no step is taken from here on
+            raise
         finally:
-            for p in self._params.values():
-                p.requires_grad_(False)
-            self._state = self._new_state()
+            self._phase = "idle"
+            self._clipper.end()
+            self._verifier.end_backward()
 
-    def _probe(self, per_example_loss: torch.Tensor) -> None:
-        """Backpropagate ``sum_i v_i l_i`` through the same graph: fingerprint every output gradient
-        (compared with the plain pass in :meth:`_on_output_grad`), keep the gradients of the model's probed
-        inputs, and project autograd's gradient of every parameter (one at a time, no parameter-sized state)
-        for :meth:`_check_parameter_uses`."""
-        state = self._state
-        state.phase = "probe"
-        state.probe_weights = probe_weights(state.batch_size, per_example_loss)
-        directions = ProjectedSums.directions_for(self._params)
-        state.engine_sums, state.autograd_sums = ProjectedSums(directions), ProjectedSums(directions)
-
-        def project(name: str, param: nn.Parameter) -> None:
-            state.autograd_sums.add(name, param.grad)
-            param.grad = None
-
-        kept = {name: p.grad for name, p in self._params.items()}
-        handles = [p.register_post_accumulate_grad_hook(partial(project, n)) for n, p in self._params.items()]
-        try:
-            for p in [*self._params.values(), *state.leaves]:
-                p.grad = None
-            torch.autograd.backward(
-                per_example_loss,
-                state.probe_weights,
-                retain_graph=True,
-                inputs=[*self._params.values(), *state.leaves],
+    def _on_output_grad(self, use: Use, dy: torch.Tensor) -> None:
+        """A use's output gradient, in the probe or a plain pass: checked, turned into per-example
+        gradients, handed to the clipper."""
+        if self._phase == "idle":
+            raise RuntimeError(
+                "gradients of a model under a PrivacyEngine must be computed with "
+                "engine.backward(per_example_loss), not loss.backward()"
             )
-        finally:
-            for handle in handles:
-                handle.remove()
-            for name, p in self._params.items():
-                p.grad = kept[name]
-        state.leaf_probes = [leaf.grad for leaf in state.leaves]
-        for leaf in state.leaves:
-            leaf.grad = None
+        check_use(use, dy, self._batch_size)
+        verifying = self._verifier.probe is not None
+        if self._phase == "probe":
+            self._verifier.record(use, dy)
+            return
+        if verifying and self._phase == "first":
+            self._verifier.check_rows(use, dy)
+        grads = self._capture.per_example_grads(use, dy)
+        if verifying and self._phase == "first":
+            self._verifier.add_engine_sums(use, grads)
+        if self._phase == "second" or self.strategy.passes == 1:
+            use.release()
+        self._clipper.deliver(use, grads)
 
-    def _check_parameter_uses(self) -> None:
-        """Capture check 2, after the first plain pass: for every parameter, the engine's per-example
-        gradients weighted by the probe's ``v_i`` must add up to autograd's gradient of ``sum_i v_i l_i``. A
-        use the hooks did not see leaves a difference; so does a rule or a batch dimension that attributes a
-        gradient to the wrong example (the sum holds for one random ``v`` only if every ``g_i`` is right)."""
-        state = self._state
-        tol = max(tolerance(dtype) for dtype in state.probe_dtypes)
-        mismatched = mismatched_parameters(state.engine_sums, state.autograd_sums, tol)
-        if mismatched:
-            name, gap = mismatched[0]
-            owners = [ly.name for ly in self._layers if name in ly.params.values()]
-            raise self._refuse(
-                f"parameter {name!r}: the per-example gradients from its module{'s' * (len(owners) > 1)} "
-                f"{owners} do not add up to its gradient (relative difference {gap:.2g}): it is used outside "
-                "their forward (e.g. F.linear(h, emb.weight) as a hand-tied output layer, or in the loss), "
-                "where the engine cannot clip it, or a rule is wrong. Use it through a module (an nn.Linear "
-                "whose weight is the tied parameter is exact), or freeze it."
-                + (f" Also: {[n for n, _ in mismatched[1:5]]}." if len(mismatched) > 1 else "")
-            )
-
-    def _check_model_inputs(self) -> None:
-        """Capture check 1 at the model's inputs: the gradient of a floating-point input with the batch size
-        in dim 0 must scale row by row with the probe weights, or examples are mixed before any layer."""
-        state = self._state
-        for i, (leaf, probe) in enumerate(zip(state.leaves, state.leaf_probes, strict=True)):
-            if probe is None or leaf.grad is None or leaf.shape[0] != state.batch_size:
-                continue
-            mixed = RowFingerprint(probe).mixed_rows(leaf.grad, state.probe_weights)
-            if mixed.numel():
-                raise self._refuse(
-                    f"floating-point input {i} of the model (shape {tuple(leaf.shape)}): the loss of one "
-                    "example depends on another example's input, so the forward mixes examples before or "
-                    "between its layers (batch statistics, or a tensor shared by all examples passed with "
-                    "the batch). Per-example clipping cannot bound such an example's influence."
+    def add_per_example_gradients(self, grads: Mapping[str, PerExampleGrad]) -> None:
+        """Clip and accumulate examples given by their per-example gradients instead of a loss: ``grads``
+        maps parameter names to per-example gradients of one batch of n examples (a parameter left out has
+        gradient 0). They are clipped group by group with the current thresholds and counted for adaptive
+        thresholds exactly like examples of :meth:`backward`; the privacy audit's gradient canaries
+        (Steinke et al. 2023) enter the mechanism this way."""
+        self._check_not_refused()
+        unknown = sorted(set(grads) - set(self._params))
+        if unknown:
+            raise ValueError(f"add_per_example_gradients: {unknown[:5]} are not trainable parameters")
+        sizes = {grad.batch_size for grad in grads.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"add_per_example_gradients: need one batch size for all parameters: {sizes}")
+        for name, grad in grads.items():
+            if tuple(grad.shape) != tuple(self._params[name].shape):
+                raise ValueError(
+                    f"add_per_example_gradients: {name!r} has shape {tuple(self._params[name].shape)}, "
+                    f"the gradients {tuple(grad.shape)}"
                 )
+        self._clipper.add_examples(grads, sizes.pop())
 
-    def _new_state(self) -> _StepState:
-        """Flat bk may hold one parameter-sized tensor of kept per-example gradients per backward pass."""
-        return _StepState(held_budget=self._n_trainable)
+    def _check_not_refused(self) -> None:
+        if self._refusal is not None:
+            raise VerificationError(f"the engine refused this model earlier: {self._refusal}")
 
-    def _finish_pending(self) -> None:
-        """Groups some of whose layers got no gradient (unused outputs) are finished with those at zero."""
-        state = self._state
-        for k in range(len(self.groups)):
-            if state.pending.get(k, 0) > 0 or k not in state.coef:
-                state.pending[k] = 0
-                self._finish_group(k)
-
+    # ------------------------------------------------------------------ the step
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` privatise the accumulated sums first; returns the same optimizer."""
         handled = {id(p) for p in self._params.values()}
@@ -701,32 +289,28 @@ class PrivacyEngine:
 
     def _privatize(self) -> None:
         """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step."""
-        if self._refusal is not None:
-            raise VerificationError(f"the engine refused this model earlier: {self._refusal}")
+        self._check_not_refused()
         stds = noise_stds(
             self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation
         )
+        sums = self._clipper.take_sums()
         for k, group in enumerate(self.groups):
             std = float(stds[k])
             for name in group:
-                param = self._params[name]
-                grad = self._summed.pop(name, None)
-                if grad is None:
-                    grad = torch.zeros_like(param)
+                grad = sums[name]
                 if std > 0:
                     add_gaussian_noise_(grad, std, self.generator)
-                param.grad = grad.div_(self.batch_size)
+                self._params[name].grad = grad.div_(self.batch_size)
 
     def _end_step(self) -> None:
         if self.adaptive is not None:
             released = release_centred_counts(
-                self._centred_counts, self.count_noise_multiplier, self.generator
+                self._clipper.centred_counts, self.count_noise_multiplier, self.generator
             )
             self.thresholds = update_thresholds(
                 self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm
             )
-        self._summed.clear()
-        self._centred_counts.zero_()
+        self._clipper.end_step()
         self.steps += 1
 
     def get_epsilon(self, delta: float, accountant: str | None = None) -> float:
@@ -745,9 +329,10 @@ class PrivacyEngine:
 
     def detach(self) -> nn.Module:
         """Remove every hook and give the parameters their ``requires_grad`` back."""
-        for handle in [*self._handles, *self._optimizer_handles]:
+        self._capture.remove()
+        for handle in self._optimizer_handles:
             handle.remove()
-        self._handles, self._optimizer_handles = [], []
+        self._optimizer_handles = []
         for p in self._params.values():
             p.requires_grad_(True)
         return self.model

@@ -27,7 +27,7 @@ from torch import nn
 
 from dpexp.backends import TrainingBackend, check_per_example_loss
 from dpexp.privacy.broadcast import BroadcastExpander
-from dpexp.privacy.capture import BufferWatch
+from dpexp.privacy.verification import BufferWatch
 
 GRAD_SAMPLE_MODES = ("hooks", "ghost")
 # Opacus' full backward hooks warn when the model input needs no gradient (e.g. images); harmless here.
@@ -42,7 +42,7 @@ class OpacusBackend(TrainingBackend):
 
     ``model`` must be in training mode and free of modules that mix examples (BatchNorm): Opacus' validator
     raises otherwise; a module that changes a buffer in a training forward is refused at that forward
-    (:class:`dpexp.privacy.capture.BufferWatch`). ``optimizer`` must hold exactly the model's trainable
+    (:class:`dpexp.privacy.verification.BufferWatch`). ``optimizer`` must hold exactly the model's trainable
     parameters.
     """
 

@@ -1,0 +1,276 @@
+"""Per-example clipping of parameter groups: the clipped sum ``sum_i c_{i,k} g_{i,k}`` of every group k, with
+``c_{i,k} = min(1, C_k / ||g_{i,k}||)``, formed from the per-example gradients that the layers deliver
+during backpropagation.
+
+Strategies (how the clipped sums are obtained):
+
+* ``bk``: book-keeping (Bu et al. 2023, Algorithm 1). One backward pass; a group is clipped and summed as
+  soon as backpropagation has delivered every use of it (He et al. 2023, section 3.1: per-layer clipping is
+  fused into backpropagation and each layer's tensors are freed right away; a flat group completes at the
+  input layer). Parameter gradients are never computed by autograd ("ghost differentiation"): the engine
+  forms ``a^T diag(c) g`` itself.
+* ``ghost``: ghost clipping (Li et al. 2022, section 4): a first backward computes only norms, a second one
+  the clipped sums with the now known factors; nothing is held across the first backward.
+* ``instantiate``: per-example gradients are materialised (the Opacus way), for reference.
+
+Norms use the ghost norm or instantiation per layer by cost (``norm_mode="auto"``, BK-MixOpt: the ghost
+norm's ``T^2 (L + R)`` against instantiation's ``T L R``, with a memory cap; see
+:mod:`dpexp.privacy.per_example`).
+The book-keeping strategy keeps instantiated per-example gradients, so that the clipped sum is
+``tensordot(c, g)`` instead of a second matmul over T (its retention policy, :meth:`BookKeeping.represent`):
+
+* in fused per-layer clipping, for linear layers whose per-example gradients hold at most 4x the values of
+  the layer's activation and output gradient (a transient: one layer at a time);
+* in flat clipping, for single-use untied layers whose per-example gradients are smaller than those factors,
+  or (linear layers) larger by at most what is left of a budget of one parameter-sized tensor per backward
+  pass: they wait for the input layer, so the budget bounds the memory they add.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from dpexp.privacy.adaptive import centred_counts
+from dpexp.privacy.capture import Forward, Use
+from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
+
+StrategyName = Literal["bk", "ghost", "instantiate"]
+
+
+@dataclass
+class RetentionBudget:
+    """Values that flat book-keeping may still hold, in one backward pass, in instantiated per-example
+    gradients beyond the factors they replace."""
+
+    left: int
+
+    def take(self, extra: int | None) -> bool:
+        """Spend ``extra`` values (negative: fewer than the factors) if they fit; None never fits."""
+        if extra is None or extra > self.left:
+            return False
+        self.left -= max(extra, 0)
+        return True
+
+
+@dataclass
+class Delivery:
+    """How a use's per-example gradient of one parameter will be consumed."""
+
+    fused: bool  # its group is clipped right after this norm (the last use of the group)
+    alone: bool  # the only use of an untied parameter in this pass (no cross term will follow)
+
+
+class ClippingStrategy:
+    """One way of forming the clipped sums; the default is the one-pass flow without retention. A strategy
+    sees the number of trainable parameters (a bound for what it may hold)."""
+
+    name: str
+    passes: int = 1  # backward passes per micro-batch
+    sums_at_norms: bool = True  # clipped sums formed when a group's norms are complete (else: second pass)
+
+    def __init__(self, n_trainable: int) -> None:
+        self.n_trainable = n_trainable
+
+    def retention_budget(self) -> RetentionBudget:
+        """The budget of one backward pass (none by default)."""
+        return RetentionBudget(0)
+
+    def represent(self, grad: PerExampleGrad, delivery: Delivery, budget: RetentionBudget) -> PerExampleGrad:
+        """The form in which ``grad`` is held until its group is clipped."""
+        return grad
+
+
+class BookKeeping(ClippingStrategy):
+    name = "bk"
+
+    def retention_budget(self) -> RetentionBudget:
+        """One parameter-sized tensor per backward pass."""
+        return RetentionBudget(self.n_trainable)
+
+    def represent(self, grad: PerExampleGrad, delivery: Delivery, budget: RetentionBudget) -> PerExampleGrad:
+        if delivery.fused:
+            # an instantiation made for the fused sum may hold as many values as the trainable parameters
+            grad.retain(max_values=self.n_trainable)
+        elif delivery.alone and budget.take(grad.held_extra_values()):
+            grad.retain(release=True)  # kept until the group finishes; its factors are dropped
+        return grad
+
+
+class Ghost(ClippingStrategy):
+    name = "ghost"
+    passes = 2
+    sums_at_norms = False
+
+
+class Instantiate(ClippingStrategy):
+    name = "instantiate"
+
+    def represent(self, grad: PerExampleGrad, delivery: Delivery, budget: RetentionBudget) -> PerExampleGrad:
+        return Dense(grad.instantiate())
+
+
+STRATEGIES: dict[str, type[ClippingStrategy]] = {cls.name: cls for cls in (BookKeeping, Ghost, Instantiate)}
+
+
+def make_strategy(name: StrategyName, n_trainable: int) -> ClippingStrategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown clipping strategy {name!r}; valid: {', '.join(map(repr, STRATEGIES))}")
+    return STRATEGIES[name](n_trainable)
+
+
+@dataclass
+class _Pass:
+    """Everything held within one backward pass of one micro-batch."""
+
+    batch_size: int
+    second: bool  # the ghost strategy's second pass: sums with the known factors
+    calls: Counter[str]  # layer name -> calls in the forward
+    pending: dict[int, int]  # group -> uses not yet delivered
+    budget: RetentionBudget
+    arrived: dict[str, list[PerExampleGrad]] = field(default_factory=dict)  # parameter -> this pass
+    norm_sq: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Clipper:
+    """Clipping of one logical step: per-example group norms accumulated use by use (with the cross terms of
+    tied parameters), clipping factors once a group's last use has arrived, clipped sums accumulated across
+    micro-batches, and the centred clip counts of adaptive thresholds (:mod:`dpexp.privacy.adaptive`).
+
+    ``groups`` partition the trainable parameters (:mod:`dpexp.privacy.grouping`), ``thresholds`` has shape
+    (K,), ``shared`` names the parameters used by more than one layer.
+    """
+
+    def __init__(
+        self,
+        groups: list[list[str]],
+        params: Mapping[str, nn.Parameter],
+        shared: set[str],
+        thresholds: torch.Tensor,
+        strategy: ClippingStrategy,
+        norm_mode: NormMode,
+    ) -> None:
+        self.groups, self.params, self.shared = groups, params, shared
+        self.group_of = {name: k for k, group in enumerate(groups) for name in group}
+        self.thresholds = thresholds
+        self.strategy, self.norm_mode = strategy, norm_mode
+        self.n_trainable = sum(p.numel() for p in params.values())
+        self.sums: dict[str, torch.Tensor] = {}
+        device = next(iter(params.values())).device
+        # sum_i (1[unclipped] - 1/2) per group, on the device (no host sync per group)
+        self.centred_counts = torch.zeros(len(groups), dtype=torch.float64, device=device)
+        self.coef: dict[int, torch.Tensor] = {}  # clipping factors of the current micro-batch, by group
+        self._pass: _Pass | None = None
+
+    # ------------------------------------------------------------------ one micro-batch
+    def begin(self, forward: Forward, batch_size: int, second: bool = False) -> None:
+        """Start a backward pass over the uses ``forward`` recorded (the second pass of ghost clipping
+        reuses the factors of the first)."""
+        pending: Counter[int] = Counter(
+            k for use in forward.uses for k in {self.group_of[p] for p in use.layer.params.values()}
+        )
+        if not second:
+            self.coef = {}
+        self._pass = _Pass(batch_size, second, forward.calls, dict(pending), self.strategy.retention_budget())
+
+    def deliver(self, use: Use, grads: Mapping[str, PerExampleGrad]) -> None:
+        """One use's per-example gradients: norm contributions (first pass; groups whose last use this was
+        are clipped), or clipped sums with the known factors (second pass)."""
+        state, layer = self._pass, use.layer
+        if state.second:
+            for attr, grad in grads.items():
+                name = layer.params.get(attr)
+                if name is not None:
+                    self._accumulate(name, grad.weighted_sum(self.coef[self.group_of[name]]))
+            return
+        single_use = state.calls[layer.name] == 1  # then its unshared parameters need no cross term
+        for attr, grad in grads.items():
+            name = layer.params.get(attr)
+            if name is None:
+                continue  # frozen parameter of a layer with trainable ones (e.g. a frozen bias)
+            delivery = Delivery(
+                fused=state.pending[self.group_of[name]] == 1, alone=single_use and name not in self.shared
+            )
+            self._add_norm_contribution(name, self.strategy.represent(grad, delivery, state.budget))
+        for k in {self.group_of[p] for p in layer.params.values()}:
+            state.pending[k] -= 1
+            if state.pending[k] == 0:
+                self._finish_group(k)
+
+    def finish_pending(self) -> None:
+        """Groups some of whose uses got no gradient (unused outputs) are finished with those at zero."""
+        state = self._pass
+        for k in range(len(self.groups)):
+            if state.pending.get(k, 0) > 0 or k not in self.coef:
+                state.pending[k] = 0
+                self._finish_group(k)
+
+    def end(self) -> None:
+        self._pass = None
+
+    # ------------------------------------------------------------------ explicit examples
+    def add_examples(self, grads: Mapping[str, PerExampleGrad], batch_size: int) -> None:
+        """Clip and accumulate examples given by their per-example gradients (a parameter left out has
+        gradient 0), group by group with the current thresholds, counted like any other examples."""
+        for k, group in enumerate(self.groups):
+            present = [name for name in group if name in grads]
+            norm_sq = sum(grads[n].norm_sq(self.norm_mode).double() for n in present) if present else None
+            coef = self._clipping_factors(k, norm_sq, batch_size)
+            for name in present:
+                self._accumulate(name, grads[name].weighted_sum(coef))
+
+    # ------------------------------------------------------------------ the step
+    def take_sums(self) -> dict[str, torch.Tensor]:
+        """The step's clipped sums by parameter (zero for a parameter no example reached); starts afresh."""
+        sums = {name: self.sums.pop(name, None) for name in self.params}
+        return {name: torch.zeros_like(self.params[name]) if s is None else s for name, s in sums.items()}
+
+    def end_step(self) -> None:
+        self.sums.clear()
+        self.centred_counts.zero_()
+
+    # ------------------------------------------------------------------ internals
+    def _add_norm_contribution(self, name: str, grad: PerExampleGrad) -> None:
+        """``||sum_u g_u||^2 = sum_u ||g_u||^2 + 2 sum_{u<v} <g_u, g_v>`` over the uses of a parameter."""
+        state = self._pass
+        k = self.group_of[name]
+        previous = state.arrived.setdefault(name, [])
+        contribution = grad.norm_sq(self.norm_mode)
+        for other in previous:
+            contribution = contribution + 2 * grad.dot(other)
+        state.norm_sq[k] = state.norm_sq.get(k, 0) + contribution.double()
+        previous.append(grad)
+
+    def _clipping_factors(self, k: int, norm_sq: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+        """``c_i = min(1, C_k / ||g_{i,k}||)`` (exactly 1 for g = 0) from squared group norms (None: all
+        zero), shape (b,); counts the unclipped examples for adaptive thresholds."""
+        if norm_sq is None:
+            device = self.params[self.groups[k][0]].device
+            norm_sq = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        norm = norm_sq.clamp_min(0).sqrt()
+        threshold = float(self.thresholds[k])
+        self.centred_counts[k] += centred_counts(norm, threshold)
+        return threshold / norm.clamp_min(threshold)
+
+    def _finish_group(self, k: int) -> None:
+        state = self._pass
+        coef = self._clipping_factors(k, state.norm_sq.pop(k, None), state.batch_size)
+        for name in self.groups[k]:
+            grads = state.arrived.pop(name, [])
+            if not self.strategy.sums_at_norms:
+                continue  # sums come from the second backward pass
+            for grad in grads:
+                self._accumulate(name, grad.weighted_sum(coef))
+        self.coef[k] = coef
+
+    def _accumulate(self, name: str, value: torch.Tensor) -> None:
+        value = value.to(self.params[name].dtype)
+        if name in self.sums:
+            self.sums[name].add_(value)
+        else:
+            self.sums[name] = value  # a fresh tensor from weighted_sum: owned from here on

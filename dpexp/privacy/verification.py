@@ -1,0 +1,465 @@
+"""The checks of what the engine assumes about a model; it refuses what it cannot establish.
+
+The engine computes per-example gradients from two tensors captured at every call of a layer: its input ``x``
+(forward hook) and the gradient ``dy`` of the loss with respect to its output (tensor hook). Three assumptions
+turn them into the per-example gradients the privacy analysis needs. None is taken on trust: each is checked
+on the model the user brought (:class:`Verifier`), and the engine refuses what it cannot establish with a
+:class:`VerificationError`.
+
+1. **Per-example structure.** Row i (dim 0) of ``x`` and ``dy`` belongs to example i and to no other. A size
+   cannot establish this: a time-major (T, B, d) tensor with T = B, or T5's (q, k) bucket tensor with q = B,
+   has the batch size in dim 0. A *probe* does: the graph is backpropagated once more with the per-example
+   losses weighted by random ``v_i``. Backpropagation is linear in those weights, so row i of an output
+   gradient comes out as exactly ``v_i`` times its row in the unweighted pass if and only if it depends on
+   loss i alone (:class:`RowFingerprint`). A layer's input shares dim 0 with its output (linear, convolution,
+   embedding, normalisation), and the model's floating-point inputs are probed the same way, which exposes
+   examples mixed before the first trainable layer.
+2. **Every use of every trainable parameter, attributed to the right example.** Hooks see module calls; a
+   parameter can also be used outside them (``F.linear(h, emb.weight)`` as a hand-tied output layer, a weight
+   read only through ``F.linear`` or in the loss). On a verified micro-batch the parameters require gradients,
+   and for every parameter the engine's per-example gradients weighted by the probe's ``v_i`` must add up to
+   autograd's gradient of ``sum_i v_i l_i``: a use the hooks did not see leaves a difference, and so does a
+   rule (built in or registered by a user) that gives example i a gradient that is not its own
+   (:class:`ProjectedSums`, :func:`mismatched_parameters`).
+3. **No cross-example state.** A training forward must not change any buffer of the model: running statistics
+   computed from raw batches are neither clipped nor noised and reach evaluation (:class:`BufferWatch`).
+
+Checks 1 and 2 run on the first micro-batch (of at least two examples) of every new input structure: tensor
+ranks and dtypes, keyword names, non-tensor arguments (:func:`structure_signature`). Which dimension carries
+the example is a property of the code path, not of the sizes: a layer whose dim 0 is something else fails the
+probe at its first verification when that dimension happens to have the batch size, and the size check at
+every call otherwise. A later micro-batch that calls the layers in a sequence never verified is refused
+unless every micro-batch is verified (``verify_every_step``). Check 3 runs on every training forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpexp.privacy.capture import Forward, Use
+from dpexp.privacy.per_example import PerExampleGrad
+from dpexp.privacy.precision import tolerance
+
+_PROBE_SEED = 0x5EED  # probe weights and directions come from their own generator, never the user's RNG
+
+
+class VerificationError(RuntimeError):
+    """The engine could not establish what the privacy guarantee needs of this model (per-example structure,
+    every use of every parameter) and refuses to continue."""
+
+
+def structure_signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
+    """The structure of a call, sizes left out: tensor ranks and dtypes, keyword names, other values."""
+
+    def describe(value: Any) -> Any:
+        if torch.is_tensor(value):
+            return ("tensor", value.dim(), value.dtype)
+        if isinstance(value, list | tuple):
+            return (type(value).__name__, tuple(describe(v) for v in value))
+        if isinstance(value, Mapping):
+            return ("mapping", tuple(sorted((str(k), describe(v)) for k, v in value.items())))
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        return type(value).__qualname__
+
+    return describe(tuple(args)), describe(dict(kwargs))
+
+
+def probe_generator(device: torch.device) -> torch.Generator:
+    """A generator of its own for probe weights and directions: verification never moves the user's RNG."""
+    return torch.Generator(device=device).manual_seed(_PROBE_SEED)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision tensors (reductions and random draws), else the dtype itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+PROBE_EXPONENTS = 9  # v_i = 2^k, k in [-4, 4]: distinct for up to 9 examples, within float16's range
+
+
+def probe_weights(batch_size: int, like: torch.Tensor) -> torch.Tensor:
+    """Per-example loss weights ``v_i``, shape (b,), in ``like``'s dtype and device: powers of two, so that
+    they scale every rounding step of example i's backward exactly (an output gradient that is per-example
+    scales exactly in any precision, bfloat16 included), in random order and distinct for up to
+    ``PROBE_EXPONENTS`` examples (two examples mixed with equal weights would be invisible)."""
+    generator = probe_generator(like.device)
+    order = torch.randperm(batch_size, generator=generator, device=like.device)
+    exponents = order % PROBE_EXPONENTS - PROBE_EXPONENTS // 2
+    return torch.pow(2.0, exponents.double()).to(like.dtype)
+
+
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The precision a forward on ``device`` computes in: the autocast dtype if autocast is on."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
+
+
+class RowFingerprint:
+    """Two random projections and the norm of every row (dim 0) of a tensor, shape (b, 2) and (b,): enough to
+    test whether the rows of another tensor of the same shape are these rows scaled by ``v_i``, without
+    holding the tensor itself."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        generator = probe_generator(t.device)
+        self.directions = torch.randn(
+            (2, t[0].numel()), generator=generator, device=t.device, dtype=_wide(t.dtype)
+        ).to(t.dtype)
+        self.projections, self.norms = self._measure(t)
+
+    def _measure(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = t.reshape(t.shape[0], -1)  # no copies: the output gradient of an LM head is large
+        norms = torch.linalg.vector_norm(rows, dim=1, dtype=_wide(rows.dtype))
+        return (rows @ self.directions.T).double(), norms.double()
+
+    def mixed_rows(self, plain: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Indices of the rows where ``self`` (the probe, weights ``v``) is not ``v_i`` times ``plain``'s."""
+        projections, norms = self._measure(plain)
+        v = v.double()[:, None]
+        gap = (self.projections - v * projections).abs().amax(1)
+        scale = self.norms + v[:, 0] * norms
+        tiny = torch.finfo(plain.dtype).tiny ** 0.5
+        return (gap > tolerance(plain.dtype) * scale + tiny).nonzero().flatten()
+
+
+class ProjectedSums:
+    """Two random rank-one projections ``u_j^T G w_j`` of the gradient sum G of every parameter (G flattened
+    to (rows, rest)), and a bound on its norm, accumulated piece by piece. Two computations of the same
+    gradients agree on them up to rounding, and any difference D shows (``u^T D w`` has standard deviation
+    ``||D||_F`` for Gaussian u, w), while only one parameter-sized tensor is held at a time."""
+
+    def __init__(self, directions: Mapping[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        self.directions = directions
+        self.projections: dict[str, torch.Tensor] = {}
+        self.norms: dict[str, float] = {}
+
+    @staticmethod
+    def directions_for(
+        params: Mapping[str, torch.Tensor],
+    ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Gaussian (u, w) pairs for every parameter, from the probe's own generator."""
+        out = {}
+        for name, p in params.items():
+            generator = probe_generator(p.device)
+            rows = p.shape[0] if p.dim() else 1
+            out[name] = [
+                tuple(
+                    torch.randn(n, generator=generator, device=p.device, dtype=torch.float64)
+                    for n in (rows, p.numel() // rows)
+                )
+                for _ in range(2)
+            ]
+        return out
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        """Accumulate one piece of parameter ``name``'s gradient sum (no copy of it is made)."""
+        matrix = value.detach().reshape(len(self.directions[name][0][0]), -1)
+        dtype = _wide(matrix.dtype)
+        projections = torch.stack(
+            [(u.to(dtype) @ matrix.to(dtype) @ w.to(dtype)).double() for u, w in self.directions[name]]
+        )
+        self.projections[name] = self.projections.get(name, 0) + projections
+        self.norms[name] = self.norms.get(name, 0.0) + float(torch.linalg.vector_norm(matrix, dtype=dtype))
+
+
+def mismatched_parameters(
+    engine: ProjectedSums, autograd: ProjectedSums, tol: float
+) -> list[tuple[str, float]]:
+    """Parameters whose two gradient sums differ by more than ``tol`` times the larger, with an estimate of
+    the relative difference; a parameter one side never reached has gradient 0.
+
+    Differences below ``tol`` times the norm of the whole gradient are rounding: a parameter whose exact
+    gradient is 0 (a key bias, which softmax cancels) has two unrelated round-off values.
+    """
+    names = [n for n in engine.directions if n in engine.norms or n in autograd.norms]
+    zero = torch.zeros(2, dtype=torch.float64)
+    scales = {n: max(engine.norms.get(n, 0.0), autograd.norms.get(n, 0.0)) for n in names}
+    floor = tol * sum(v**2 for v in scales.values()) ** 0.5
+    out = []
+    for name in names:
+        gap = engine.projections.get(name, zero).cpu() - autograd.projections.get(name, zero).cpu()
+        gap = float(gap.abs().max())
+        if gap > tol * scales[name] + floor:
+            out.append((name, gap / scales[name]))
+    return out
+
+
+class BufferWatch:
+    """Refuses a training forward that changes a buffer of the model (replaced, modified in place, added).
+
+    Running statistics (``InstanceNorm(track_running_stats=True)``, BatchNorm) and any other state a forward
+    accumulates are computed from raw batches, neither clipped nor noised; they reach the model's later
+    outputs, so a private run cannot keep them. Detected from the buffers themselves, for every module type.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._before: dict[str, tuple[int, int]] = {}
+
+    def _state(self) -> dict[str, tuple[int, int]]:
+        return {name: (id(b), b._version) for name, b in self.model.named_buffers()}
+
+    def start(self) -> None:
+        self._before = self._state()
+
+    def check(self) -> None:
+        after = self._state()
+        changed = [name for name, state in after.items() if self._before.get(name) != state]
+        if not changed:
+            return
+        name = changed[0]
+        owner, _, buffer = name.rpartition(".")
+        module = self.model.get_submodule(owner)
+        raise ValueError(
+            f"module {owner!r} ({type(module).__name__}) changed its buffer {buffer!r} in a training "
+            "forward: state computed from raw batches is neither clipped nor noised and leaks through the "
+            "model's later outputs. Stop the module from tracking it (e.g. track_running_stats=False), or "
+            "replace the module." + (f" Also changed: {changed[1:5]}." if len(changed) > 1 else "")
+        )
+
+    def hooks(self) -> list[Any]:
+        """Check around every training forward of the model; returns the removable hook handles."""
+
+        def before(module: nn.Module, args: tuple) -> None:
+            if torch.is_grad_enabled():
+                self.start()
+
+        def after(module: nn.Module, args: tuple, output: Any) -> None:
+            if torch.is_grad_enabled():
+                self.check()
+
+        return [self.model.register_forward_pre_hook(before), self.model.register_forward_hook(after)]
+
+
+def differentiable_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any], list]:
+    """Floating-point tensor arguments that need no gradient, replaced by copies of leaves that do, so that a
+    probe can see whether one example's input reaches another example's loss; returns the new arguments
+    and the leaves."""
+    leaves: list[torch.Tensor] = []
+
+    def alias(value: Any) -> Any:
+        if (
+            torch.is_tensor(value)
+            and value.is_floating_point()
+            and value.dim() > 0
+            and not value.requires_grad
+        ):
+            leaf = value.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone()  # not a leaf: in-place operations of the model stay legal
+        return value
+
+    return tuple(alias(a) for a in args), {k: alias(v) for k, v in kwargs.items()}, leaves
+
+
+def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> None:
+    """The captured input is unchanged since the call, and dim 0 of input and output gradient has the batch
+    size (necessary, not sufficient: the probe establishes the rest)."""
+    layer, tensors = use.layer, use.tensors
+    if [t._version for t in tensors] != use.versions:
+        raise RuntimeError(
+            f"the input of layer {layer.name!r} was modified in place after the layer used it; "
+            "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
+        )
+    x = tensors[0]
+    if x.dim() == 0 or x.shape[0] != batch_size or dy.dim() == 0 or dy.shape[0] != batch_size:
+        raise VerificationError(
+            f"layer {layer.name!r} ({type(layer.module).__name__}) got an input of shape "
+            f"{tuple(x.shape)} and an output gradient of shape {tuple(dy.shape)}, but the loss has "
+            f"{batch_size} examples: the engine needs the example index in dim 0 of every layer's input and "
+            "output. Inputs broadcast over the batch (leading size 1), time-major or flattened (B*T, ...) "
+            "tensors and tensors shared by all examples are not batch-first. Make the layer's input "
+            "batch-first (expand broadcast inputs to the batch), or freeze its parameters."
+        )
+
+
+@dataclass
+class _Probe:
+    """The verification of one forward/backward pair."""
+
+    structure: tuple
+    leaves: list[torch.Tensor]  # the model's floating-point inputs, as leaves that require gradients
+    dtypes: set[torch.dtype]  # precisions seen (compute, output gradients, rule results): the tolerance
+    weights: torch.Tensor | None = None  # v, shape (b,)
+    leaf_grads: list[torch.Tensor | None] = field(default_factory=list)  # of sum_i v_i l_i
+    fingerprints: dict[int, RowFingerprint] = field(default_factory=dict)  # id(use) -> probe output gradient
+    engine_sums: ProjectedSums | None = None  # sum_i v_i g_i from the engine's per-example gradients
+    autograd_sums: ProjectedSums | None = None  # sum_i v_i grad l_i from autograd
+    path: tuple = ()
+
+
+class Verifier:
+    """Checks 1-3 of the module docstring for one model: which forwards are verified (a new input structure,
+    or every one with ``every_step``), the probe backward, and the comparisons in the plain pass."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Mapping[str, nn.Parameter],
+        owners: Mapping[str, list[str]],
+        every_step: bool,
+    ) -> None:
+        self._params, self._owners, self._every_step = params, owners, every_step
+        self._structures: set[tuple] = set()
+        self._paths: set[tuple] = set()
+        self._buffers = BufferWatch(model)
+        self._next: _Probe | None = None  # set by a verified forward, taken by its backward
+        self.probe: _Probe | None = None  # the backward being verified
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        """Start of a training forward of the model: watch its buffers; if its input structure is new, make
+        the parameters require gradients and the floating-point inputs probed leaves (new arguments)."""
+        self._buffers.start()
+        param = next(iter(self._params.values()))
+        dtype = compute_dtype(param.device, param.dtype)
+        if self._next is not None:  # another forward before the backward: part of the same verification
+            self._next.dtypes.add(dtype)
+            return None
+        structure = structure_signature(args, kwargs)
+        if not self._every_step and structure in self._structures:
+            return None
+        for p in self._params.values():
+            p.requires_grad_(True)
+        args, kwargs, leaves = differentiable_inputs(args, kwargs)
+        self._next = _Probe(structure, leaves, {dtype})
+        return args, kwargs
+
+    def end_forward(self) -> None:
+        self._buffers.check()
+
+    # ------------------------------------------------------------------ backward
+    def start_backward(self, forward: Forward, batch_size: int) -> bool:
+        """Whether this backward is probed. A micro-batch of one example needs no probe (nothing to mix); a
+        sequence of layer calls never verified, in a forward that was not verified, is refused."""
+        probe, self._next = self._next, None
+        path = forward.path
+        if batch_size < 2 or (probe is None and path in self._paths):
+            return False
+        if probe is None:
+            raise VerificationError(
+                "the model called its layers in a sequence that was never verified (data-dependent "
+                "control flow), and parameters did not require gradients in this forward, so their uses "
+                "cannot be checked. Construct the PrivacyEngine with verify_every_step=True."
+            )
+        probe.path = path
+        self.probe = probe
+        return True
+
+    def run_probe(self, per_example_loss: torch.Tensor) -> None:
+        """Backpropagate ``sum_i v_i l_i`` through the same graph; the engine hands every output gradient to
+        :meth:`record` meanwhile. Autograd's gradient of every parameter is projected as it arrives (one at
+        a time: no parameter-sized state), and the gradients of the probed inputs are kept."""
+        probe = self.probe
+        probe.weights = probe_weights(per_example_loss.shape[0], per_example_loss)
+        directions = ProjectedSums.directions_for(self._params)
+        probe.engine_sums, probe.autograd_sums = ProjectedSums(directions), ProjectedSums(directions)
+
+        def project(name: str, param: nn.Parameter) -> None:
+            probe.autograd_sums.add(name, param.grad)
+            param.grad = None
+
+        kept = {name: p.grad for name, p in self._params.items()}
+        handles = [p.register_post_accumulate_grad_hook(partial(project, n)) for n, p in self._params.items()]
+        try:
+            for p in [*self._params.values(), *probe.leaves]:
+                p.grad = None
+            torch.autograd.backward(
+                per_example_loss,
+                probe.weights,
+                retain_graph=True,
+                inputs=[*self._params.values(), *probe.leaves],
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+            for name, p in self._params.items():
+                p.grad = kept[name]
+        probe.leaf_grads = [leaf.grad for leaf in probe.leaves]
+        for leaf in probe.leaves:
+            leaf.grad = None
+
+    def record(self, use: Use, dy: torch.Tensor) -> None:
+        """Probe pass: fingerprint the rows of a use's output gradient."""
+        self.probe.fingerprints[id(use)] = RowFingerprint(dy)
+        self.probe.dtypes.add(dy.dtype)
+
+    def check_rows(self, use: Use, dy: torch.Tensor) -> None:
+        """First plain pass: row i of the output gradient must be the probe's row over ``v_i`` (check 1)."""
+        fingerprint = self.probe.fingerprints.pop(id(use), None)
+        if fingerprint is None:
+            return
+        mixed = fingerprint.mixed_rows(dy, self.probe.weights)
+        if mixed.numel():
+            layer = use.layer
+            raise VerificationError(
+                f"layer {layer.name!r} ({type(layer.module).__name__}): row {int(mixed[0])} of its output "
+                "gradient depends on other examples' losses, so dim 0 of its input and output is not the "
+                "example index (a time-major or flattened tensor whose leading size happens to equal the "
+                "batch size, a tensor shared by all examples, or examples mixed after this layer). Make the "
+                "layer's input batch-first and per-example, or freeze its parameters."
+            )
+
+    def add_engine_sums(self, use: Use, grads: Mapping[str, PerExampleGrad]) -> None:
+        """First plain pass: the engine's side of check 2, ``sum_i v_i g_i`` of this use."""
+        for attr, grad in grads.items():
+            if attr in use.layer.params:
+                total = grad.weighted_sum(self.probe.weights)
+                self.probe.dtypes.add(total.dtype)  # a rule may compute in lower precision
+                self.probe.engine_sums.add(use.layer.params[attr], total)
+
+    def after_first_pass(self) -> None:
+        """Check 2 for every parameter and check 1 at the model's inputs, then mark the structure and the
+        sequence of layer calls as verified."""
+        probe = self.probe
+        self._check_parameter_uses(probe)
+        self._check_model_inputs(probe)
+        self._structures.add(probe.structure)
+        self._paths.add(probe.path)
+
+    def _check_parameter_uses(self, probe: _Probe) -> None:
+        tol = max(tolerance(dtype) for dtype in probe.dtypes)
+        mismatched = mismatched_parameters(probe.engine_sums, probe.autograd_sums, tol)
+        if not mismatched:
+            return
+        name, gap = mismatched[0]
+        owners = self._owners[name]
+        raise VerificationError(
+            f"parameter {name!r}: the per-example gradients from its module{'s' * (len(owners) > 1)} "
+            f"{owners} do not add up to its gradient (relative difference {gap:.2g}): it is used outside "
+            "their forward (e.g. F.linear(h, emb.weight) as a hand-tied output layer, or in the loss), "
+            "where the engine cannot clip it, or a rule is wrong. Use it through a module (an nn.Linear "
+            "whose weight is the tied parameter is exact), or freeze it."
+            + (f" Also: {[n for n, _ in mismatched[1:5]]}." if len(mismatched) > 1 else "")
+        )
+
+    @staticmethod
+    def _check_model_inputs(probe: _Probe) -> None:
+        """The gradient of a floating-point input with the batch size in dim 0 must scale row by row with the
+        probe weights, or examples are mixed before or between the layers."""
+        for i, (leaf, grad) in enumerate(zip(probe.leaves, probe.leaf_grads, strict=True)):
+            if grad is None or leaf.grad is None or leaf.shape[0] != probe.weights.shape[0]:
+                continue
+            if RowFingerprint(grad).mixed_rows(leaf.grad, probe.weights).numel():
+                raise VerificationError(
+                    f"floating-point input {i} of the model (shape {tuple(leaf.shape)}): the loss of one "
+                    "example depends on another example's input, so the forward mixes examples before or "
+                    "between its layers (batch statistics, or a tensor shared by all examples passed with "
+                    "the batch). Per-example clipping cannot bound such an example's influence."
+                )
+
+    def release_parameters(self) -> None:
+        """Parameters stop requiring gradients: from here on the engine forms their gradients itself."""
+        for p in self._params.values():
+            p.requires_grad_(False)
+
+    def end_backward(self) -> None:
+        self.release_parameters()
+        self.probe = None
