@@ -248,14 +248,19 @@ class Clipper:
 
     def _clipping_factors(self, k: int, norm_sq: torch.Tensor | None, batch_size: int) -> torch.Tensor:
         """``c_i = min(1, C_k / ||g_{i,k}||)`` (exactly 1 for g = 0) from squared group norms (None: all
-        zero), shape (b,); counts the unclipped examples for adaptive thresholds."""
+        zero), shape (b,); counts the unclipped examples for adaptive thresholds.
+
+        A norm that is not finite (a gradient that overflowed, or ``inf * 0`` in a ghost norm of an example
+        with huge activations) gives ``c_i = 0``: the example adds nothing to the sums (every weighted sum
+        drops it, :func:`dpexp.privacy.per_example.dropped`), which keeps the sensitivity bound; a NaN
+        factor would turn the whole group's sum into NaN and tell that example's presence for certain."""
         if norm_sq is None:
             device = self.params[self.groups[k][0]].device
             norm_sq = torch.zeros(batch_size, dtype=torch.float64, device=device)
         norm = norm_sq.clamp_min(0).sqrt()
         threshold = float(self.thresholds[k])
         self.centred_counts[k] += centred_counts(norm, threshold)
-        return threshold / norm.clamp_min(threshold)
+        return torch.where(torch.isfinite(norm), threshold / norm.clamp_min(threshold), 0.0)
 
     def _finish_group(self, k: int) -> None:
         state = self._pass
