@@ -359,5 +359,7 @@ def assert_refuses_or_private(outcome: Outcome, case: SensitivityCase) -> None:
     """The contract: no violation among the released statistics (refusals allowed only where the case's
     contract allows them, which :func:`check_case` has already enforced)."""
     if outcome.violations:
-        lines = "\n  ".join(str(v) for v in outcome.violations[:20])
+        # sensitivity breaches first (largest multiple of their bound), then inexact releases
+        ordered = sorted(outcome.violations, key=lambda v: (v.allowed == 0, -v.moved / max(v.allowed, 1)))
+        lines = "\n  ".join(str(v) for v in ordered[:20])
         raise AssertionError(f"{case.name}: {len(outcome.violations)} sensitivity violations:\n  {lines}")
