@@ -250,16 +250,16 @@ def compare(a: Release, b: Release, setting: Setting, pair: str, distance: int) 
     shifts = group_shifts(a, b, setting.groups)
     out: list[Violation] = []
     for k, moved in enumerate((shifts / thresholds).tolist()):
-        if moved > allowed:
+        if not moved <= allowed:  # NaN moves too
             out.append(Violation(pair, f"clipped sum of group {_label(setting, k)} / C_k", moved, distance))
     dims = torch.tensor(setting.dims, dtype=torch.float64)
     for allocation in ALLOCATIONS:
         unit = noise_stds(thresholds, dims, 1.0, allocation)  # sigma = 1: std_k = S gamma_k
         moved = float((shifts / unit).norm())
-        if moved > allowed:
+        if not moved <= allowed:  # NaN moves too
             out.append(Violation(pair, f"sum vector / S ({allocation} allocation)", moved, distance))
     for k, moved in enumerate(((a.counts - b.counts).abs() / 0.5).tolist()):
-        if moved > allowed:
+        if not moved <= allowed:  # NaN moves too
             out.append(
                 Violation(pair, f"centred count of group {_label(setting, k)} / (1/2)", moved, distance)
             )

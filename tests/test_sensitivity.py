@@ -13,6 +13,8 @@ refusal naming the module, or by exact clipping) when the engine's privacy verif
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,9 +24,15 @@ from tests.sensitivity import (
     BACKENDS,
     CLIPPINGS,
     KINDS,
+    Release,
     applicable_kinds,
     assert_refuses_or_private,
     check_case,
+    compare,
+    configure,
+    oracle_grads,
+    release,
+    without,
 )
 from tests.sensitivity_models import ALL_CASES, make_sensitivity_case
 
@@ -47,7 +55,12 @@ SETTINGS = [(backend, clipping, groups) for backend in BACKENDS for clipping, gr
 
 def _param(name: str, backend: str, clipping: str, groups: int | None, *marks) -> pytest.param:
     if name in SILENTLY_WRONG_TODAY:
-        marks = (*marks, pytest.mark.xfail(strict=True, reason=f"{FIX} ({SILENTLY_WRONG_TODAY[name]})"))
+        marks = (
+            *marks,
+            pytest.mark.xfail(
+                strict=True, raises=AssertionError, reason=f"{FIX} ({SILENTLY_WRONG_TODAY[name]})"
+            ),
+        )
     return pytest.param(name, backend, clipping, groups, marks=marks, id=f"{name}-{backend}-{clipping}")
 
 
@@ -109,3 +122,45 @@ def test_harness_detects_an_uncentred_count(monkeypatch):
         v for v in outcome.violations if v.pair == "D-j vs D_x (zero)" and "centred count" in v.statistic
     ]
     assert len(added) == 1 and added[0].moved == pytest.approx(2.0)  # 1 = two halves
+
+
+def test_harness_counts_a_non_finite_release_as_a_violation():
+    """NaN compares false with every bound; a NaN sum or count must still be reported, not let through."""
+    case = make_sensitivity_case("mlp")
+    setting = configure(case, oracle_grads(case), "bk", "flat", None)
+    ok = release(case, setting, case.batch, [list(range(case.size))])
+    poisoned = Release({n: torch.full_like(t, torch.nan) for n, t in ok.sums.items()}, ok.counts, ok.buffers)
+    assert not compare(ok, ok, setting, "D vs D", 0)
+    assert compare(ok, poisoned, setting, "D vs NaN", 1)
+
+
+# ------------------------------------------------------------------------------- found by this harness
+OVERFLOW = (
+    "found by the sensitivity harness, also on main: the ghost norm of an example whose activation norm "
+    "overflows while its output gradient is 0 is inf * 0 = NaN, and one NaN factor poisons the group's sum"
+)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(b, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=OVERFLOW))
+        for b in ("bk", "ghost")
+    ]
+    + ["instantiate"],
+)
+def test_a_saturated_example_does_not_poison_the_release(backend):
+    """Example j with inputs x 1e300: tanh saturates, so its true gradient is finite (0 in the first layer,
+    ``tests/oracle``). Adding it to D_{-j} must move the clipped sum by at most C; a non-finite release
+    would tell D_x from D_{-j} with certainty."""
+    case = make_sensitivity_case("mlp")
+    j = 1
+    saturated = {k: v.clone() for k, v in case.batch.items()}
+    saturated["x"][j] *= 1e300
+    truth = oracle_grads(dataclasses.replace(case, batch=saturated))[j]
+    assert all(torch.isfinite(t).all() for t in truth.values())
+    setting = configure(case, oracle_grads(case), backend, "flat", None)
+    removed = release(case, setting, without(case.batch, j), [list(range(case.size - 1))])
+    added = release(case, setting, saturated, [list(range(case.size))])
+    violations = compare(removed, added, setting, "D-j vs D_x (saturated)", 1)
+    assert not violations, "\n".join(map(str, violations))
