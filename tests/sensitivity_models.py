@@ -13,7 +13,6 @@ any example) and the worst cases for clipping.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -244,6 +243,8 @@ def _labels(gen: torch.Generator, size: int, classes: int) -> torch.Tensor:
     return torch.randint(0, classes, (size,), generator=gen)
 
 
+LM_PADDING = {"input_ids": 1, "attention_mask": 0, "labels": -100}  # labels -100: no loss
+
 # engine_models cases: class-label key and classes, float inputs, padding-only example
 _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "mlp": {"float_inputs": ("x",), "class_label": ("y", 3)},
@@ -252,13 +253,11 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "vit_registers": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "wrn_block": {"float_inputs": ("x",), "class_label": ("y", 4)},
     "sequence": {"padding": {"ids": 0}},
-    "gpt2": {"padding": {"input_ids": 1, "attention_mask": 0, "labels": -100}},
-    "gpt2_lora": {"padding": {"input_ids": 1, "attention_mask": 0, "labels": -100}},
-    "roberta": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
+    "gpt2": {"padding": LM_PADDING},
+    "gpt2_lora": {"padding": LM_PADDING},
+    "roberta": {"class_label": ("labels", 3), "padding": {"input_ids": 1, "attention_mask": 0}},
     "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
 }
-
-LM_PADDING = {"input_ids": 1, "attention_mask": 0, "labels": -100}
 
 # the cases whose contract allows a refusal, and the names such a refusal must mention
 REFUSABLE: dict[str, tuple[str, ...]] = {
@@ -360,8 +359,3 @@ def make_sensitivity_case(name: str, size: int = 5, seed: int = 0) -> Sensitivit
         offenders=REFUSABLE.get(name, ()),
         **info,
     )
-
-
-def fresh(case: SensitivityCase) -> nn.Module:
-    """An independent copy of the case's model (the engine and the oracle each get their own)."""
-    return copy.deepcopy(case.model)
