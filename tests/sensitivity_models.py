@@ -1,0 +1,361 @@
+"""Data sets for the sensitivity tests: every model of ``tests/engine_models.CASES`` plus small models that
+stress what the engine assumes about a network (float64, deterministic forward).
+
+A :class:`SensitivityCase` is a model, a per-example loss, a data set D of ``b`` examples (one micro-batch)
+and what is needed to build adversarial examples: which inputs are floating point (to scale them), the
+class-label key (to pick the label of largest loss), and the padding-only example of text models.
+
+Every loss here is multiplied by the batch's ``weight`` column (1 for ordinary examples): an example of
+weight -1e6 has a gradient -1e6 times its natural one (its logits' gradient scaled and reversed), one of
+weight 0 has gradient exactly 0. Both are legitimate data points of a weighted loss (an adversary may pick
+any example) and the worst cases for clipping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests import engine_models
+from tests.oracle import Batch, LossFn
+
+Expect = Literal["private", "refuse_or_private"]
+
+
+@dataclass
+class SensitivityCase:
+    """A model with its loss and data set D, and how to build adversarial neighbours of D.
+
+    ``expect`` is the contract: ``"private"`` (the engine must run, and every released statistic must have
+    its sensitivity), or ``"refuse_or_private"`` (the engine may instead refuse with an error naming one of
+    ``offenders``, a module or parameter name).
+    """
+
+    name: str
+    model: nn.Module
+    loss_fn: LossFn
+    batch: Batch
+    float_inputs: tuple[str, ...] = ()  # inputs scaled by 1e6 for the "scaled_input" neighbour
+    class_label: tuple[str, int] | None = None  # (key, number of classes) for the "max_loss" neighbour
+    padding: dict[str, int] | None = None  # key -> fill value of a padding-only example
+    expect: Expect = "private"
+    offenders: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def size(self) -> int:
+        return int(self.batch["weight"].shape[0])
+
+
+def weighted(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` times the per-example ``weight`` column of the batch."""
+
+    def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+        rest = {k: v for k, v in batch.items() if k != "weight"}
+        return loss_fn(model, rest) * batch["weight"]
+
+    return loss
+
+
+def with_weight(batch: Batch) -> Batch:
+    size = next(iter(batch.values())).shape[0]
+    return {**batch, "weight": torch.ones(size, dtype=torch.float64)}
+
+
+# ---------------------------------------------------------------------------------------------- models
+class TimeMajorNet(nn.Module):
+    """A recurrent-style cell applied time-major: (B, T, d) -> (T, B, d) -> Linear -> (B, T, d).
+
+    The cell's input has the batch on dim 1, so a rule reading dim 0 as the batch sees T "examples", each
+    mixing all B real ones (at T == B nothing in the shapes says so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.recurrent = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # (T, B, d)
+        h = torch.tanh(self.recurrent(h)).transpose(0, 1)  # back to (B, T, d)
+        return self.head(h.mean(1))
+
+
+class PositionGate(nn.Module):
+    """A module without a rule (torch.func fallback) given a (T, d) table shared by every example."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return h + self.gate * table
+
+
+class SharedTableNet(nn.Module):
+    """(B, T, d) features plus a gated fixed position table of shape (T, d), then a linear head."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.position_gate = PositionGate(6)
+        self.head = nn.Linear(6, 3)
+        self.register_buffer("table", torch.randn(length, 6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.position_gate(torch.tanh(self.inp(x)), self.table)
+        return self.head(torch.tanh(h).mean(1))
+
+
+class HandTiedLM(nn.Module):
+    """Embedding -> Linear -> output layer ``F.linear(h, emb.weight)``: the table's second use is in the
+    parent's forward, where no embedding or linear module sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(12, 6, padding_idx=0)
+        self.mix = nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.mix(self.tok_emb(ids))), self.tok_emb.weight)
+
+
+class FunctionalLinearNet(nn.Module):
+    """``functional_fc`` is never called: its weight and bias are only read by ``F.linear`` in the parent's
+    forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.functional_fc = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc = self.functional_fc
+        return self.head(torch.tanh(F.linear(x, fc.weight, fc.bias)))
+
+
+class InstanceNormNet(nn.Module):
+    """Conv -> InstanceNorm2d(track_running_stats=True) -> head, in train mode: each example is normalised
+    by its own statistics, but the running statistics (buffers, released with the model and never noised)
+    average over the batch. ``affine``: the norm also has a weight and bias (no rule: the fallback)."""
+
+    def __init__(self, affine: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.stats_norm = nn.InstanceNorm2d(4, affine=affine, track_running_stats=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.stats_norm(self.conv(x))).mean((2, 3)))
+
+
+def llama(tied: bool) -> nn.Module:
+    """Tiny random Llama: RMSNorm (no rule: fallback), rotary positions, grouped KV heads, no biases."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+        pad_token_id=1,
+    )
+    model = LlamaForCausalLM(config)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    return model.double().eval()
+
+
+def t5() -> nn.Module:
+    """Tiny random T5 (encoder-decoder, tied embeddings): ``relative_attention_bias`` is an Embedding called
+    on a (query_len, key_len) tensor of buckets, shared by every example."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=32,
+        d_model=8,
+        d_kv=4,
+        d_ff=16,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        use_cache=False,
+    )
+    return T5ForConditionalGeneration(config).double().eval()
+
+
+def distilbert() -> nn.Module:
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    config = DistilBertConfig(
+        vocab_size=32,
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        hidden_dim=24,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        seq_classif_dropout=0.0,
+        num_labels=2,
+        pad_token_id=1,
+    )
+    return DistilBertForSequenceClassification(config).double().eval()
+
+
+# ---------------------------------------------------------------------------------------------- losses
+def token_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Sum over positions of the cross-entropy of ``model(ids)`` against ``labels`` (0 ignored)."""
+    logits = model(batch["ids"])
+    losses = F.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), reduction="none", ignore_index=0
+    )
+    return losses.view(batch["labels"].shape).sum(1)
+
+
+def seq2seq_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Sum of the decoder's token losses per example (labels -100 ignored)."""
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+    ).logits
+    losses = F.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), reduction="none", ignore_index=-100
+    )
+    return losses.view(batch["labels"].shape).sum(1)
+
+
+# ---------------------------------------------------------------------------------------------- cases
+def _floats(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def _labels(gen: torch.Generator, size: int, classes: int) -> torch.Tensor:
+    return torch.randint(0, classes, (size,), generator=gen)
+
+
+LM_PADDING = {"input_ids": 1, "attention_mask": 0, "labels": -100}  # labels -100: no loss
+
+# engine_models cases: class-label key and classes, float inputs, padding-only example
+_ENGINE_CASE_INPUTS: dict[str, dict] = {
+    "mlp": {"float_inputs": ("x",), "class_label": ("y", 3)},
+    "fallback": {"float_inputs": ("x",), "class_label": ("y", 3)},
+    "vit": {"float_inputs": ("x",), "class_label": ("y", 3)},
+    "vit_registers": {"float_inputs": ("x",), "class_label": ("y", 3)},
+    "wrn_block": {"float_inputs": ("x",), "class_label": ("y", 4)},
+    "sequence": {"padding": {"ids": 0}},
+    "gpt2": {"padding": LM_PADDING},
+    "gpt2_lora": {"padding": LM_PADDING},
+    "roberta": {"class_label": ("labels", 3), "padding": {"input_ids": 1, "attention_mask": 0}},
+    "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
+}
+
+# the cases whose contract allows a refusal, and the names such a refusal must mention
+REFUSABLE: dict[str, tuple[str, ...]] = {
+    "t5_len_eq_batch": ("relative_attention_bias",),
+    "t5_len_ne_batch": ("relative_attention_bias",),
+    "time_major_len_eq_batch": ("recurrent",),
+    "time_major_len_ne_batch": ("recurrent",),
+    "shared_table_len_eq_batch": ("position_gate",),
+    "shared_table_len_ne_batch": ("position_gate",),
+    "hand_tied": ("tok_emb",),
+    "functional_linear": ("functional_fc",),
+    "instance_norm_running_stats": ("stats_norm",),
+    "instance_norm_affine_running_stats": ("stats_norm",),
+}
+
+NEW_CASES = [
+    "llama_tied",
+    "llama_untied",
+    "distilbert",
+    "t5_len_eq_batch",
+    "t5_len_ne_batch",
+    "time_major_len_eq_batch",
+    "time_major_len_ne_batch",
+    "shared_table_len_eq_batch",
+    "shared_table_len_ne_batch",
+    "hand_tied",
+    "functional_linear",
+    "instance_norm_running_stats",
+    "instance_norm_affine_running_stats",
+]
+ALL_CASES = [*engine_models.CASES, *NEW_CASES]
+
+
+def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, LossFn, Batch, dict]:
+    """Model, unweighted loss, batch and neighbour information of one of ``NEW_CASES``."""
+    # sequence lengths: equal to the micro-batch size b where the case is about T == b, else b + 2
+    length = size if name.endswith("len_eq_batch") else size + 2
+    if name.startswith("llama"):
+        model = llama(tied=name == "llama_tied")
+        return (
+            model,
+            engine_models.lm_loss,
+            engine_models._padded_text(size, 8, 32, gen),
+            {"padding": LM_PADDING},
+        )
+    if name == "distilbert":
+        batch = engine_models._padded_text(size, 8, 32, gen)
+        batch["labels"] = _labels(gen, size, 2)
+        info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
+        return distilbert(), engine_models.seq_classification_loss, batch, info
+    if name.startswith("t5"):
+        source = engine_models._padded_text(size, length, 32, gen)
+        source["input_ids"] = source["input_ids"].masked_fill(source["attention_mask"] == 0, 0)
+        target = torch.randint(2, 32, (size, length), generator=gen)
+        target[:, -1] = -100  # a padded target position
+        batch = {
+            "input_ids": source["input_ids"],
+            "attention_mask": source["attention_mask"],
+            "labels": target,
+        }
+        return t5(), seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
+    float_info = {"float_inputs": ("x",), "class_label": ("y", 3)}
+    if name.startswith("time_major"):
+        batch = {"x": _floats(gen, size, length, 4), "y": _labels(gen, size, 3)}
+        return TimeMajorNet().double(), engine_models.classification_loss, batch, float_info
+    if name.startswith("shared_table"):
+        batch = {"x": _floats(gen, size, length, 4), "y": _labels(gen, size, 3)}
+        return SharedTableNet(length).double(), engine_models.classification_loss, batch, float_info
+    if name == "hand_tied":
+        ids = torch.randint(1, 12, (size, 7), generator=gen)
+        ids[:, -2:] = 0
+        labels = torch.randint(1, 12, (size, 7), generator=gen).masked_fill(ids == 0, 0)
+        return HandTiedLM().double(), token_loss, {"ids": ids, "labels": labels}, {"padding": {"ids": 0}}
+    if name == "functional_linear":
+        batch = {"x": _floats(gen, size, 6), "y": _labels(gen, size, 3)}
+        return FunctionalLinearNet().double(), engine_models.classification_loss, batch, float_info
+    if name.startswith("instance_norm"):
+        batch = {"x": _floats(gen, size, 3, 6, 6), "y": _labels(gen, size, 3)}
+        model = InstanceNormNet(affine="affine" in name).double().train()
+        return model, engine_models.classification_loss, batch, float_info
+    raise KeyError(name)
+
+
+def make_sensitivity_case(name: str, size: int = 5, seed: int = 0) -> SensitivityCase:
+    """The named case with a data set D of ``size`` examples."""
+    if name in engine_models.CASES:
+        model, loss_fn, batch = engine_models.make_case(name, batch_size=size, seed=seed)
+        info = _ENGINE_CASE_INPUTS[name]
+    else:
+        torch.manual_seed(seed)
+        model, loss_fn, batch, info = _new_case(name, size, torch.Generator().manual_seed(seed))
+    expect: Expect = "refuse_or_private" if name in REFUSABLE else "private"
+    return SensitivityCase(
+        name,
+        model,
+        weighted(loss_fn),
+        with_weight(batch),
+        expect=expect,
+        offenders=REFUSABLE.get(name, ()),
+        **info,
+    )
