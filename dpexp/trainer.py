@@ -27,11 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from dpexp.backends import build_backend, is_private
+from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
 from dpexp.run_record import RunRecord, WandbSink, peak_memory, reset_peak_memory
 from dpexp.sampling import build_batch_sampler, split_micro_batches
 from dpexp.schedules import build_optimizer, build_scheduler
-from dpexp.tasks.base import ModelFactory, Task
+from dpexp.tasks.base import Task
 
 log = logging.getLogger(__name__)
 

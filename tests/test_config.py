@@ -12,9 +12,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from dpexp.backends import BACKENDS
+from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
 from dpexp.schedules import build_optimizer, build_scheduler
-from dpexp.tasks.base import ModelFactory, Task
+from dpexp.tasks.base import Task
 from dpexp.train import check_known_keys
 from tests.conftest import CONF_DIR
 

@@ -9,19 +9,20 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from dpexp.models.base import TaskInfo
 from dpexp.models.hf_encoder import HFEncoderFactory, MaskedLMInfilling, resolve_location
-from dpexp.tasks.base import TaskInfo
 from tests.encoder_configs import MINILM, TINY_ROBERTA
 
 
 def text_info(num_labels: int = 3, max_length: int = 16, objective: str = "classification") -> TaskInfo:
     return TaskInfo(
-        kind="classification",
+        "sst2",
+        "classification",
         num_labels=num_labels,
         vocab_size=30522,
         pad_token_id=0,
         max_length=max_length,
-        extra={"task": "sst2", "objective": objective},
+        objective=objective,
     )
 
 
@@ -89,9 +90,9 @@ def test_infilling_variant_scores_the_mask_position_with_a_tied_decoder() -> Non
 def test_task_model_mismatches_are_refused() -> None:
     factory = HFEncoderFactory("roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA)
     with pytest.raises(ValueError, match="classification encoder, but task e2e is a generation task"):
-        factory.build(TaskInfo(kind="generation", vocab_size=30522, extra={"task": "e2e"}))
+        factory.build(TaskInfo("e2e", "generation", vocab_size=30522))
     with pytest.raises(ValueError, match="no tokenised text input"):
-        factory.build(TaskInfo(kind="classification", num_labels=10, input_shape=(3, 32, 32)))
+        factory.build(TaskInfo("cifar10", "classification", num_labels=10, input_shape=(3, 32, 32)))
     minilm = HFEncoderFactory("minilm", weights=MINILM)
     with pytest.raises(ValueError, match=r"accepts 512; set task\.max_length<=512"):
         minilm.build(text_info(max_length=600))

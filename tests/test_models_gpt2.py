@@ -8,9 +8,9 @@ from transformers import GPT2LMHeadModel
 
 import dpexp.models.gpt2 as gpt2_module
 from dpexp.metrics.generation import beam_search
+from dpexp.models.base import TaskInfo
 from dpexp.models.gpt2 import EOS, PAD, GPT2Factory, train_byte_level_bpe
 from dpexp.models.lora import apply_lora
-from dpexp.tasks.base import TaskInfo
 from tests.generation_helpers import tiny_factory
 
 CORPUS = [
@@ -21,13 +21,9 @@ CORPUS = [
 ] * 5
 
 
-def generation_info(vocab_size: int = 300, **extra: object) -> TaskInfo:
+def generation_info(vocab_size: int = 300, lora: dict | None = None) -> TaskInfo:
     return TaskInfo(
-        kind="generation",
-        vocab_size=vocab_size,
-        pad_token_id=1,
-        max_length=64,
-        extra={"eos_token_id": 0, **extra},
+        "e2e", "generation", vocab_size=vocab_size, pad_token_id=1, eos_token_id=0, max_length=64, lora=lora
     )
 
 
@@ -85,14 +81,12 @@ def test_build_random_gpt2_with_tied_embeddings() -> None:
 
 def test_build_rejects_other_task_kinds_and_long_sequences() -> None:
     with pytest.raises(ValueError, match="classification"):
-        tiny_factory().build(TaskInfo(kind="classification", num_labels=2, vocab_size=300, pad_token_id=1))
-    too_long = TaskInfo(
-        kind="generation", vocab_size=300, pad_token_id=1, max_length=500, extra={"eos_token_id": 0}
-    )
+        tiny_factory().build(TaskInfo("sst2", "classification", num_labels=2, vocab_size=300, pad_token_id=1))
+    too_long = TaskInfo("e2e", "generation", vocab_size=300, pad_token_id=1, max_length=500, eos_token_id=0)
     with pytest.raises(ValueError, match="128 positions"):
         tiny_factory().build(too_long)
     with pytest.raises(ValueError, match="setup"):
-        tiny_factory().build(TaskInfo(kind="generation", vocab_size=300, pad_token_id=1))
+        tiny_factory().build(TaskInfo("e2e", "generation", vocab_size=300, pad_token_id=1))
 
 
 def test_lora_trains_only_adapters_and_starts_at_the_base_model() -> None:

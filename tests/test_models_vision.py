@@ -7,14 +7,12 @@ import torch
 from torch import nn
 
 from dpexp.layers import WSConv2d
+from dpexp.models.base import TaskInfo
 from dpexp.models.image_input import ImageInput
 from dpexp.models.timm_vit import TimmImageFactory
 from dpexp.models.wrn import CIFAR10_MEAN, WideResNet, WideResNetFactory
-from dpexp.tasks.base import TaskInfo
 
-CIFAR_INFO = TaskInfo(
-    kind="classification", num_labels=10, input_shape=(3, 32, 32), extra={"task": "cifar10"}
-)
+CIFAR_INFO = TaskInfo("cifar10", "classification", num_labels=10, input_shape=(3, 32, 32))
 
 
 def test_wrn16_4_shape_size_and_no_batchnorm() -> None:
@@ -59,9 +57,9 @@ def test_wrn_rejects_bad_shapes_and_mismatched_tasks() -> None:
     with pytest.raises(
         ValueError, match="WRN-16-1 is an image classifier, but task e2e is a generation task"
     ):
-        factory.build(TaskInfo(kind="generation", vocab_size=100, extra={"task": "e2e"}))
+        factory.build(TaskInfo("e2e", "generation", vocab_size=100))
     with pytest.raises(ValueError, match=r"needs images .* task sst2"):
-        factory.build(TaskInfo(kind="classification", num_labels=2, vocab_size=100, extra={"task": "sst2"}))
+        factory.build(TaskInfo("sst2", "classification", num_labels=2, vocab_size=100))
 
 
 def test_timm_vit_resizes_and_normalises_inside_the_model() -> None:
@@ -80,4 +78,4 @@ def test_timm_vit_resizes_and_normalises_inside_the_model() -> None:
 def test_timm_factory_refuses_text_tasks() -> None:
     factory = TimmImageFactory("vit_tiny_patch16_224", pretrained=False)
     with pytest.raises(ValueError, match="needs images"):
-        factory.build(TaskInfo(kind="classification", num_labels=2, vocab_size=100, extra={"task": "sst2"}))
+        factory.build(TaskInfo("sst2", "classification", num_labels=2, vocab_size=100))

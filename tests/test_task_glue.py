@@ -224,7 +224,7 @@ def test_infilling_template_keeps_mask_and_scores_label_words(tmp_path: Path, ti
     tokens = tokenizer.convert_ids_to_tokens(example["input_ids"])
     assert len(tokens) == 9 and tokens[-5:] == ["it", "was", "[MASK]", ".", "[SEP]"]
     assert example["input_ids"][example["mask_position"]] == tokenizer.mask_token_id
-    assert task.info.extra["label_word_ids"] == tokenizer.convert_tokens_to_ids(["terrible", "great"])
+    assert task.label_word_ids == tokenizer.convert_tokens_to_ids(["terrible", "great"])
     torch.manual_seed(0)
     model = tiny.build(task.info).eval()
     batch = task.collate([task.train_dataset[i] for i in range(4)])
@@ -233,7 +233,7 @@ def test_infilling_template_keeps_mask_and_scores_label_words(tmp_path: Path, ti
     vocab = model(
         batch["input_ids"], batch["attention_mask"], batch["mask_position"], batch["token_type_ids"]
     )
-    expected = F.cross_entropy(vocab[:, task.info.extra["label_word_ids"]], batch["label"], reduction="none")
+    expected = F.cross_entropy(vocab[:, task.label_word_ids], batch["label"], reduction="none")
     torch.testing.assert_close(losses, expected)
     assert 0.0 <= task.evaluate(model, 2)["accuracy"] <= 1.0
 

@@ -54,7 +54,7 @@ def test_instruction_format_and_loss_only_on_the_summary(samsum_root: Path) -> N
     labels = task.collate([example])["labels"][0]
     assert tok.decode(labels[labels != IGNORE]) == " Tim will send Kim the report tonight.<|endoftext|>"
     assert tok.decode(example["input_ids"][: example["prompt_length"]]).endswith("\nTL;DR:")
-    assert task.info.extra["lora"]["rank"] == 32 and task.num_beams == 4
+    assert task.info.lora["rank"] == 32 and task.num_beams == 4
 
 
 def test_lora_model_from_the_task_request(samsum_root: Path) -> None:

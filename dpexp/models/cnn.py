@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from dpexp.tasks.base import ModelFactory, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 

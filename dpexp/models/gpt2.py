@@ -14,22 +14,22 @@ initialised small config is built instead, with a tokenizer chosen by ``tokenize
 - ``auto``: the hub tokenizer if it is already in the local Hugging Face cache, else ``trained``. The hub is
   not contacted (an offline lookup takes about a minute to time out); the choice is logged.
 
-If the task asks for LoRA (``TaskInfo.extra["lora"]``, SAMSum) or the factory's ``lora`` is set, the model
+If the task asks for LoRA (``TaskInfo.lora``, SAMSum) or the factory's ``lora`` is set, the model
 is wrapped by :func:`dpexp.models.lora.apply_lora`; the factory's setting wins.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
+from dpexp.models.base import ModelFactory, TaskInfo
 from dpexp.models.lora import apply_lora
-from dpexp.tasks.base import ModelFactory, TaskInfo
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +118,13 @@ class GPT2Factory(ModelFactory):
     def _n_positions(self) -> int | None:
         return None if self.pretrained else int(self.config.get("n_positions", GPT2Config().n_positions))
 
-    def tokenizer(self, corpus: Iterable[str] | None = None) -> Any:
+    def tokenizer(self, corpus: Sequence[str] | None = None) -> Any:
         """The tokenizer the model expects; ``corpus`` (the task's training texts) trains one if needed."""
         if self._tokenizer is None:
             self._tokenizer = self._make_tokenizer(corpus)
         return self._tokenizer
 
-    def _make_tokenizer(self, corpus: Iterable[str] | None) -> Any:
+    def _make_tokenizer(self, corpus: Sequence[str] | None) -> Any:
         if self.tokenizer_source == "hub":
             tokenizer = hub_tokenizer(self.tokenizer_name)
         elif self.tokenizer_source == "auto":
@@ -162,10 +162,10 @@ class GPT2Factory(ModelFactory):
                 "GPT-2 is a language model for generation tasks (e2e, dart, samsum), but the task is a "
                 f"{info.kind} task; pick a model for {info.kind} tasks (e.g. model=roberta_base)"
             )
-        eos = info.extra.get("eos_token_id")
+        eos = info.eos_token_id
         if info.vocab_size is None or info.pad_token_id is None or eos is None:
             raise ValueError(
-                "the task info lacks vocab_size, pad_token_id or extra['eos_token_id']; "
+                "the task info lacks vocab_size, pad_token_id or eos_token_id; "
                 "call task.setup(factory) before factory.build(task.info)"
             )
         overrides: dict[str, Any] = {}
@@ -196,5 +196,5 @@ class GPT2Factory(ModelFactory):
         model.config.pad_token_id = info.pad_token_id
         model.generation_config.pad_token_id = info.pad_token_id
         model.generation_config.eos_token_id = eos
-        lora = self.lora if self.lora is not None else info.extra.get("lora")
+        lora = self.lora if self.lora is not None else info.lora
         return apply_lora(model, **lora) if lora else model

@@ -17,6 +17,7 @@ position ids are left to the model (the privacy engine handles the broadcast (1,
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from dpexp.tasks.base import ModelFactory, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo
 
 PACKAGE_PREFIX = "package:"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -126,7 +127,8 @@ class HFEncoderFactory(ModelFactory):
         self.dropout = dropout
         self._tokenizer: Any = None
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self, corpus: Sequence[str] | None = None) -> Any:
+        """The pretrained (or configured) tokenizer; it has a fixed vocabulary, so ``corpus`` is unused."""
         if self._tokenizer is None:
             location = resolve_location(self.tokenizer_location)
             try:
@@ -136,7 +138,7 @@ class HFEncoderFactory(ModelFactory):
         return self._tokenizer
 
     def build(self, info: TaskInfo) -> nn.Module:
-        task = info.extra.get("task", "this task")
+        task = info.name
         if info.kind != "classification" or info.num_labels is None:
             raise ValueError(
                 f"Model {self.name} is a text classification encoder, but task {task} is a {info.kind} task; "
@@ -147,7 +149,7 @@ class HFEncoderFactory(ModelFactory):
                 f"Model {self.name} is a text encoder, but task {task} has no tokenised text input "
                 f"(input_shape={info.input_shape}); use an image model (model=wrn16_4, vit_*, beit_*)."
             )
-        infilling = info.extra.get("objective") == "infilling"
+        infilling = info.objective == "infilling"
         model = self._pretrained(info, infilling) if self.weights else self._random(info, infilling)
         self._check_fits(model.config, info)
         return MaskedLMInfilling(model) if infilling else model

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpexp.tasks.base import TaskInfo
+from dpexp.models.base import TaskInfo
 
 
 def image_classification_shape(info: TaskInfo, model: str) -> tuple[int, int, int]:
     """The task's (C, H, W); ValueError naming both sides unless ``info`` is an image classification task."""
-    task = info.extra.get("task", "this task")
+    task = info.name
     if info.kind != "classification" or info.num_labels is None:
         raise ValueError(
             f"Model {model} is an image classifier, but task {task} is a {info.kind} task; "

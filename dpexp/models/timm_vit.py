@@ -13,8 +13,8 @@ from collections import OrderedDict
 
 from torch import nn
 
+from dpexp.models.base import ModelFactory, TaskInfo
 from dpexp.models.image_input import ImageInput, image_classification_shape
-from dpexp.tasks.base import ModelFactory, TaskInfo
 
 
 class TimmImageFactory(ModelFactory):

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.layers import WSConv2d
+from dpexp.models.base import ModelFactory, TaskInfo
 from dpexp.models.image_input import ImageInput, image_classification_shape
-from dpexp.tasks.base import ModelFactory, TaskInfo
 
 # CIFAR-10 training-set channel statistics (pixels in [0, 1]), used by De et al. to normalise the inputs.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)

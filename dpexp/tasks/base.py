@@ -1,4 +1,4 @@
-"""The contract between the trainer, tasks and models.
+"""The contract between the trainer and tasks (the task-model contract is :mod:`dpexp.models.base`).
 
 Data flows one way: ``config -> Task + ModelFactory -> model -> privacy backend -> trainer``.
 A task knows its data, its per-example loss and its metric; it knows nothing about clipping.
@@ -18,42 +18,13 @@ The trainer drives them as::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-TaskKind = Literal["classification", "generation"]
-
-
-@dataclass
-class TaskInfo:
-    """What a model factory needs to know about a task to build a matching network."""
-
-    kind: TaskKind
-    num_labels: int | None = None  # classification tasks
-    vocab_size: int | None = None  # text tasks (size of the tokenizer actually used)
-    pad_token_id: int | None = None
-    max_length: int | None = None  # longest tokenised input the task produces
-    input_shape: tuple[int, ...] | None = None  # vision tasks: (C, H, W)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class ModelFactory(ABC):
-    """Builds a model (and, for text models, provides the tokenizer the task must use)."""
-
-    def tokenizer(self) -> Any | None:
-        """The tokenizer this model expects, or None for non-text models."""
-        return None
-
-    @abstractmethod
-    def build(self, info: TaskInfo) -> nn.Module:
-        """Return a freshly initialised (or pretrained) model for the task described by ``info``.
-
-        Raise ``ValueError`` naming both sides when the model cannot serve this kind of task.
-        """
+from dpexp.models.base import ModelFactory, TaskInfo
 
 
 class Task(ABC):

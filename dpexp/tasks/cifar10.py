@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from dpexp.metrics.accuracy import accuracy
-from dpexp.tasks.base import ModelFactory, Task, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo
+from dpexp.tasks.base import Task
 from dpexp.tasks.subsets import check_split_options, training_indices
 
 HUB_DATASET = "uoft-cs/cifar10"
@@ -105,9 +106,7 @@ class Cifar10Task(Task):
 
     @property
     def info(self) -> TaskInfo:
-        return TaskInfo(
-            kind="classification", num_labels=NUM_CLASSES, input_shape=IMAGE_SHAPE, extra={"task": self.name}
-        )
+        return TaskInfo(self.name, "classification", num_labels=NUM_CLASSES, input_shape=IMAGE_SHAPE)
 
     @property
     def train_dataset(self) -> Dataset:

@@ -15,7 +15,8 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from dpexp.tasks.base import ModelFactory, Task, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo
+from dpexp.tasks.base import Task
 
 IMAGE_SHAPE = (1, 8, 8)
 NUM_CLASSES = 10
@@ -49,7 +50,7 @@ class DigitsTask(Task):
 
     @property
     def info(self) -> TaskInfo:
-        return TaskInfo(kind="classification", num_labels=NUM_CLASSES, input_shape=IMAGE_SHAPE)
+        return TaskInfo(self.name, "classification", num_labels=NUM_CLASSES, input_shape=IMAGE_SHAPE)
 
     @property
     def train_dataset(self) -> Dataset:

@@ -29,7 +29,6 @@ linearised source (``dev_eval_fraction`` of them in ``dev_eval``), so no input a
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
@@ -44,7 +43,8 @@ from torch.utils.data import Dataset
 
 from dpexp.metrics.generation import beam_search
 from dpexp.metrics.text import corpus_bleu, rouge
-from dpexp.tasks.base import ModelFactory, Task, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo
+from dpexp.tasks.base import Task
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +247,7 @@ class GenerationTask(Task):
     # ----- tokenisation ----------------------------------------------------------------------------------
 
     def _tokenizer(self, factory: ModelFactory, corpus: list[str]) -> Any:
-        accepts_corpus = "corpus" in inspect.signature(factory.tokenizer).parameters
-        tokenizer = factory.tokenizer(corpus=corpus) if accepts_corpus else factory.tokenizer()
+        tokenizer = factory.tokenizer(corpus=corpus)
         if tokenizer is None:
             raise ValueError(
                 f"task {self.name} generates text and needs a language model with a tokenizer "
@@ -335,11 +334,13 @@ class GenerationTask(Task):
             max(map(len, self._eval_prompts)) + self.max_new_tokens,
         )
         self._info = TaskInfo(
-            kind="generation",
+            self.name,
+            "generation",
             vocab_size=len(self._tok),
             pad_token_id=self._tok.pad_token_id,
+            eos_token_id=self._tok.eos_token_id,
             max_length=longest,
-            extra={"eos_token_id": self._tok.eos_token_id, "lora": self.lora},
+            lora=self.lora,
         )
         logger.info(
             "%s: %d training pairs (%s), %d evaluation inputs with %d references (%s)",

@@ -25,7 +25,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dpexp.metrics.accuracy import accuracy
-from dpexp.tasks.base import ModelFactory, Task, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo
+from dpexp.tasks.base import Task
 from dpexp.tasks.subsets import check_split_options, training_indices
 from dpexp.tasks.text_encoding import (
     TRUNCATION_MODES,
@@ -181,7 +182,7 @@ class GlueTask(Task):
         self._train: ExampleList | None = None
         self._evals: dict[str, list[Example]] = {}
         self._info: TaskInfo | None = None
-        self._label_word_ids: list[int] = []
+        self.label_word_ids: list[int] = []  # infilling: the token of each label's word
         self._pad_token_id = 0
 
     # ----------------------------------------------------------------------------------------------- data
@@ -215,15 +216,16 @@ class GlueTask(Task):
         self._pad_token_id = tokenizer.pad_token_id
         if self.objective == "infilling":
             backend = plain_backend(tokenizer)
-            self._label_word_ids = [single_token_id(backend, word) for word in self.label_words]
+            self.label_word_ids = [single_token_id(backend, word) for word in self.label_words]
         longest = max(len(e["input_ids"]) for part in (train_examples, *self._evals.values()) for e in part)
         self._info = TaskInfo(
-            kind="classification",
+            self.name,
+            "classification",
             num_labels=len(self.spec.label_names),
             vocab_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             max_length=longest,
-            extra={"task": self.name, "objective": self.objective, "label_word_ids": self._label_word_ids},
+            objective=self.objective,
         )
 
     def _encode(
@@ -302,7 +304,7 @@ class GlueTask(Task):
             key: batch[key] for key in ("input_ids", "attention_mask", "token_type_ids") if key in batch
         }
         if self.objective == "infilling":
-            return model(**inputs, mask_positions=batch["mask_position"])[:, self._label_word_ids]
+            return model(**inputs, mask_positions=batch["mask_position"])[:, self.label_word_ids]
         return model(**inputs).logits
 
     def per_example_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -4,7 +4,7 @@ He et al. "augmented the training and test sets by prepending the inputs with th
 the following dialogue' and the outputs with the delimiter 'TL;DR'": the prompt is
 ``instruction + newline + dialogue`` and the separator the text ``newline + "TL;DR:"``; the summary follows
 and carries the loss. They fine-tune with LoRA of rank 32 (requested from the model factory through
-``TaskInfo.extra["lora"]``, set ``task.lora=null`` for full fine-tuning), decode by beam search with beam 4
+``TaskInfo.lora``, set ``task.lora=null`` for full fine-tuning), decode by beam search with beam 4
 and report ROUGE-1/2/L (Table 6). Each dialogue has one reference summary.
 
 Local files (``data_root/samsum/``): the original release's ``train.json``, ``val.json``, ``test.json``,

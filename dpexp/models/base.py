@@ -1,0 +1,51 @@
+"""The contract between tasks and models: what a task tells a model factory (:class:`TaskInfo`), and what a
+factory offers (:class:`ModelFactory`: a network for a task, and the tokenizer a text task must use).
+
+A model factory knows how to build a network for a task; it knows nothing about clipping or privacy. Tasks
+import this module (never the other way round).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+TaskKind = Literal["classification", "generation"]
+Objective = Literal["classification", "infilling"]
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """What a model factory needs to know about a task to build a matching network."""
+
+    name: str  # the task's name, for messages
+    kind: TaskKind
+    num_labels: int | None = None  # classification tasks
+    vocab_size: int | None = None  # text tasks (size of the tokenizer actually used)
+    pad_token_id: int | None = None
+    eos_token_id: int | None = None  # generation tasks: where generated text ends
+    max_length: int | None = None  # longest tokenised input the task produces
+    input_shape: tuple[int, ...] | None = None  # vision tasks: (C, H, W)
+    objective: Objective = "classification"  # infilling: by a masked LM's label words (Li et al. 2022, 3.2)
+    lora: Mapping[str, Any] | None = None  # LoRA adapters the task's paper setup uses (He et al. App. C.2)
+
+
+class ModelFactory(ABC):
+    """Builds a model, and provides the tokenizer that text tasks must use with it."""
+
+    def tokenizer(self, corpus: Sequence[str] | None = None) -> Any | None:
+        """The tokenizer this model expects (None for models without one). ``corpus``: texts a factory
+        without a fixed vocabulary may learn one from; what is learnt from private training texts is outside
+        the privacy guarantee, so private runs pass public texts or use a fixed vocabulary."""
+        return None
+
+    @abstractmethod
+    def build(self, info: TaskInfo) -> nn.Module:
+        """Return a freshly initialised (or pretrained) model for the task described by ``info``.
+
+        Raise ``ValueError`` naming both sides when the model cannot serve this kind of task.
+        """
