@@ -81,4 +81,13 @@ def as_sequence(x: torch.Tensor) -> torch.Tensor:
 
 
 # Importing the rule modules registers them.
-from dpexp.privacy.rules import conv, embedding, linear, norm, rms_norm, vision_tokens, ws_conv  # noqa: E402,F401
+from dpexp.privacy.rules import (  # noqa: E402,F401
+    activation,
+    conv,
+    embedding,
+    linear,
+    norm,
+    rms_norm,
+    vision_tokens,
+    ws_conv,
+)

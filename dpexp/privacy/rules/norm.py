@@ -1,4 +1,5 @@
-"""``nn.LayerNorm`` and ``nn.GroupNorm``: ``y = x_hat * w + b`` with ``x_hat`` the normalised input.
+"""``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.InstanceNorm1d/2d/3d``: ``y = x_hat * w + b`` with ``x_hat``
+the normalised input.
 
 The per-example gradients ``dw_i = sum (dy_i * x_hat_i)`` and ``db_i = sum dy_i`` (summed over all axes
 that the affine parameters are broadcast along) are small, so they are held explicitly. ``x_hat`` is
@@ -38,4 +39,21 @@ def layer_norm_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) ->
 @register_rule(nn.GroupNorm)
 def group_norm_grads(module: nn.GroupNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     x_hat = F.group_norm(x, module.num_groups, eps=module.eps)
+    return _affine_grads(module, x_hat, dy, tuple(range(2, x.dim())))
+
+
+@register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm_grads(
+    module: nn.modules.instancenorm._InstanceNorm, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Each example's channels are normalised over their own positions (running statistics, if tracked, are
+    used only in evaluation; a training forward that updates them is refused by the engine)."""
+    use_input_stats = module.training or not module.track_running_stats
+    x_hat = F.instance_norm(
+        x,
+        None if use_input_stats else module.running_mean,
+        None if use_input_stats else module.running_var,
+        use_input_stats=use_input_stats,
+        eps=module.eps,
+    )
     return _affine_grads(module, x_hat, dy, tuple(range(2, x.dim())))

@@ -1,4 +1,5 @@
-"""Vision Transformers' own parameters: class token, register tokens and absolute position embedding.
+"""Vision Transformers' own parameters: class token, register tokens and absolute position embedding (timm's
+``VisionTransformer`` and ``Beit``, Hugging Face's ``ViTEmbeddings``).
 
 timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
 (or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``) and passes it to ``pos_drop``. With
@@ -60,3 +61,25 @@ def token_grads(module: nn.Module, x: torch.Tensor, dz: torch.Tensor) -> dict[st
     start = offset if getattr(module, "no_embed_class", False) else 0
     grads["pos_embed"] = Dense(dz[:, start : start + pos.shape[1]].reshape(batch, *pos.shape))
     return grads
+
+
+def _check_hf(module: nn.Module) -> None:
+    mask_token = getattr(module, "mask_token", None)
+    if mask_token is not None and mask_token.requires_grad:
+        raise ValueError(
+            f"{type(module).__name__}: the privacy engine's class/position-token rule does not cover the "
+            "mask token of masked image modelling (its use depends on bool_masked_pos). Freeze it "
+            "(mask_token.requires_grad_(False)) or register a rule for it."
+        )
+
+
+@register_rule("transformers.models.vit.modeling_vit.ViTEmbeddings", check=_check_hf, tap="dropout")
+def hf_vit_token_grads(module: nn.Module, x: torch.Tensor, dz: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """Hugging Face ViT: ``dropout(cat(cls, patches) + position_embeddings)``, so with ``dz`` (B, T, d) at the
+    dropout's input, ``d cls_i = dz_i[0]`` and ``d pos_i = dz_i``. (Interpolated position encodings route the
+    gradient through a resampling this rule does not model; the engine's verification refuses them.)"""
+    batch = dz.shape[0]
+    return {
+        "cls_token": Dense(dz[:, :1].reshape(batch, *module.cls_token.shape)),
+        "position_embeddings": Dense(dz.reshape(batch, *module.position_embeddings.shape)),
+    }

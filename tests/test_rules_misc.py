@@ -1,0 +1,94 @@
+"""Rules for InstanceNorm (affine), PReLU and Hugging Face ViT's class and position tokens against the
+brute-force oracle, for every backend x flat/per-layer clipping; no fallback left on these models."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+
+
+class ConvNet(nn.Module):
+    def __init__(self, norm: nn.Module, act: nn.Module) -> None:
+        super().__init__()
+        self.conv, self.norm, self.act, self.head = nn.Conv2d(3, 4, 3), norm, act, nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.act(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def _cases() -> dict:
+    def vision(norm, act):
+        batch = {"x": torch.randn(6, 3, 6, 6, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
+        return ConvNet(norm, act), batch
+
+    def hf_vit():
+        from transformers import ViTConfig, ViTForImageClassification
+
+        config = ViTConfig(
+            image_size=8, patch_size=4, num_channels=3, hidden_size=8, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=12, num_labels=3, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        model = ViTForImageClassification(config)
+        batch = {"x": torch.randn(6, 3, 8, 8, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
+        return model, batch
+
+    return {
+        "instance_norm": lambda: vision(nn.InstanceNorm2d(4, affine=True), nn.Tanh()),
+        "prelu_shared": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU()),
+        "prelu_per_channel": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU(4, init=0.1)),
+        "hf_vit": hf_vit,
+    }
+
+
+def _loss(model, batch):
+    out = model(batch["x"])
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits, batch["y"], reduction="none")
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+@pytest.mark.parametrize("backend", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_rule_matches_oracle(name, backend, clipping, recwarn):
+    torch.manual_seed(0)
+    model, batch = _cases()[name]()
+    model = model.double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # away from identity initialisations
+    grads = per_example_grads(model, _loss, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        engine = PrivacyEngine(
+            model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0, clipping=clipping
+        )
+    groups = engine.groups
+    engine.detach()
+    assert not [w for w in recwarn if "fallback" in str(w.message)]
+    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=6)
+    delta, _ = engine_update(
+        model, _loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, backend=backend, clipping=clipping,
+        thresholds=thresholds, max_grad_norm=1.0,
+    )  # fmt: skip
+    for param, want in expected.items():
+        torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
+
+
+def test_hf_vit_trainable_mask_token_is_refused():
+    from transformers import ViTConfig
+    from transformers.models.vit.modeling_vit import ViTEmbeddings
+
+    embeddings = ViTEmbeddings(ViTConfig(image_size=8, patch_size=4, hidden_size=8), use_mask_token=True)
+    with pytest.raises(ValueError, match="mask token"):
+        PrivacyEngine(embeddings, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
