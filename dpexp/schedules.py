@@ -14,24 +14,22 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+
+def _adam_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "lr": cfg["lr"],
+        "betas": tuple(cfg.get("betas", (0.9, 0.999))),
+        "eps": cfg.get("eps", 1e-8),
+        "weight_decay": cfg.get("weight_decay", 0.0),
+    }
+
+
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, cfg: torch.optim.SGD(
         params, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0), weight_decay=cfg.get("weight_decay", 0.0)
     ),
-    "adam": lambda params, cfg: torch.optim.Adam(
-        params,
-        lr=cfg["lr"],
-        betas=tuple(cfg["betas"]),
-        eps=cfg["eps"],
-        weight_decay=cfg.get("weight_decay", 0.0),
-    ),
-    "adamw": lambda params, cfg: torch.optim.AdamW(
-        params,
-        lr=cfg["lr"],
-        betas=tuple(cfg["betas"]),
-        eps=cfg["eps"],
-        weight_decay=cfg.get("weight_decay", 0.0),
-    ),
+    "adam": lambda params, cfg: torch.optim.Adam(params, **_adam_options(cfg)),
+    "adamw": lambda params, cfg: torch.optim.AdamW(params, **_adam_options(cfg)),
 }
 
 

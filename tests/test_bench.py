@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from dpexp import bench
-from dpexp.bench_models import GPT2LM, MLP
+from dpexp.bench.models import GPT2LM, MLP
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 REPORT = Path(__file__).resolve().parents[1] / "scripts" / "bench_report.py"
@@ -90,7 +90,7 @@ def test_max_batch_search_reports_ratios_to_the_baseline() -> None:
 
 def test_isolated_run_measures_its_own_peak_memory() -> None:
     spec = {
-        "model": {"_target_": "dpexp.bench_models.MLP", "in_features": 8, "hidden": [16], "num_classes": 3},
+        "model": {"_target_": "dpexp.bench.models.MLP", "in_features": 8, "hidden": [16], "num_classes": 3},
         "optimizer": {"name": "sgd", "lr": 0.1},
         "clip": {"name": "bk", "backend": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
         "batch_size": 4,

@@ -1,0 +1,65 @@
+"""The runs of a suite in execution order: groups (model, batch, sequence length) one after another,
+``repeats`` rounds each, the methods of a round interleaved with the non-private baseline
+(``nonprivate, m1, .., m_k, nonprivate, ...`` with ``baseline_every = k``) so that each method's ratios use
+the baseline runs adjacent to its own runs, and slow drift of the machine cancels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+BASELINE = "nonprivate"
+
+
+def interleave(methods: list[str], baseline_every: int) -> list[str]:
+    """``[B, m1..mk, B, m(k+1).., B]`` with ``B`` the baseline every ``baseline_every`` methods."""
+    others = [m for m in methods if m != BASELINE]
+    if BASELINE not in methods:
+        return others
+    order = [BASELINE]
+    for i in range(0, len(others), baseline_every):
+        order += [*others[i : i + baseline_every], BASELINE]
+    return order
+
+
+def plan(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
+    """Every run in execution order: groups (model, batch, seq) one after another, ``repeats`` rounds each."""
+    suite = cfg.bench_suite
+    if not suite.models:
+        raise ValueError(f"suite {suite.name!r} has no models; choose a suite such as bench_suite=cpu")
+    runs = []
+    for model_name, entry in suite.models.items():
+        methods = list(entry.get("methods") or suite.methods)
+        unknown = sorted(set(methods) - set(cfg.methods))
+        if unknown:
+            raise ValueError(
+                f"{model_name}: unknown methods {unknown}; defined in conf/bench.yaml: {sorted(cfg.methods)}"
+            )
+        seq_lens = list(entry.get("seq_lens") or [None])
+        for batch_size in entry.batch_sizes:
+            for seq_len in seq_lens:
+                for repeat in range(suite.repeats):
+                    for method in interleave(methods, suite.baseline_every):
+                        runs.append(
+                            {
+                                "model_name": model_name,
+                                "model": OmegaConf.to_container(entry.spec, resolve=True),
+                                "optimizer": OmegaConf.to_container(entry.optimizer, resolve=True),
+                                "method": method,
+                                "clip": OmegaConf.to_container(cfg.methods[method], resolve=True),
+                                "batch_size": int(batch_size),
+                                "seq_len": None if seq_len is None else int(seq_len),
+                                "repeat": repeat,
+                                "warmup": int(suite.warmup),
+                                "steps": int(suite.steps),
+                                "device": device,
+                                "threads": cfg.threads,
+                                "amp": suite.amp,
+                                "noise_multiplier": float(cfg.noise_multiplier),
+                                "sample_size": int(cfg.sample_size),
+                                "seed": int(cfg.seed),
+                                "preload": list(cfg.preload),
+                            }
+                        )
+    return runs
