@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 
 from dpexp.backends import build_backend
 from dpexp.bench.machine import source_hash
-from dpexp.bench.models import unsupported_modules
+from dpexp.privacy.capture import unsupported_modules
 from dpexp.schedules import build_optimizer
 
 

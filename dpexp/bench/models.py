@@ -193,20 +193,3 @@ def _need(seq_len: int | None) -> int:
     if seq_len is None:
         raise ValueError("a sequence model needs a sequence length: give seq_lens in the suite's model entry")
     return seq_len
-
-
-def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
-    """Module types owning trainable parameters that the privacy engine has no rule for.
-
-    Returns ``{type name: sorted parameter attribute names}`` (e.g. ``{"VisionTransformer": ["cls_token",
-    "pos_embed"]}``), so that a refused model is reported by every offending type, not only the first.
-    """
-    from dpexp.privacy.rules import rule_for
-
-    found: dict[str, set[str]] = {}
-    for module in model.modules():
-        own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
-        if own and rule_for(module) is None:
-            kind = f"{type(module).__module__}.{type(module).__qualname__}"
-            found.setdefault(kind, set()).update(own)
-    return {kind: sorted(names) for kind, names in sorted(found.items())}

@@ -79,6 +79,18 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     return layers, params
 
 
+def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
+    """Module types owning trainable parameters that no rule covers (they take the fallback, or are refused
+    without it): ``{qualified type name: sorted parameter attribute names}``, every offending type at once."""
+    found: dict[str, set[str]] = {}
+    for module in model.modules():
+        own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if own and rule_for(module) is None:
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            found.setdefault(kind, set()).update(own)
+    return {kind: sorted(names) for kind, names in sorted(found.items())}
+
+
 def _versions(args: tuple, kwargs: dict[str, Any]) -> list[int]:
     return [t._version for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
 
