@@ -64,6 +64,13 @@ def test_engine_clip_keys_are_privacy_engine_arguments(option):
     assert node.max_grad_norm > 0
 
 
+def test_approximate_calibration_exists_for_gdp_only(compose_config):
+    assert compose_config(["accountant=gdp"]).accountant.approximate_calibration is False
+    for accountant in ("rdp", "prv"):  # upper bounds: nothing to opt into
+        with pytest.raises(ConfigCompositionException, match="approximate_calibration"):
+            compose_config([f"accountant={accountant}", "accountant.approximate_calibration=true"])
+
+
 @pytest.mark.parametrize("option", _clip_configs("opacus"))
 def test_opacus_clip_keys(option):
     node = OmegaConf.load(CONF_DIR / "clip" / f"{option}.yaml")

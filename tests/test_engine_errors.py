@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpexp.privacy import PrivacyEngine
+from dpexp.privacy import PrivacyEngine, accounting
 
 
 def _engine(model, **kwargs):
@@ -145,6 +145,16 @@ def test_impossible_settings():
         _engine(nn.Linear(2, 2), backend="fast")
     with pytest.raises(ValueError, match="noise_multiplier, or target_epsilon"):
         _engine(nn.Linear(2, 2), noise_multiplier=None)
+
+
+def test_gdp_calibration_needs_the_opt_in():
+    calibrated = {"noise_multiplier": None, "target_epsilon": 3.0, "target_delta": 1e-5, "steps": 100}
+    with pytest.raises(ValueError, match=r"approximation.*allow_approximation=True"):
+        _engine(nn.Linear(2, 2), **calibrated, accountant="gdp")
+    with pytest.warns(UserWarning, match="epsilon may be underestimated"):
+        engine = _engine(nn.Linear(2, 2), **calibrated, accountant="gdp", allow_approximation=True)
+    assert accounting.get_epsilon(engine.noise_multiplier, 0.1, 100, 1e-5, "gdp") <= 3
+    assert _engine(nn.Linear(2, 2), **calibrated, accountant="rdp").noise_multiplier > engine.noise_multiplier
 
 
 def test_optimizer_must_cover_exactly_the_private_parameters():

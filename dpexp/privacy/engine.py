@@ -138,6 +138,8 @@ class PrivacyEngine:
             (``dpexp.privacy.rules.functional``; costs a second forward/backward of that module) instead
             of refusing them.
         generator: random generator for the noise, on the parameters' device (default: torch's global one).
+        allow_approximation: let ``target_epsilon`` be calibrated with ``accountant="gdp"``, an approximation
+            that can underestimate epsilon (``accounting.get_noise_multiplier`` refuses it otherwise).
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class PrivacyEngine:
         norm_mode: NormMode = "auto",
         generic_fallback: bool = True,
         generator: torch.Generator | None = None,
+        allow_approximation: bool = False,
     ) -> None:
         if batch_size < 1 or sample_size < 1:
             raise ValueError(f"batch_size ({batch_size}) and sample_size ({sample_size}) must be positive")
@@ -178,6 +181,7 @@ class PrivacyEngine:
         self.max_grad_norm, self.backend, self.accountant = float(max_grad_norm), backend, accountant
         self.norm_mode: NormMode = "instantiate" if backend == "instantiate" else norm_mode
         self.noise_allocation, self.generator = noise_allocation, generator
+        self.allow_approximation = allow_approximation
         self.steps = 0
 
         self._recomputing = False
@@ -287,7 +291,12 @@ class PrivacyEngine:
             raise ValueError("give noise_multiplier, or target_epsilon and target_delta with epochs or steps")
         total_steps = steps if steps is not None else math.ceil(epochs * self.sample_size / self.batch_size)
         return accounting.get_noise_multiplier(
-            target_epsilon, target_delta, self.sample_rate, total_steps, accountant=self.accountant
+            target_epsilon,
+            target_delta,
+            self.sample_rate,
+            total_steps,
+            accountant=self.accountant,
+            allow_approximation=self.allow_approximation,
         )
 
     # ------------------------------------------------------------------ hooks
