@@ -210,3 +210,14 @@ def test_physical_batch_size_does_not_change_the_run(compose_config, tmp_path):
     assert one["examples_seen"] == many["examples_seen"]
     assert many["loss"] == pytest.approx(one["loss"], rel=1e-4)
     assert many["accuracy"] == one["accuracy"]
+
+
+def test_secure_mode_noise_ignores_the_seed(compose_config, tmp_path):
+    """clip.engine.secure_mode=true trains, and its noise comes from the OS, not from ``seed``: the same
+    config twice gives different models (test_train_e2e checks that it is otherwise reproducible)."""
+    cfg = compose_config([*TINY_RUN, "clip.engine.secure_mode=true"])
+    first = run_training(cfg, tmp_path / "a")
+    second = run_training(cfg, tmp_path / "b")
+    assert first["status"] == second["status"] == "completed"
+    assert first["config"]["clip"]["engine"]["secure_mode"] is True
+    assert first["loss"] != second["loss"]

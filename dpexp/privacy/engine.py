@@ -140,6 +140,9 @@ class PrivacyEngine:
         generator: random generator for the noise, on the parameters' device (default: torch's global one).
         allow_approximation: let ``target_epsilon`` be calibrated with ``accountant="gdp"``, an approximation
             that can underestimate epsilon (``accounting.get_noise_multiplier`` refuses it otherwise).
+        secure_mode: draw the gradient and clip-count noise from the secure sampler
+            (``dpexp.privacy.noise.secure_standard_normal``: OS CSPRNG, sums of Gaussians against
+            floating-point attacks; slower, not reproducible); refuses a ``generator``.
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class PrivacyEngine:
         generic_fallback: bool = True,
         generator: torch.Generator | None = None,
         allow_approximation: bool = False,
+        secure_mode: bool = False,
     ) -> None:
         if batch_size < 1 or sample_size < 1:
             raise ValueError(f"batch_size ({batch_size}) and sample_size ({sample_size}) must be positive")
@@ -181,7 +185,12 @@ class PrivacyEngine:
         self.max_grad_norm, self.backend, self.accountant = float(max_grad_norm), backend, accountant
         self.norm_mode: NormMode = "instantiate" if backend == "instantiate" else norm_mode
         self.noise_allocation, self.generator = noise_allocation, generator
-        self.allow_approximation = allow_approximation
+        if secure_mode and generator is not None:
+            raise ValueError(
+                "secure_mode=True draws noise from the operating system's CSPRNG, never from a seed: pass "
+                "generator=None, or secure_mode=False for reproducible noise."
+            )
+        self.allow_approximation, self.secure_mode = allow_approximation, secure_mode
         self.steps = 0
 
         self._recomputing = False
@@ -569,13 +578,13 @@ class PrivacyEngine:
                 if grad is None:
                     grad = torch.zeros_like(param)
                 if std > 0:
-                    add_gaussian_noise_(grad, std, self.generator)
+                    add_gaussian_noise_(grad, std, self.generator, self.secure_mode)
                 param.grad = grad.div_(self.batch_size)
 
     def _end_step(self) -> None:
         if self.adaptive is not None:
             released = release_centred_counts(
-                self._centred_counts, self.count_noise_multiplier, self.generator
+                self._centred_counts, self.count_noise_multiplier, self.generator, self.secure_mode
             )
             self.thresholds = update_thresholds(
                 self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm
