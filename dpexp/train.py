@@ -18,10 +18,12 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
+from dpexp.privacy import accounting
 from dpexp.trainer import run_training
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's conf/ (editable install)
 GROUPS = ("task", "model", "clip", "accountant", "optim")
+APPROXIMATION_LABELS = {"clt_approximation": "CLT approximation"}  # epsilon kinds that are not upper bounds
 
 
 class Sampling(str, Enum):
@@ -103,11 +105,20 @@ def check_known_keys(cfg: DictConfig) -> None:
         raise ValueError(f"Unknown config keys {unknown}; valid top-level keys: {', '.join(sorted(known))}.")
 
 
+def _epsilon_text(name: str, value: float, kind: str) -> str:
+    """``rdp=2.998`` for an upper bound, ``gdp≈2.535 (CLT approximation)`` for an approximation."""
+    if kind == accounting.UPPER_BOUND:
+        return f"{name}={value:.3f}"
+    return f"{name}≈{value:.3f} ({APPROXIMATION_LABELS[kind]})"
+
+
 def summary(record: dict[str, Any]) -> str:
     """A few lines for the terminal: task metrics, epsilon, throughput, peak memory, where metrics.json is."""
     metrics = ", ".join(f"{name}={record[name]:.4f}" for name in record.get("metric_names", []))
-    epsilon = record.get("epsilon", {})
-    eps = ", ".join(f"{k}={v:.3f}" for k, v in epsilon.items() if v is not None) or "non-private"
+    epsilon, kinds = record.get("epsilon", {}), record.get("epsilon_kind", {})
+    eps = (
+        ", ".join(_epsilon_text(k, v, kinds[k]) for k, v in epsilon.items() if v is not None) or "non-private"
+    )
     return (
         f"{record['task']} / {record['model']} / {record['clip']}: {metrics}\n"
         f"epsilon ({eps}) at delta={record['delta']:.3g}, sigma={record['noise_multiplier']:.4f}, "

@@ -1,11 +1,13 @@
 """The generic (DP-)training loop behind ``python -m dpexp.train``.
 
 One run: build the task and model from config, solve the noise multiplier sigma for the target (epsilon,
-delta) at sampling rate q = B/N over T steps with the chosen accountant, then T logical steps of
+delta) at sampling rate q = B/N over T steps with the chosen accountant (an upper bound, rdp or prv, unless
+the GDP approximation is opted into: :func:`calibration_accountant`), then T logical steps of
 DP-SGD/DP-Adam (Abadi et al. 2016): each logical batch (Poisson-sampled by default) is split into physical
 micro-batches whose clipped gradients the backend accumulates, and one ``backend.step()`` adds the noise once
 and divides by the expected B. Evaluations every ``eval_every`` steps and at the end go to metrics.json
-(:mod:`dpexp.run_record`), which also records the epsilon spent under all three accountants.
+(:mod:`dpexp.run_record`), which also records the epsilon spent under all three accountants and what each
+of them is (``epsilon_kind``: upper bound or approximation).
 """
 
 from __future__ import annotations
@@ -61,8 +63,34 @@ def resolve_delta(delta: float | None, rule: str, sample_size: int) -> float:
     return float(delta)
 
 
+ACCOUNTANT_KEYS = ("name", "approximate_calibration")
+
+
+def calibration_accountant(cfg: DictConfig) -> tuple[str, bool]:
+    """(name, allow_approximation) of the accountant that calibrates sigma, from the ``accountant`` group.
+
+    Only upper bounds calibrate by default: a private run with ``accountant=gdp`` (the CLT approximation, see
+    :mod:`dpexp.privacy.accounting`) is refused unless ``accountant.approximate_calibration=true``.
+    """
+    node = cfg.accountant
+    unknown = sorted(set(node) - set(ACCOUNTANT_KEYS))
+    if unknown:
+        raise ValueError(f"Unknown accountant keys {unknown}; valid keys: {', '.join(ACCOUNTANT_KEYS)}.")
+    approximate = node.get("approximate_calibration", False)
+    if not isinstance(approximate, bool):
+        raise ValueError(f"accountant.approximate_calibration must be true or false, got {approximate!r}.")
+    kind = accounting.EPSILON_KINDS.get(node.name, accounting.UPPER_BOUND)
+    if is_private(cfg.clip) and kind != accounting.UPPER_BOUND and not approximate:
+        raise ValueError(
+            f"accountant={node.name} calibrates sigma with the GDP central-limit approximation, which can "
+            "underestimate epsilon: use accountant=rdp or accountant=prv (GDP is reported for every run "
+            "anyway), or opt in with accountant.approximate_calibration=true."
+        )
+    return node.name, approximate
+
+
 def plan_run(cfg: DictConfig, sample_size: int) -> RunPlan:
-    """Steps, sampling rate, delta and the noise multiplier solved with ``cfg.accountant.name``."""
+    """Steps, sampling rate, delta and the noise multiplier solved with :func:`calibration_accountant`."""
     batch_size = int(cfg.batch_size)
     if not 1 <= batch_size <= sample_size:
         raise ValueError(f"batch_size must be in [1, N={sample_size}], got {batch_size}.")
@@ -84,8 +112,9 @@ def plan_run(cfg: DictConfig, sample_size: int) -> RunPlan:
     private = is_private(cfg.clip)
     sigma = 0.0
     if private:
+        name, approximate = calibration_accountant(cfg)
         sigma = accounting.get_noise_multiplier(
-            cfg.privacy.epsilon, delta, sample_rate, steps, accountant=cfg.accountant.name
+            cfg.privacy.epsilon, delta, sample_rate, steps, accountant=name, allow_approximation=approximate
         )
     return RunPlan(
         sample_size=sample_size,
@@ -172,6 +201,7 @@ class _Run:
 
     def run(self) -> None:
         cfg = self.cfg
+        calibration_accountant(cfg)  # refuse an uncalibratable accountant before loading any data
         seed_everything(cfg.seed)
         self.task: Task = instantiate(cfg.task)
         factory: ModelFactory = instantiate(cfg.model)
@@ -188,7 +218,9 @@ class _Run:
             "optim": cfg.optim.name,
         }
         names.update({k: v for k, v in self.choices.items() if k in names})
-        self.record.update(**names, **asdict(self.plan), device=str(self.device))
+        self.record.update(
+            **names, **asdict(self.plan), epsilon_kind=dict(accounting.EPSILON_KINDS), device=str(self.device)
+        )
         self.record.write()
         if self.plan.target_epsilon is not None and _choice(cfg.sampling) == "shuffle":
             warnings.warn(

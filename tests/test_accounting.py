@@ -15,6 +15,7 @@ from scipy.stats import norm
 from dpexp.privacy import accounting
 from dpexp.privacy.accounting import (
     ACCOUNTANTS,
+    EPSILON_KINDS,
     PRV_EPS_ERROR,
     RDP_ORDERS,
     default_delta,
@@ -143,9 +144,12 @@ def test_zero_noise_is_no_privacy(accountant):
         ("prv", 2.0, 0.1, 30),
     ],
 )
+@pytest.mark.filterwarnings("ignore:sigma is calibrated with the 'gdp'")
 def test_noise_multiplier_round_trip(accountant, epsilon, q, steps):
     delta = 1e-5
-    sigma = get_noise_multiplier(epsilon, delta, q, steps, accountant, tolerance=1e-3)
+    sigma = get_noise_multiplier(
+        epsilon, delta, q, steps, accountant, tolerance=1e-3, allow_approximation=accountant == "gdp"
+    )
     spent = get_epsilon(sigma, q, steps, delta, accountant)
     assert epsilon * (1 - 1e-3) <= spent <= epsilon
 
@@ -154,11 +158,50 @@ def test_noise_multiplier_orders_the_accountants():
     # GDP-CLT underestimates epsilon and RDP overestimates it (Li et al. 2022, appendix B), so for one budget
     # sigma_gdp < sigma_prv < sigma_rdp.
     args = (2.0, 1e-5, 0.1, 30)
-    assert (
-        get_noise_multiplier(*args, "gdp")
-        < get_noise_multiplier(*args, "prv")
-        < get_noise_multiplier(*args, "rdp")
-    )
+    with pytest.warns(UserWarning, match="underestimated"):
+        sigma_gdp = get_noise_multiplier(*args, "gdp", allow_approximation=True)
+    assert sigma_gdp < get_noise_multiplier(*args, "prv") < get_noise_multiplier(*args, "rdp")
+
+
+# ---------------------------------------------------------------- calibration only with upper bounds
+def test_epsilon_kinds():
+    assert set(EPSILON_KINDS) == set(ACCOUNTANTS)
+    assert [a for a in ACCOUNTANTS if EPSILON_KINDS[a] == accounting.UPPER_BOUND] == ["rdp", "prv"]
+    assert EPSILON_KINDS["gdp"] == "clt_approximation"
+
+
+def test_gdp_calibration_is_refused_without_opt_in():
+    with pytest.raises(ValueError, match=r"approximation.*'rdp' or 'prv'.*allow_approximation=True") as info:
+        get_noise_multiplier(3.0, 1e-5, 0.01, 1000, "gdp")
+    assert "\n" not in str(info.value)
+
+
+def test_gdp_calibration_with_opt_in_warns():
+    with pytest.warns(UserWarning, match="epsilon may be underestimated") as record:
+        sigma = get_noise_multiplier(3.0, 1e-5, 0.01, 1000, "gdp", allow_approximation=True)
+    assert len(record) == 1 and record[0].filename == __file__  # points at the caller
+    assert get_epsilon(sigma, 0.01, 1000, 1e-5, "gdp") == pytest.approx(3.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_upper_bounds_calibrate_silently(accountant):
+    # prv starts its search from the GDP solution internally: that must neither refuse nor warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_noise_multiplier(2.0, 1e-5, 0.1, 30, accountant)
+
+
+def test_gdp_calibration_overspends_the_digits_default():
+    # Why the CLT may not calibrate: the default run (digits, N = 1437, B = 128, 20 epochs = 225 steps,
+    # delta = 1/(2N)) at epsilon = 3 gets sigma = 1.65 from GDP, which spends 3.57 under RDP and 3.16 under
+    # the PRV upper bound.
+    n = 1437
+    q, steps, delta = 128 / n, 225, 1 / (2 * n)
+    with pytest.warns(UserWarning):
+        sigma = get_noise_multiplier(3.0, delta, q, steps, "gdp", allow_approximation=True)
+    assert sigma == pytest.approx(1.65, abs=0.005)
+    assert get_epsilon(sigma, q, steps, delta, "rdp") == pytest.approx(3.57, abs=0.005)
+    assert get_epsilon(sigma, q, steps, delta, "prv") == pytest.approx(3.16, abs=0.01)
 
 
 # ---------------------------------------------------------------- errors
@@ -212,10 +255,11 @@ def test_get_noise_multiplier_rejects_bad_input(kwargs, message):
         get_noise_multiplier(**args)
 
 
+@pytest.mark.filterwarnings("ignore:sigma is calibrated with the 'gdp'")
 @pytest.mark.parametrize("accountant", ["rdp", "gdp"])
 def test_unreachable_budget_says_so(accountant):
     with pytest.raises(ValueError, match="Cannot reach epsilon"):
-        get_noise_multiplier(1e-4, 1e-5, 1.0, 1000, accountant)
+        get_noise_multiplier(1e-4, 1e-5, 1.0, 1000, accountant, allow_approximation=True)
 
 
 # ---------------------------------------------------------------- He et al. Prop. 3.1

@@ -65,6 +65,29 @@ def test_engine_clip_keys_are_privacy_engine_arguments(option):
     assert node.max_grad_norm > 0
 
 
+@pytest.mark.parametrize("option", _clip_configs("dpexp"))
+def test_engine_secure_mode_is_documented_and_off(option):
+    node = OmegaConf.load(CONF_DIR / "clip" / f"{option}.yaml")
+    assert node.engine.secure_mode is False
+    text = (CONF_DIR / "clip" / f"{option}.yaml").read_text()
+    assert "secure_mode: false      # true:" in text
+
+
+def test_secure_mode_is_not_offered_for_opacus(compose_config):
+    """Opacus' own secure mode needs torchcsprng (not installable here): the key does not exist there."""
+    for option in ("opacus", "opacus_ghost", "opacus_perlayer"):
+        with pytest.raises(ConfigCompositionException, match="secure_mode"):
+            compose_config([f"clip={option}", "clip.opacus.secure_mode=true"])
+    assert compose_config(["clip=bk", "clip.engine.secure_mode=true"]).clip.engine.secure_mode is True
+
+
+def test_approximate_calibration_exists_for_gdp_only(compose_config):
+    assert compose_config(["accountant=gdp"]).accountant.approximate_calibration is False
+    for accountant in ("rdp", "prv"):  # upper bounds: nothing to opt into
+        with pytest.raises(ConfigCompositionException, match="approximate_calibration"):
+            compose_config([f"accountant={accountant}", "accountant.approximate_calibration=true"])
+
+
 @pytest.mark.parametrize("option", _clip_configs("opacus"))
 def test_opacus_clip_keys(option):
     node = OmegaConf.load(CONF_DIR / "clip" / f"{option}.yaml")

@@ -147,6 +147,11 @@ def test_impossible_settings():
         _engine(nn.Linear(2, 2), noise_multiplier=-1.0)
 
 
+def test_secure_mode_refuses_a_seeded_generator():
+    with pytest.raises(ValueError, match=r"secure_mode=True .*never from a seed: pass generator=None"):
+        _engine(nn.Linear(2, 2), secure_mode=True, generator=torch.Generator().manual_seed(0))
+
+
 def test_optimizer_must_cover_exactly_the_private_parameters():
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
     engine = _engine(model)

@@ -99,9 +99,9 @@ def test_noise_is_drawn_exactly_once_per_step(monkeypatch):
     calls = []
     real = engine_module.add_gaussian_noise_
 
-    def counting(tensor, std, generator=None):
+    def counting(tensor, std, generator=None, secure=False):
         calls.append(tensor.shape)
-        return real(tensor, std, generator)
+        return real(tensor, std, generator, secure)
 
     monkeypatch.setattr(engine_module, "add_gaussian_noise_", counting)
     for _ in range(3):

@@ -11,6 +11,7 @@ import torch
 
 from dpexp.run_record import RunRecord, peak_memory
 from dpexp.tasks.digits import DigitsTask
+from dpexp.train import summary
 from dpexp.trainer import run_training
 from tests.conftest import TINY_RUN
 
@@ -54,6 +55,11 @@ def test_completed_run(compose_config, tmp_path):
     assert [h["step"] for h in data["history"]] == [1, 2, 3]
     assert data["accuracy"] == data["history"][-1]["accuracy"]
     assert 0 < data["history"][0]["epsilon"] < data["history"][-1]["epsilon"] == data["epsilon"]["rdp"]
+    # every accountant is reported; GDP labelled as the approximation it is, in the file and on the console
+    assert data["epsilon_kind"] == {"rdp": "upper_bound", "prv": "upper_bound", "gdp": "clt_approximation"}
+    text = summary(record)
+    eps = data["epsilon"]
+    assert f"rdp={eps['rdp']:.3f}, prv={eps['prv']:.3f}, gdp≈{eps['gdp']:.3f} (CLT approximation)" in text
 
 
 def test_failure_mid_training_keeps_the_metrics_so_far(compose_config, tmp_path):
@@ -80,6 +86,14 @@ def test_failure_in_setup_still_writes_metrics(compose_config, tmp_path):
     data = _read(tmp_path)
     assert data["status"] == "failed" and "/nowhere/train.csv" in data["error"]
     assert data["history"] == [] and data["config"]["steps"] == 3
+
+
+def test_gdp_calibration_is_refused_before_the_data_loads(compose_config, tmp_path):
+    with pytest.raises(ValueError, match=r"accountant\.approximate_calibration=true"):
+        run_training(compose_config([*TINY_RUN, _target(MissingDataTask), "accountant=gdp"]), tmp_path)
+    data = _read(tmp_path)
+    assert data["status"] == "failed" and data["error"].startswith("ValueError: accountant=gdp")
+    assert "\n" not in data["error"]
 
 
 def test_nonprivate_run_reports_no_epsilon(compose_config, tmp_path):

@@ -45,6 +45,18 @@ def test_default_run_for_a_few_steps(tmp_path):
     assert data["throughput_examples_per_s"] > 0 and data["peak_memory_bytes"] > 0
     assert data["config"]["privacy"]["epsilon"] == 3.0
     assert "accuracy=" in result.stdout and "epsilon (rdp=" in result.stdout
+    assert "gdp≈" in result.stdout and "(CLT approximation)" in result.stdout
+
+
+def test_gdp_calibration_fails_before_training(tmp_path):
+    result = _train("steps=3", "accountant=gdp", "progress=false", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert (
+        "ValueError: accountant=gdp calibrates sigma with the GDP central-limit approximation, which can "
+        "underestimate epsilon: use accountant=rdp or accountant=prv (GDP is reported for every run anyway), "
+        "or opt in with accountant.approximate_calibration=true.\n"
+    ) in result.stderr
+    assert json.loads((tmp_path / "metrics.json").read_text())["history"] == []
 
 
 def test_multirun_sweeps_four_jobs(tmp_path):

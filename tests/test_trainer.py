@@ -18,7 +18,7 @@ from dpexp.models.cnn import SmallCNN
 from dpexp.privacy import accounting
 from dpexp.schedules import lr_factor
 from dpexp.tasks.digits import DigitsTask
-from dpexp.trainer import plan_run, resolve_delta, run_training
+from dpexp.trainer import calibration_accountant, plan_run, resolve_delta, run_training
 from tests.conftest import CONF_DIR, TINY_RUN
 
 CLIPS = sorted(path.stem for path in (CONF_DIR / "clip").glob("*.yaml"))
@@ -124,14 +124,36 @@ def test_plan_run_solves_sigma_for_the_target_epsilon(compose_config):
     eps = accounting.get_epsilon(plan.noise_multiplier, 0.1, 30, plan.delta, accountant="rdp")
     assert eps == pytest.approx(2.0, rel=1e-2) and eps <= 2.0 + 1e-9
 
-    gdp_cfg = compose_config(["batch_size=100", "epochs=3", "privacy.epsilon=2.0", "accountant=gdp"])
-    assert plan_run(gdp_cfg, 1000).noise_multiplier < plan.noise_multiplier  # the CLT is less conservative
+    gdp = ["batch_size=100", "epochs=3", "privacy.epsilon=2.0", "accountant=gdp"]
+    with pytest.warns(UserWarning, match="epsilon may be underestimated"):
+        gdp_plan = plan_run(compose_config([*gdp, "accountant.approximate_calibration=true"]), 1000)
+    assert gdp_plan.noise_multiplier < plan.noise_multiplier  # the CLT is less conservative
 
     steps = plan_run(compose_config(["batch_size=100", "steps=7"]), 1000)
     assert steps.steps == 7 and steps.epochs == pytest.approx(0.7)
 
     nonprivate = plan_run(compose_config(["clip=nonprivate"]), 1000)
     assert nonprivate.noise_multiplier == 0.0 and nonprivate.target_epsilon is None
+
+
+def test_gdp_calibration_needs_the_opt_in(compose_config):
+    """accountant=gdp (the CLT approximation) calibrates sigma only if accountant.approximate_calibration."""
+    with pytest.raises(ValueError, match=r"accountant=gdp .*approximate_calibration=true") as info:
+        plan_run(compose_config(["accountant=gdp"]), 1000)
+    assert "accountant=rdp or accountant=prv" in str(info.value) and "\n" not in str(info.value)
+    opted_in = compose_config(["accountant=gdp", "accountant.approximate_calibration=true"])
+    assert calibration_accountant(opted_in) == ("gdp", True)
+    for accountant in ("rdp", "prv"):
+        assert calibration_accountant(compose_config([f"accountant={accountant}"])) == (accountant, False)
+    # a non-private run calibrates nothing: any accountant will do
+    assert plan_run(compose_config(["clip=nonprivate", "accountant=gdp"]), 1000).noise_multiplier == 0.0
+
+
+def test_accountant_keys_are_checked(compose_config):
+    with pytest.raises(ValueError, match=r"Unknown accountant keys \['epsilon_error'\]"):
+        calibration_accountant(compose_config(["+accountant.epsilon_error=0.1"]))
+    with pytest.raises(ValueError, match="true or false, got 'maybe'"):
+        calibration_accountant(compose_config(["accountant=gdp", "accountant.approximate_calibration=maybe"]))
 
 
 def test_plan_run_errors(compose_config):
@@ -188,3 +210,14 @@ def test_physical_batch_size_does_not_change_the_run(compose_config, tmp_path):
     assert one["examples_seen"] == many["examples_seen"]
     assert many["loss"] == pytest.approx(one["loss"], rel=1e-4)
     assert many["accuracy"] == one["accuracy"]
+
+
+def test_secure_mode_noise_ignores_the_seed(compose_config, tmp_path):
+    """clip.engine.secure_mode=true trains, and its noise comes from the OS, not from ``seed``: the same
+    config twice gives different models (test_train_e2e checks that it is otherwise reproducible)."""
+    cfg = compose_config([*TINY_RUN, "clip.engine.secure_mode=true"])
+    first = run_training(cfg, tmp_path / "a")
+    second = run_training(cfg, tmp_path / "b")
+    assert first["status"] == second["status"] == "completed"
+    assert first["config"]["clip"]["engine"]["secure_mode"] is True
+    assert first["loss"] != second["loss"]

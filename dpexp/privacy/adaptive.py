@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dpexp.privacy.noise import standard_normal
+
 
 @dataclass
 class AdaptiveConfig:
@@ -45,10 +47,14 @@ def centred_counts(norms: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def release_centred_counts(
-    counts: torch.Tensor, count_noise_std: float, generator: torch.Generator | None = None
+    counts: torch.Tensor,
+    count_noise_std: float,
+    generator: torch.Generator | None = None,
+    secure: bool = False,
 ) -> torch.Tensor:
-    """The Gaussian mechanism on the K centred counts: ``s_k + z_k`` with ``z_k ~ N(0, sigma_b^2)``."""
-    noise = torch.randn(counts.shape, generator=generator, dtype=torch.float64) * count_noise_std
+    """The Gaussian mechanism on the K centred counts: ``s_k + z_k`` with ``z_k ~ N(0, sigma_b^2)``, z from
+    ``generator`` or (``secure``) the secure sampler (:func:`dpexp.privacy.noise.standard_normal`)."""
+    noise = standard_normal(counts.shape, generator, secure) * count_noise_std
     return counts.double().cpu() + noise
 
 

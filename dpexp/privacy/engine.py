@@ -63,6 +63,9 @@ class PrivacyEngine:
         verify_every_step: verify per-example structure and parameter uses on every micro-batch instead of
             on the first one of each input structure (:mod:`dpexp.privacy.verification`); for models whose
             forward takes data-dependent paths through their layers. Costs about one more backward pass.
+        secure_mode: draw the gradient and clip-count noise from the secure sampler
+            (``dpexp.privacy.noise.secure_standard_normal``: OS CSPRNG, sums of Gaussians against
+            floating-point attacks; slower, not reproducible); refuses a ``generator``.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class PrivacyEngine:
         generic_fallback: bool = True,
         generator: torch.Generator | None = None,
         verify_every_step: bool = False,
+        secure_mode: bool = False,
     ) -> None:
         if backend is not None:
             warnings.warn("PrivacyEngine(backend=...) is now strategy=...", DeprecationWarning, stacklevel=2)
@@ -107,7 +111,12 @@ class PrivacyEngine:
         self.sample_rate = batch_size / sample_size
         self.max_grad_norm, self.accountant = float(max_grad_norm), accountant
         self.noise_multiplier = float(noise_multiplier)
-        self.noise_allocation, self.generator = noise_allocation, generator
+        if secure_mode and generator is not None:
+            raise ValueError(
+                "secure_mode=True draws noise from the operating system's CSPRNG, never from a seed: pass "
+                "generator=None, or secure_mode=False for reproducible noise."
+            )
+        self.noise_allocation, self.generator, self.secure_mode = noise_allocation, generator, secure_mode
         self.steps = 0
 
         layers, self._params = discover_layers(model, generic_fallback)
@@ -299,13 +308,13 @@ class PrivacyEngine:
             for name in group:
                 grad = sums[name]
                 if std > 0:
-                    add_gaussian_noise_(grad, std, self.generator)
+                    add_gaussian_noise_(grad, std, self.generator, self.secure_mode)
                 self._params[name].grad = grad.div_(self.batch_size)
 
     def _end_step(self) -> None:
         if self.adaptive is not None:
             released = release_centred_counts(
-                self._clipper.centred_counts, self.count_noise_multiplier, self.generator
+                self._clipper.centred_counts, self.count_noise_multiplier, self.generator, self.secure_mode
             )
             self.thresholds = update_thresholds(
                 self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm

@@ -1,12 +1,24 @@
-"""Noise allocation across clipping groups (He et al. 2023, section 3.3 and appendix E).
+"""Gaussian noise: allocation across clipping groups, and the samplers that draw it.
 
-Group k's clipped sum is scaled by ``1/gamma_k`` before the Gaussian mechanism and rescaled after, so it
-receives noise of standard deviation ``sigma * S * gamma_k`` with ``S = sqrt(sum_k C_k^2 / gamma_k^2)``,
-the L2 sensitivity of the scaled vector (Algorithm 1, line 13).
+Allocation (He et al. 2023, section 3.3 and appendix E): group k's clipped sum is scaled by ``1/gamma_k``
+before the Gaussian mechanism and rescaled after, so it receives noise of standard deviation
+``sigma * S * gamma_k`` with ``S = sqrt(sum_k C_k^2 / gamma_k^2)``, the L2 sensitivity of the scaled vector
+(Algorithm 1, line 13).
+
+Samplers: torch's generator (fast, reproducible from a seed), or the secure sampler
+(:func:`secure_standard_normal`, the engine's ``secure_mode``). torch's generators are not cryptographic,
+and a floating-point Gaussian sample can betray the value it was added to: the floating-point numbers that
+``x + z`` can take depend on x (Mironov 2012 for the Laplace mechanism; Jin et al. 2022, "Are We There
+Yet?", for the Gaussian samplers of DP libraries, Opacus' included). The secure sampler draws its bits from
+the operating system's CSPRNG (never from a user seed) and returns the normalised sum of several
+independent Gaussians, which makes inverting a sample exponentially costly in the number of summands
+(Holohan & Braghin 2021, "Secure Random Sampling in Differential Privacy", section 5.1).
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Literal
 
 import torch
@@ -14,6 +26,7 @@ import torch
 Allocation = Literal["global", "equal_budget", "weighted"]
 
 CPU_NOISE_CHUNK = 1 << 18  # values drawn at a time on CPU (1 MiB in float32: stays in cache)
+SECURE_SUMMANDS = 4  # k: Gaussians summed per secure value (Holohan & Braghin's 2n with n = 2, as Opacus)
 
 
 def allocation_weights(thresholds: torch.Tensor, dims: torch.Tensor, allocation: Allocation) -> torch.Tensor:
@@ -37,14 +50,18 @@ def noise_stds(
 
 
 def add_gaussian_noise_(
-    tensor: torch.Tensor, std: float, generator: torch.Generator | None = None
+    tensor: torch.Tensor, std: float, generator: torch.Generator | None = None, secure: bool = False
 ) -> torch.Tensor:
     """``tensor += z``, ``z ~ N(0, std^2 I)``, in place; returns ``tensor``.
 
     On CPU the noise is drawn chunk by chunk into one small buffer and added while it is still in cache: a
     tensor-sized temporary (64 MB for a 50k x 256 embedding) would be page-faulted in afresh at every step and
-    read back from memory. Every element still gets its own independent draw.
+    read back from memory. Every element still gets its own independent draw. ``secure``: z from
+    :func:`secure_standard_normal` (``generator`` must then be None).
     """
+    if secure:
+        _check_no_generator(generator)
+        return _add_secure_gaussian_noise_(tensor, std)
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         noise = torch.randn(tensor.shape, generator=generator, device=tensor.device, dtype=tensor.dtype)
         return tensor.add_(noise, alpha=std)
@@ -53,3 +70,66 @@ def add_gaussian_noise_(
     for piece in flat.split(CPU_NOISE_CHUNK):
         piece.add_(buffer[: piece.numel()].normal_(generator=generator), alpha=std)
     return tensor
+
+
+def standard_normal(
+    shape: torch.Size | tuple[int, ...], generator: torch.Generator | None = None, secure: bool = False
+) -> torch.Tensor:
+    """N(0, I) of the given shape in float64 on CPU, from ``generator`` or (``secure``) the secure sampler."""
+    if secure:
+        _check_no_generator(generator)
+        return secure_standard_normal(math.prod(shape)).view(shape)
+    return torch.randn(shape, generator=generator, dtype=torch.float64)
+
+
+def secure_uniform(n: int) -> torch.Tensor:
+    """n values uniform on the open interval (0, 1), float64, from the operating system's CSPRNG.
+
+    ``u = (m + 1/2) 2^-52`` with m the low 52 of 64 bits from ``os.urandom``: the midpoints of the 2^52
+    cells of [0, 1), each exact in float64 (53-bit significand), so ``log u`` is finite and the grid is
+    symmetric under ``u -> 1 - u``.
+    """
+    if n == 0:
+        return torch.empty(0, dtype=torch.float64)
+    bits = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
+    return (bits & ((1 << 52) - 1)).double().add_(0.5).mul_(2.0**-52)
+
+
+def box_muller(u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+    """Box & Muller (1958): independent uniforms u1, u2 of shape (..., m) -> 2m independent N(0, 1) values
+    ``[R cos(2 pi u2), R sin(2 pi u2)]`` along the last dimension, ``R = sqrt(-2 log u1)``."""
+    radius = u1.log().mul_(-2.0).sqrt_()
+    angle = u2 * (2 * math.pi)
+    return torch.cat([radius * angle.cos(), radius * angle.sin()], dim=-1)
+
+
+def secure_standard_normal(n: int, summands: int = SECURE_SUMMANDS) -> torch.Tensor:
+    """n independent N(0, 1) values, float64, for noise that must resist floating-point attacks.
+
+    Each value is ``(z_1 + ... + z_k) / sqrt(k)``, k = ``summands``, which is again N(0, 1) (Holohan &
+    Braghin 2021, section 5.1). The z_j are Box-Muller normals from :func:`secure_uniform`, row j of a
+    (k, n) draw; a Box-Muller pair goes to two different values of one row, never to two summands of one
+    value (the two outputs of a pair share their uniforms: ``R cos t + R sin t = sqrt(2) R cos(t - pi/4)``
+    would be one sample, not two). No rejection loop: the work depends on n only.
+    """
+    pairs = (n + 1) // 2
+    uniforms = secure_uniform(2 * summands * pairs).view(2, summands, pairs)
+    normals = box_muller(uniforms[0], uniforms[1])[:, :n]
+    return normals.sum(dim=0).div_(math.sqrt(summands))
+
+
+def _add_secure_gaussian_noise_(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    """``tensor += std * z`` with z from :func:`secure_standard_normal`, scaled in float64 and then cast to
+    the tensor's dtype and device, chunk by chunk (``CPU_NOISE_CHUNK`` values); returns ``tensor``."""
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    for piece in work.view(-1).split(CPU_NOISE_CHUNK):
+        piece.add_(secure_standard_normal(piece.numel()).mul_(std).to(piece))
+    return tensor if work is tensor else tensor.copy_(work)
+
+
+def _check_no_generator(generator: torch.Generator | None) -> None:
+    if generator is not None:
+        raise ValueError(
+            "secure noise is drawn from the operating system's CSPRNG and cannot use a seeded generator: "
+            "pass generator=None, or secure=False for reproducible noise."
+        )
