@@ -92,7 +92,7 @@ def test_isolated_run_measures_its_own_peak_memory() -> None:
     spec = {
         "model": {"_target_": "dpexp.bench.models.MLP", "in_features": 8, "hidden": [16], "num_classes": 3},
         "optimizer": {"name": "sgd", "lr": 0.1},
-        "clip": {"name": "bk", "backend": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
+        "clip": {"name": "bk", "method": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
         "batch_size": 4,
         "seq_len": None,
         "warmup": 1,
@@ -125,7 +125,7 @@ def test_refused_model_records_the_error_and_the_modules_without_rule() -> None:
     spec = {
         "model": {"_target_": f"{__name__}.BatchNormMLP", "in_features": 6, "hidden": [], "num_classes": 3},
         "optimizer": {"name": "sgd", "lr": 0.1},
-        "clip": {"name": "bk", "backend": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
+        "clip": {"name": "bk", "method": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
         "batch_size": 2,
         "seq_len": None,
         "warmup": 0,

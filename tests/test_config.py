@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from dpexp.backends import BACKENDS
+from dpexp.backends import METHODS
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
 from dpexp.schedules import build_optimizer, build_scheduler
@@ -38,7 +38,7 @@ def test_every_option_composes(compose_config, group, option):
         assert issubclass(hydra.utils.get_class(node._target_), ModelFactory)
     elif group == "clip":
         assert node.name == option
-        assert node.backend in BACKENDS
+        assert node.method in METHODS
     elif group == "accountant":
         assert node.name == option
         assert node.name in accounting.ACCOUNTANTS
@@ -52,7 +52,7 @@ def _clip_configs(backend: str) -> list[str]:
     return [
         o
         for g, o in OPTIONS
-        if g == "clip" and OmegaConf.load(CONF_DIR / "clip" / f"{o}.yaml").backend == backend
+        if g == "clip" and OmegaConf.load(CONF_DIR / "clip" / f"{o}.yaml").method == backend
     ]
 
 

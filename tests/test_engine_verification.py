@@ -172,7 +172,7 @@ def test_running_statistics_are_refused_before_a_step(affine):
 
 
 def test_running_statistics_are_refused_in_the_opacus_baseline():
-    from dpexp.privacy.opacus_backend import OpacusBackend
+    from dpexp.backends.opacus import OpacusBackend
 
     class Accumulating(nn.Module):  # state Opacus' validator does not know about
         def __init__(self) -> None:

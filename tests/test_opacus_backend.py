@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpexp.backends.opacus import OpacusBackend
 from dpexp.models.cnn import SmallCNN
-from dpexp.privacy.opacus_backend import OpacusBackend
 from tests.oracle import clipped_mean, group_norms, per_example_grads, slice_batch
 
 BATCH = 12

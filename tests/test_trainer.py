@@ -28,7 +28,7 @@ EXPECTED_B = 10
 
 def _clip_cfg(name: str):
     cfg = OmegaConf.load(CONF_DIR / "clip" / f"{name}.yaml")
-    if cfg.backend == "dpexp":
+    if cfg.method == "dpexp":
         pytest.importorskip("dpexp.privacy.engine", reason="the dpexp engine is not available")
     return cfg
 
@@ -105,9 +105,9 @@ def test_empty_logical_batch_still_adds_noise(clip):
 
 
 def test_unknown_backend_lists_choices():
-    with pytest.raises(ValueError, match="nonprivate, opacus, dpexp"):
+    with pytest.raises(ValueError, match="clip.method .jax.; valid choices: nonprivate, dpexp, opacus"):
         build_backend(
-            {"backend": "jax"},
+            {"method": "jax"},
             model=nn.Linear(2, 2),
             optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0),
             batch_size=2,

@@ -1,4 +1,4 @@
-"""The Opacus 1.6 baseline behind dpexp's :class:`~dpexp.backends.TrainingBackend` interface.
+"""The Opacus 1.6 baseline behind dpexp's :class:`~dpexp.backends.base.TrainingBackend` interface.
 
 Built directly from Opacus' parts (not ``opacus.PrivacyEngine``, which owns data loading and accounting):
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
@@ -25,7 +27,7 @@ from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClippi
 from opacus.validators import ModuleValidator
 from torch import nn
 
-from dpexp.backends import TrainingBackend, check_per_example_loss
+from dpexp.backends.base import TrainingBackend, check_per_example_loss
 from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.verification import BufferWatch
 
@@ -139,3 +141,23 @@ class OpacusBackend(TrainingBackend):
             handle.remove()
         self._expander.remove()
         self.model.to_standard_module()
+
+
+def build(
+    clip_cfg: Mapping[str, Any],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch_size: int,
+    sample_size: int,
+    noise_multiplier: float,
+) -> OpacusBackend:
+    return OpacusBackend(
+        model,
+        optimizer,
+        batch_size=batch_size,
+        max_grad_norm=float(clip_cfg["max_grad_norm"]),
+        noise_multiplier=noise_multiplier,
+        grad_sample_mode=clip_cfg["opacus"]["grad_sample_mode"],
+        clipping=clip_cfg["opacus"]["clipping"],
+    )

@@ -1,0 +1,71 @@
+"""Training backends: the only place where configuration objects meet the privacy engine (or the Opacus
+baseline). Owns the :class:`~dpexp.backends.base.TrainingBackend` interface, its implementations (one module
+each, with a ``build`` function) and the registry from ``clip.method`` to them. Imports: :mod:`dpexp.privacy`
+(and Opacus, only when that method is chosen).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from dpexp.backends.base import TrainingBackend, check_per_example_loss
+
+# clip.method -> the module whose ``build`` wraps the model; a new backend is one module and one line here
+METHODS: dict[str, str] = {
+    "nonprivate": "dpexp.backends.nonprivate",
+    "dpexp": "dpexp.backends.engine",
+    "opacus": "dpexp.backends.opacus",
+}
+
+
+def method_of(clip_cfg: Mapping[str, Any]) -> str:
+    """``clip_cfg["method"]``; ``backend``, its old name, is accepted for one release."""
+    if "method" not in clip_cfg and "backend" in clip_cfg:
+        warnings.warn("clip.backend is now clip.method", DeprecationWarning, stacklevel=3)
+        return clip_cfg["backend"]
+    return clip_cfg["method"]
+
+
+def build_backend(
+    clip_cfg: Mapping[str, Any],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch_size: int,
+    sample_size: int,
+    noise_multiplier: float,
+) -> TrainingBackend:
+    """Wrap ``model`` and ``optimizer`` with the backend of ``clip_cfg["method"]``.
+
+    ``batch_size`` is the expected logical batch size B (the divisor), ``sample_size`` the data set size N,
+    ``noise_multiplier`` sigma (noise std sigma * C on the summed clipped gradient; ignored by nonprivate).
+    Build ``optimizer`` over the model's trainable parameters before calling this.
+    """
+    if isinstance(clip_cfg, DictConfig):  # the engine and Opacus expect plain dicts and lists
+        clip_cfg = OmegaConf.to_container(clip_cfg, resolve=True)
+    method = method_of(clip_cfg)
+    if method not in METHODS:
+        raise ValueError(f"Unknown clip.method {method!r}; valid choices: {', '.join(METHODS)}.")
+    return importlib.import_module(METHODS[method]).build(
+        clip_cfg,
+        model=model,
+        optimizer=optimizer,
+        batch_size=batch_size,
+        sample_size=sample_size,
+        noise_multiplier=noise_multiplier,
+    )
+
+
+def is_private(clip_cfg: Mapping[str, Any]) -> bool:
+    """Whether the clip config adds noise (every method except ``nonprivate``)."""
+    return method_of(clip_cfg) != "nonprivate"
+
+
+__all__ = ["METHODS", "TrainingBackend", "build_backend", "check_per_example_loss", "is_private", "method_of"]

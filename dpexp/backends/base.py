@@ -1,0 +1,46 @@
+"""The interface every training backend offers the trainer and the benchmark.
+
+A logical step of DP-SGD (Abadi et al. 2016) with micro-batch accumulation is::
+
+    for micro_batch in logical_batch:           # possibly none (empty Poisson batch)
+        backend.backward(per_example_loss)      # shape (b,): accumulate sum_i clip(g_i)
+    backend.step()                              # once: + N(0, sigma^2 C^2 I), / B, optimizer step, zero grad
+
+so noise is added exactly once per logical step and the sum is divided by the expected batch size B, never by
+the realised Poisson batch size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class TrainingBackend(ABC):
+    """A model and optimizer wrapped for (private) training with micro-batch accumulation."""
+
+    model: nn.Module  # the module to run forward passes on (possibly a wrapper of the original model)
+    optimizer: torch.optim.Optimizer  # the (possibly wrapping) optimizer; its param_groups are the inner ones
+
+    @abstractmethod
+    def backward(self, per_example_loss: torch.Tensor) -> None:
+        """Accumulate the (clipped) gradients of one micro-batch; ``per_example_loss`` has shape (b,)."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """End the logical step: add noise once, divide by the expected batch size, step, zero gradients."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Remove hooks and restore the model."""
+
+
+def check_per_example_loss(loss: torch.Tensor) -> None:
+    """Raise unless ``loss`` is one loss per example (shape (b,))."""
+    if loss.dim() != 1:
+        raise ValueError(
+            f"Expected a per-example loss of shape (batch,), got shape {tuple(loss.shape)}; "
+            "return reduction='none' losses (sequence tasks: sum the token losses per example)."
+        )

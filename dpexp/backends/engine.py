@@ -1,0 +1,69 @@
+"""dpexp's own privacy engine behind the backend interface."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpexp.backends.base import TrainingBackend, check_per_example_loss
+from dpexp.privacy import PrivacyEngine
+
+
+class EngineBackend(TrainingBackend):
+    """dpexp's own :class:`dpexp.privacy.PrivacyEngine` (BK, ghost, per-layer, group-wise, adaptive)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        batch_size: int,
+        sample_size: int,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        engine_kwargs: Mapping[str, Any],
+    ) -> None:
+        self.engine = PrivacyEngine(
+            model,
+            batch_size=batch_size,
+            sample_size=sample_size,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            **engine_kwargs,
+        )
+        self.model = model
+        self.optimizer = self.engine.attach(optimizer)
+
+    def backward(self, per_example_loss: torch.Tensor) -> None:
+        check_per_example_loss(per_example_loss)
+        self.engine.backward(per_example_loss)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def close(self) -> None:
+        self.engine.detach()
+
+
+def build(
+    clip_cfg: Mapping[str, Any],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch_size: int,
+    sample_size: int,
+    noise_multiplier: float,
+) -> EngineBackend:
+    return EngineBackend(
+        model,
+        optimizer,
+        batch_size=batch_size,
+        sample_size=sample_size,
+        max_grad_norm=float(clip_cfg["max_grad_norm"]),
+        noise_multiplier=noise_multiplier,
+        engine_kwargs=clip_cfg["engine"],
+    )
