@@ -16,13 +16,14 @@ from dpexp.privacy import accounting
 from dpexp.privacy.accounting import (
     ACCOUNTANTS,
     EPSILON_KINDS,
-    PRV_EPS_ERROR,
-    RDP_ORDERS,
     default_delta,
     get_epsilon,
     get_noise_multiplier,
-    split_noise_multiplier,
 )
+from dpexp.privacy.accounting.gdp import gdp_epsilon, gdp_mu
+from dpexp.privacy.accounting.prv import PRV_EPS_ERROR
+from dpexp.privacy.accounting.rdp import RDP_ORDERS, rdp_subsampled_gaussian
+from dpexp.privacy.adaptive import split_noise_multiplier
 
 RUNS = [  # (sigma, q, T)
     (0.5, 0.01, 500),
@@ -39,7 +40,7 @@ RUNS = [  # (sigma, q, T)
 @pytest.mark.parametrize(("sigma", "q", "steps"), RUNS)
 def test_rdp_per_order_matches_opacus(sigma, q, steps):
     orders = np.asarray(RDP_ORDERS)
-    ours = steps * accounting.rdp_subsampled_gaussian(sigma, q, orders)
+    ours = steps * rdp_subsampled_gaussian(sigma, q, orders)
     ref = opacus_rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=list(orders))
     np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-12)
 
@@ -93,7 +94,7 @@ def test_prv_is_prv_accountant_upper_bound(sigma, q, steps):
 )
 def test_gdp_clt_closed_form(sigma, q, steps, delta):
     mu = q * math.sqrt(steps * (math.exp(sigma**-2) - 1))
-    assert accounting.gdp_mu(sigma, q, steps) == pytest.approx(mu, rel=1e-12)
+    assert gdp_mu(sigma, q, steps) == pytest.approx(mu, rel=1e-12)
     eps = get_epsilon(sigma, q, steps, delta, "gdp")
     # Dong, Roth & Su (2019), Corollary 2.13: mu-GDP is (eps, delta(eps))-DP with this delta(eps), every eps.
     delta_at_eps = norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
@@ -108,8 +109,8 @@ def test_gdp_of_the_gaussian_mechanism():
     # mu-GDP is the Gaussian mechanism with noise 1/mu; for mu = 1 its exact (Balle & Wang 2018) profile at
     # eps = 1 is delta = Phi(-1/2) - e Phi(-3/2).
     delta = norm.cdf(-0.5) - math.e * norm.cdf(-1.5)
-    assert accounting.gdp_epsilon(1.0, delta) == pytest.approx(1.0, rel=1e-9)
-    assert accounting.gdp_epsilon(1.0, 0.5) == 0.0  # delta(0) = 2 Phi(1/2) - 1 = 0.38 < 0.5
+    assert gdp_epsilon(1.0, delta) == pytest.approx(1.0, rel=1e-9)
+    assert gdp_epsilon(1.0, 0.5) == 0.0  # delta(0) = 2 Phi(1/2) - 1 = 0.38 < 0.5
 
 
 def test_gdp_tiny_sigma_is_infinite():

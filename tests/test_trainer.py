@@ -105,7 +105,7 @@ def test_empty_logical_batch_still_adds_noise(clip):
 
 
 def test_unknown_backend_lists_choices():
-    with pytest.raises(ValueError, match="clip.method .jax.; valid choices: nonprivate, dpexp, opacus"):
+    with pytest.raises(ValueError, match=r"clip.method .jax.; valid choices: nonprivate, dpexp, opacus"):
         build_backend(
             {"method": "jax"},
             model=nn.Linear(2, 2),

@@ -8,12 +8,13 @@ for). It is privatised with Gaussian noise of std ``sigma_b`` (:func:`release_ce
 fraction of unclipped examples is then estimated as ``b~_k = (s_k + z_k) / B + 1/2`` with the expected
 batch size B (public), and the threshold follows the geometric update ``C_k <- C_k * exp(-eta (b~_k - q))``
 (lines 15-17), so that a fraction ``q`` of per-example group norms ends up below ``C_k``. The budget split
-between gradients and counts is Proposition 3.1 (``dpexp.privacy.accounting.split_noise_multiplier``).
+between gradients and counts is Proposition 3.1 (:func:`split_noise_multiplier`).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -74,3 +75,30 @@ def update_thresholds(
     if not math.isfinite(float(updated.sum())):
         raise FloatingPointError("adaptive clipping thresholds became non-finite")
     return updated.to(thresholds.dtype)
+
+
+def split_noise_multiplier(
+    noise_multiplier: float, num_groups: int, budget_fraction: float
+) -> tuple[float, float]:
+    """(sigma_new, sigma_b) from sigma, K groups and budget fraction r (He et al. 2023, Prop. 3.1, Rem. 3.1).
+
+    Each step releases the gradient sum with noise sigma_new (sensitivity 1 in units of C) and K clip counts
+    sum_i (b_k^(i) - 1/2) with noise sigma_b (sensitivity 1/2). Rescaled to unit noise this is one Gaussian
+    mechanism with 1/sigma^2 = 1/sigma_new^2 + K/(2 sigma_b)^2 (appendix D), so the accounting done for sigma
+    (any accountant) still holds. The counts take r = K sigma^2 / (4 sigma_b^2) of it: sigma_b =
+    sigma sqrt(K / (4 r)) and sigma_new = (sigma^-2 - K/(2 sigma_b)^2)^(-1/2) = sigma / sqrt(1 - r).
+    ``budget_fraction`` r = 0 means no quantile estimation: returns (sigma, inf).
+    """
+    if not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
+    if not (isinstance(num_groups, numbers.Integral) and num_groups >= 1):
+        raise ValueError(f"num_groups (K) must be a positive integer, got {num_groups!r}.")
+    if not 0 <= budget_fraction < 1:
+        raise ValueError(
+            f"budget_fraction (r, the share of the budget spent on quantile estimation) must be in [0, 1), "
+            f"got {budget_fraction}."
+        )
+    if budget_fraction == 0:
+        return float(noise_multiplier), math.inf
+    sigma_b = noise_multiplier * math.sqrt(num_groups / (4 * budget_fraction))
+    return noise_multiplier / math.sqrt(1 - budget_fraction), sigma_b

@@ -27,7 +27,12 @@ import torch
 from torch import nn
 
 from dpexp.privacy import accounting
-from dpexp.privacy.adaptive import AdaptiveConfig, release_centred_counts, update_thresholds
+from dpexp.privacy.adaptive import (
+    AdaptiveConfig,
+    release_centred_counts,
+    split_noise_multiplier,
+    update_thresholds,
+)
 from dpexp.privacy.capture import Capture, Use, discover_layers
 from dpexp.privacy.clipping import Clipper, StrategyName, make_strategy
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
@@ -140,7 +145,7 @@ class PrivacyEngine:
 
         self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, Mapping) else adaptive
         if self.adaptive is not None and self.noise_multiplier > 0:
-            self.gradient_noise_multiplier, self.count_noise_multiplier = accounting.split_noise_multiplier(
+            self.gradient_noise_multiplier, self.count_noise_multiplier = split_noise_multiplier(
                 self.noise_multiplier, len(self.groups), self.adaptive.budget_fraction
             )
         else:
