@@ -3,7 +3,7 @@
 The structured schema below types the top-level keys of ``conf/config.yaml``: an unknown key, a value of the
 wrong type or an invalid choice (e.g. ``sampling=foo``) fails at start-up with the valid choices; Hydra itself
 lists the options of a config group (e.g. ``clip=foo``). The groups' own keys are checked by the code that
-consumes them (:mod:`dpexp.backends`, :mod:`dpexp.schedules`, :mod:`dpexp.privacy.accounting`).
+consumes them (:mod:`dpexp.backends`, :mod:`dpexp.training.optim`, :mod:`dpexp.privacy.accounting`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
 from dpexp.privacy import accounting
-from dpexp.trainer import run_training
+from dpexp.training.loop import run_training
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's conf/ (editable install)
 GROUPS = ("task", "model", "clip", "accountant", "optim")

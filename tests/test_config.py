@@ -14,9 +14,9 @@ from omegaconf.errors import ValidationError
 from dpexp.backends import METHODS
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
-from dpexp.schedules import build_optimizer, build_scheduler
 from dpexp.tasks.base import Task
 from dpexp.train import check_known_keys
+from dpexp.training.optim import build_optimizer, build_scheduler
 from tests.conftest import CONF_DIR
 
 GROUPS = ("task", "model", "clip", "accountant", "optim")

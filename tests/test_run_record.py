@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-from dpexp.run_record import RunRecord, peak_memory
 from dpexp.tasks.digits import DigitsTask
 from dpexp.train import summary
-from dpexp.trainer import run_training
+from dpexp.training.loop import run_training
+from dpexp.training.record import RunRecord, peak_memory
 from tests.conftest import TINY_RUN
 
 

@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from dpexp.sampling import PoissonBatchSampler, ShuffleBatchSampler, build_batch_sampler, split_micro_batches
+from dpexp.training.sampling import (
+    PoissonBatchSampler,
+    ShuffleBatchSampler,
+    build_batch_sampler,
+    split_micro_batches,
+)
 
 
 def _generator(seed: int = 0) -> torch.Generator:

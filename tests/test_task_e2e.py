@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dpexp.tasks.e2e import E2ETask, linearize_mr
 from dpexp.tasks.generation import IGNORE
-from dpexp.trainer import run_training
+from dpexp.training.loop import run_training
 from tests.conftest import SHARED_DATA
 from tests.generation_helpers import E2E_ROWS, tiny_factory, write_e2e_csv
 

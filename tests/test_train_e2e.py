@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from dpexp.trainer import run_training
+from dpexp.training.loop import run_training
 from tests.conftest import REPO_ROOT, TINY_RUN
 
 TIMING_FIELDS = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes"}

@@ -16,9 +16,10 @@ from torch import nn
 from dpexp.backends import build_backend, is_private
 from dpexp.models.cnn import SmallCNN
 from dpexp.privacy import accounting
-from dpexp.schedules import lr_factor
 from dpexp.tasks.digits import DigitsTask
-from dpexp.trainer import calibration_accountant, plan_run, resolve_delta, run_training
+from dpexp.training.loop import run_training
+from dpexp.training.optim import lr_factor
+from dpexp.training.plan import calibration_accountant, plan_run, resolve_delta
 from tests.conftest import CONF_DIR, TINY_RUN
 
 CLIPS = sorted(path.stem for path in (CONF_DIR / "clip").glob("*.yaml"))

@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from dpexp.backends import build_backend
 from dpexp.bench.machine import source_hash
 from dpexp.privacy.capture import unsupported_modules
-from dpexp.schedules import build_optimizer
+from dpexp.training.optim import build_optimizer
 
 
 def _set_threads(threads: int | None) -> None:

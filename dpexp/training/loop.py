@@ -6,7 +6,7 @@ the GDP approximation is opted into: :func:`calibration_accountant`), then T log
 DP-SGD/DP-Adam (Abadi et al. 2016): each logical batch (Poisson-sampled by default) is split into physical
 micro-batches whose clipped gradients the backend accumulates, and one ``backend.step()`` adds the noise once
 and divides by the expected B. Evaluations every ``eval_every`` steps and at the end go to metrics.json
-(:mod:`dpexp.run_record`), which also records the epsilon spent under all three accountants and what each
+(:mod:`dpexp.training.record`), which also records the epsilon spent under all three accountants and what each
 of them is (``epsilon_kind``: upper bound or approximation).
 """
 
@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,123 +28,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from dpexp.backends import build_backend, is_private
+from dpexp.backends import build_backend
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
-from dpexp.run_record import RunRecord, WandbSink, peak_memory, reset_peak_memory
-from dpexp.sampling import build_batch_sampler, split_micro_batches
-from dpexp.schedules import build_optimizer, build_scheduler
+from dpexp.runtime import resolve_device
 from dpexp.tasks.base import Task
+from dpexp.training.optim import build_optimizer, build_scheduler
+from dpexp.training.plan import calibration_accountant, plan_run, spent_epsilon
+from dpexp.training.record import RunRecord, WandbSink, peak_memory, reset_peak_memory
+from dpexp.training.sampling import build_batch_sampler, split_micro_batches
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """The quantities fixed before training; all of them go to metrics.json."""
-
-    sample_size: int  # N, size of the private training set
-    batch_size: int  # B, expected logical batch size
-    physical_batch_size: int
-    sample_rate: float  # q = B / N
-    steps: int  # T
-    epochs: float  # T * q
-    delta: float
-    target_epsilon: float | None  # None for non-private runs
-    noise_multiplier: float  # sigma (0 for non-private runs)
-
-
-def resolve_delta(delta: float | None, rule: str, sample_size: int) -> float:
-    """``delta`` if given, else the rule's function of N (``1/2n``: 1/(2N), ``1/n^1.1``: N^-1.1)."""
-    if delta is None:
-        return accounting.default_delta(sample_size, rule)
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"privacy.delta must be in (0, 1), got {delta}.")
-    return float(delta)
-
-
-ACCOUNTANT_KEYS = ("name", "approximate_calibration")
-
-
-def calibration_accountant(cfg: DictConfig) -> tuple[str, bool]:
-    """(name, allow_approximation) of the accountant that calibrates sigma, from the ``accountant`` group.
-
-    Only upper bounds calibrate by default: a private run with ``accountant=gdp`` (the CLT approximation, see
-    :mod:`dpexp.privacy.accounting`) is refused unless ``accountant.approximate_calibration=true``.
-    """
-    node = cfg.accountant
-    unknown = sorted(set(node) - set(ACCOUNTANT_KEYS))
-    if unknown:
-        raise ValueError(f"Unknown accountant keys {unknown}; valid keys: {', '.join(ACCOUNTANT_KEYS)}.")
-    approximate = node.get("approximate_calibration", False)
-    if not isinstance(approximate, bool):
-        raise ValueError(f"accountant.approximate_calibration must be true or false, got {approximate!r}.")
-    kind = accounting.EPSILON_KINDS.get(node.name, accounting.UPPER_BOUND)
-    if is_private(cfg.clip) and kind != accounting.UPPER_BOUND and not approximate:
-        raise ValueError(
-            f"accountant={node.name} calibrates sigma with the GDP central-limit approximation, which can "
-            "underestimate epsilon: use accountant=rdp or accountant=prv (GDP is reported for every run "
-            "anyway), or opt in with accountant.approximate_calibration=true."
-        )
-    return node.name, approximate
-
-
-def plan_run(cfg: DictConfig, sample_size: int) -> RunPlan:
-    """Steps, sampling rate, delta and the noise multiplier solved with :func:`calibration_accountant`."""
-    batch_size = int(cfg.batch_size)
-    if not 1 <= batch_size <= sample_size:
-        raise ValueError(f"batch_size must be in [1, N={sample_size}], got {batch_size}.")
-    for key in ("physical_batch_size", "log_every", "eval_batch_size"):
-        if cfg[key] < 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}.")
-    sample_rate = batch_size / sample_size
-    if cfg.steps is not None:
-        steps = int(cfg.steps)
-    elif cfg.epochs is not None:
-        steps = round(cfg.epochs / sample_rate)
-    else:
-        raise ValueError("Set either epochs or steps.")
-    if steps < 1:
-        raise ValueError(
-            f"The run must have at least one step, got {steps} (epochs={cfg.epochs}, steps={cfg.steps})."
-        )
-    delta = resolve_delta(cfg.privacy.delta, cfg.privacy.delta_rule, sample_size)
-    private = is_private(cfg.clip)
-    sigma = 0.0
-    if private:
-        name, approximate = calibration_accountant(cfg)
-        sigma = accounting.get_noise_multiplier(
-            cfg.privacy.epsilon, delta, sample_rate, steps, accountant=name, allow_approximation=approximate
-        )
-    return RunPlan(
-        sample_size=sample_size,
-        batch_size=batch_size,
-        physical_batch_size=int(cfg.physical_batch_size),
-        sample_rate=sample_rate,
-        steps=steps,
-        epochs=steps * sample_rate,
-        delta=delta,
-        target_epsilon=float(cfg.privacy.epsilon) if private else None,
-        noise_multiplier=sigma,
-    )
-
-
-def spent_epsilon(plan: RunPlan, steps_done: int, accountant: str) -> float | None:
-    """Epsilon after ``steps_done`` steps (None for non-private runs, 0 before the first step)."""
-    if plan.target_epsilon is None:
-        return None
-    if steps_done == 0:
-        return 0.0
-    return accounting.get_epsilon(
-        plan.noise_multiplier, plan.sample_rate, steps_done, plan.delta, accountant=accountant
-    )
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda if available else cpu; otherwise the named torch device."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def seed_everything(seed: int) -> None:
