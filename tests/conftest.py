@@ -28,3 +28,9 @@ def compose_config() -> Callable[[Sequence[str]], DictConfig]:
             return compose(config_name="config", overrides=list(overrides))
 
     return _compose
+
+
+def composed_group(group: str, option: str) -> DictConfig:
+    """One option of a config group as it is composed (its ``defaults`` merged), outside a test."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=[f"{group}={option}"])[group]

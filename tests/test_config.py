@@ -12,12 +12,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from dpexp.backends import METHODS
+from dpexp.config import ConfigError, check_config
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
 from dpexp.tasks.base import Task
-from dpexp.train import check_known_keys
 from dpexp.training.optim import build_optimizer, build_scheduler
-from tests.conftest import CONF_DIR
+from tests.conftest import CONF_DIR, composed_group
 
 GROUPS = ("task", "model", "clip", "accountant", "optim")
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF_DIR / group).glob("*.yaml"))]
@@ -49,17 +49,13 @@ def test_every_option_composes(compose_config, group, option):
 
 
 def _clip_configs(backend: str) -> list[str]:
-    return [
-        o
-        for g, o in OPTIONS
-        if g == "clip" and OmegaConf.load(CONF_DIR / "clip" / f"{o}.yaml").method == backend
-    ]
+    return [o for g, o in OPTIONS if g == "clip" and composed_group("clip", o).method == backend]
 
 
 @pytest.mark.parametrize("option", _clip_configs("dpexp"))
 def test_engine_clip_keys_are_privacy_engine_arguments(option):
     PrivacyEngine = pytest.importorskip("dpexp.privacy").PrivacyEngine
-    node = OmegaConf.load(CONF_DIR / "clip" / f"{option}.yaml")
+    node = composed_group("clip", option)
     accepted = set(inspect.signature(PrivacyEngine).parameters)
     assert set(node.engine) <= accepted, set(node.engine) - accepted
     assert node.max_grad_norm > 0
@@ -67,10 +63,41 @@ def test_engine_clip_keys_are_privacy_engine_arguments(option):
 
 @pytest.mark.parametrize("option", _clip_configs("dpexp"))
 def test_engine_secure_mode_is_documented_and_off(option):
-    node = OmegaConf.load(CONF_DIR / "clip" / f"{option}.yaml")
-    assert node.engine.secure_mode is False
-    text = (CONF_DIR / "clip" / f"{option}.yaml").read_text()
-    assert "secure_mode: false      # true:" in text
+    assert composed_group("clip", option).engine.secure_mode is False
+    assert "secure_mode: false      # true:" in (CONF_DIR / "clip" / "base" / "engine.yaml").read_text()
+
+
+def test_every_engine_key_is_documented_once_in_the_shared_base():
+    """The engine options inherit every key from conf/clip/base/engine.yaml, where each carries a comment."""
+    lines = (CONF_DIR / "clip" / "base" / "engine.yaml").read_text().splitlines()
+    node = OmegaConf.load(CONF_DIR / "clip" / "base" / "engine.yaml")
+    for key in node.engine:
+        line = next(x for x in lines if x.strip().startswith(f"{key}:"))
+        assert "#" in line, f"engine.{key} has no comment"
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("+clip.max_grad_nrom=5", "clip.max_grad_nrom"),
+        ("+clip.engine.foo=1", "clip.engine.foo"),
+        ("+clip.engine.adaptive.target=0.5", "clip.engine.adaptive.target"),
+        ("+optim.lrr=0.1", "optim.lrr"),
+        ("+optim.schedule.warmup=0.5", "optim.schedule.warmup"),
+        ("+accountant.delta=0.1", "accountant.delta"),
+        ("+task.nmae=digits", "task.nmae"),
+        ("+model.widht=3", "model.widht"),
+    ],
+)
+def test_appended_unknown_keys_are_refused_naming_the_valid_ones(compose_config, override, key):
+    cfg = compose_config(["clip=adaptive_perlayer", override])
+    with pytest.raises(ConfigError, match=rf"Unknown config key {key}\b.*valid keys of"):
+        check_config(cfg)
+
+
+def test_every_option_passes_the_schema(compose_config):
+    for group, option in OPTIONS:
+        check_config(compose_config([f"{group}={option}"]))
 
 
 def test_secure_mode_is_not_offered_for_opacus(compose_config):
@@ -90,7 +117,7 @@ def test_approximate_calibration_exists_for_gdp_only(compose_config):
 
 @pytest.mark.parametrize("option", _clip_configs("opacus"))
 def test_opacus_clip_keys(option):
-    node = OmegaConf.load(CONF_DIR / "clip" / f"{option}.yaml")
+    node = composed_group("clip", option)
     assert set(node.opacus) == {"grad_sample_mode", "clipping"}
     assert node.opacus.grad_sample_mode in ("hooks", "ghost")
     assert node.opacus.clipping in ("flat", "per_layer")
@@ -109,9 +136,9 @@ def test_unknown_top_level_key_fails(compose_config):
     with pytest.raises(ConfigCompositionException, match="learning_rate"):
         compose_config(["learning_rate=0.1"])
     appended = compose_config(["+learning_rate=0.1"])  # Hydra's "+" appends; the entry point refuses it
-    with pytest.raises(ValueError, match="learning_rate"):
-        check_known_keys(appended)
-    check_known_keys(compose_config())
+    with pytest.raises(ConfigError, match="learning_rate"):
+        check_config(appended)
+    check_config(compose_config())
 
 
 def test_unknown_group_key_fails(compose_config):

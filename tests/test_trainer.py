@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
 from dpexp.backends import build_backend, is_private
@@ -20,15 +19,15 @@ from dpexp.tasks.digits import DigitsTask
 from dpexp.training.loop import run_training
 from dpexp.training.optim import lr_factor
 from dpexp.training.plan import calibration_accountant, plan_run, resolve_delta
-from tests.conftest import CONF_DIR, TINY_RUN
+from tests.conftest import CONF_DIR, TINY_RUN, composed_group
 
 CLIPS = sorted(path.stem for path in (CONF_DIR / "clip").glob("*.yaml"))
-PRIVATE_CLIPS = [c for c in CLIPS if is_private(OmegaConf.load(CONF_DIR / "clip" / f"{c}.yaml"))]
+PRIVATE_CLIPS = [c for c in CLIPS if is_private(composed_group("clip", c))]
 EXPECTED_B = 10
 
 
 def _clip_cfg(name: str):
-    cfg = OmegaConf.load(CONF_DIR / "clip" / f"{name}.yaml")
+    cfg = composed_group("clip", name)
     if cfg.method == "dpexp":
         pytest.importorskip("dpexp.privacy.engine", reason="the dpexp engine is not available")
     return cfg

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from dpexp.backends import build_backend
+from dpexp.config import check_config
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
 from dpexp.runtime import resolve_device
@@ -49,10 +50,8 @@ def seed_everything(seed: int) -> None:
 
 
 def instantiate(node: DictConfig) -> Any:
-    """``hydra.utils.instantiate`` of a task or model node, minus its documentation-only ``recommended``."""
-    spec = OmegaConf.to_container(node, resolve=True)
-    spec.pop("recommended", None)
-    return hydra.utils.instantiate(spec, _convert_="all")
+    """``hydra.utils.instantiate`` of a task or model node, with plain Python containers."""
+    return hydra.utils.instantiate(node, _convert_="all")
 
 
 def run_training(
@@ -68,6 +67,7 @@ def run_training(
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     record = RunRecord(output_dir, {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "config": resolved})
     try:
+        check_config(cfg)
         if _choice(cfg.logger) == "wandb":
             record.add_sink(
                 WandbSink(cfg.wandb.project, cfg.wandb.entity, cfg.wandb.mode, resolved, Path(output_dir))

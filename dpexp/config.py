@@ -1,0 +1,222 @@
+"""The schema of ``conf/``: every group and key the entry points accept, and the check that refuses anything
+else, appended keys (``+clip.engine.foo=1``) included, naming the valid keys.
+
+The structured top-level schema (:class:`Schema`, registered as ``dpexp_schema``) types the keys of
+``conf/config.yaml``; Hydra refuses an unknown top-level key or a wrong type while composing. Groups are
+checked after composition by :func:`check_config`: ``clip``, ``accountant`` and ``optim`` against the
+dataclasses below (the values and their documentation live in the YAML files), ``task`` and ``model``
+against the constructor of their ``_target_`` (the constructor is their schema).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
+from typing import Any, get_args, get_origin, get_type_hints
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+
+class ConfigError(ValueError):
+    """A configuration the entry points refuse; its message names the key and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- top level
+class Sampling(str, Enum):
+    poisson = "poisson"
+    shuffle = "shuffle"
+
+
+class Logger(str, Enum):
+    none = "none"
+    wandb = "wandb"
+
+
+class WandbMode(str, Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass
+class PrivacySchema:
+    epsilon: float = MISSING
+    delta: float | None = MISSING
+    delta_rule: str = MISSING  # a key of dpexp.privacy.accounting.DELTA_RULES
+
+
+@dataclass
+class WandbSchema:
+    project: str = MISSING
+    entity: str | None = MISSING
+    mode: WandbMode = MISSING
+
+
+@dataclass
+class DataSchema:
+    root: str | None = MISSING
+
+
+@dataclass
+class OutputSchema:
+    root: str = MISSING
+
+
+@dataclass
+class Schema:
+    """Types of ``conf/config.yaml``; the values and their documentation live in the YAML."""
+
+    task: Any = MISSING
+    model: Any = MISSING
+    clip: Any = MISSING
+    accountant: Any = MISSING
+    optim: Any = MISSING
+    seed: int = MISSING
+    privacy: PrivacySchema = field(default_factory=PrivacySchema)
+    epochs: float | None = MISSING
+    steps: int | None = MISSING
+    batch_size: int = MISSING
+    physical_batch_size: int = MISSING
+    group_by_length: bool = MISSING
+    sampling: Sampling = MISSING
+    eval_every: int | None = MISSING
+    eval_batch_size: int = MISSING
+    device: str = MISSING
+    progress: bool = MISSING
+    log_every: int = MISSING
+    logger: Logger = MISSING
+    wandb: WandbSchema = field(default_factory=WandbSchema)
+    data: DataSchema = field(default_factory=DataSchema)
+    output: OutputSchema = field(default_factory=OutputSchema)
+
+
+ConfigStore.instance().store(name="dpexp_schema", node=Schema)
+
+
+# ---------------------------------------------------------------------------------------------- groups
+@dataclass
+class AdaptiveSchema:
+    target_quantile: float
+    quantile_lr: float
+    budget_fraction: float
+    rescale_to_global: bool
+
+
+@dataclass
+class EngineSchema:
+    clipping: str
+    strategy: str
+    norm_mode: str
+    thresholds: list[float] | None
+    adaptive: AdaptiveSchema | None
+    noise_allocation: str
+    groups: Any
+    secure_mode: bool
+    verify_every_step: bool
+
+
+@dataclass
+class OpacusSchema:
+    grad_sample_mode: str
+    clipping: str
+
+
+@dataclass
+class ClipSchema:
+    name: str
+    method: str
+    max_grad_norm: float | None
+    engine: EngineSchema | None = None
+    opacus: OpacusSchema | None = None
+
+
+@dataclass
+class AccountantSchema:
+    name: str
+    approximate_calibration: bool = False
+
+
+@dataclass
+class ScheduleSchema:
+    name: str
+    warmup_fraction: float = 0.0
+
+
+@dataclass
+class OptimSchema:
+    name: str
+    lr: float
+    schedule: ScheduleSchema
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] | None = None
+    eps: float | None = None
+
+
+GROUP_SCHEMAS: dict[str, type] = {"clip": ClipSchema, "accountant": AccountantSchema, "optim": OptimSchema}
+INSTANTIATED_GROUPS = ("task", "model")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Refuse every key the entry points would not read: top-level keys outside :class:`Schema`, group keys
+    outside their schemas, task and model keys their ``_target_`` does not take."""
+    known = {f.name for f in fields(Schema)}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"Unknown config keys {unknown}; valid top-level keys: {', '.join(sorted(known))}.")
+    for group, schema in GROUP_SCHEMAS.items():
+        _check_node(cfg[group], schema, group)
+    for group in INSTANTIATED_GROUPS:
+        _check_target_keys(cfg[group], group)
+
+
+def _check_node(node: Any, schema: type, path: str) -> None:
+    if not isinstance(node, DictConfig):
+        return
+    hints = get_type_hints(schema)
+    valid = [f.name for f in fields(schema)]
+    unknown = sorted(set(node) - set(valid))
+    if unknown:
+        keys = ", ".join(f"{path}.{key}" for key in unknown)
+        raise ConfigError(f"Unknown config key {keys}; valid keys of {path}: {', '.join(valid)}.")
+    for key in node:
+        nested = _dataclass_in(hints[key])
+        if nested is not None:
+            _check_node(node[key], nested, f"{path}.{key}")
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass a field holds (also ``X | None``), or None."""
+    if is_dataclass(hint):
+        return hint
+    return next((arg for arg in get_args(hint) if is_dataclass(arg)), None) if get_origin(hint) else None
+
+
+def accepted_keys(cls: type) -> set[str] | None:
+    """Keyword arguments ``cls(...)`` accepts, following ``**kwargs`` up the class hierarchy; None if any."""
+    keys: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]
+        keys |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            return keys
+    return None
+
+
+def _check_target_keys(node: DictConfig, group: str) -> None:
+    target = hydra.utils.get_class(node._target_)
+    accepted = accepted_keys(target)
+    if accepted is None:
+        return
+    unknown = sorted(set(node) - accepted - {"_target_"})
+    if unknown:
+        keys = ", ".join(f"{group}.{key}" for key in unknown)
+        raise ConfigError(
+            f"Unknown config key {keys} for {target.__name__}; valid keys of {group}: "
+            f"{', '.join(sorted(accepted))}."
+        )
