@@ -1,6 +1,7 @@
 """dpexp: differentially private deep learning experiments.
 
-Hydra entry point: ``python -m dpexp.train``; clipping engine: :mod:`dpexp.privacy`.
+Entry points: ``python -m dpexp.train`` and ``python -m dpexp.bench``; imports run one way, entry points ->
+training / bench -> backends -> privacy (README, "Architecture"). The engine alone: :mod:`dpexp.privacy`.
 """
 
 __version__ = "0.1.0"

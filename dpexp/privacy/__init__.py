@@ -1,4 +1,5 @@
-"""dpexp's clipping engine. Knows nothing about tasks, data sets or Hydra."""
+"""The privacy engine: per-example clipping, noise, adaptive thresholds, accounting, and the run-time checks
+of what it assumes about a model. Imports torch (and numpy/scipy for accounting) only: no tasks, no Hydra."""
 
 from dpexp.privacy.engine import PrivacyEngine
 from dpexp.privacy.rules import register_rule

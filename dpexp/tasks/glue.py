@@ -34,7 +34,7 @@ from dpexp.tasks.text_encoding import (
     Template,
     collate_encoded,
     encode_examples,
-    plain_backend,
+    plain_tokenizer,
     single_token_id,
 )
 
@@ -215,7 +215,7 @@ class GlueTask(Task):
         self._train = ExampleList(train_examples)
         self._pad_token_id = tokenizer.pad_token_id
         if self.objective == "infilling":
-            backend = plain_backend(tokenizer)
+            backend = plain_tokenizer(tokenizer)
             self.label_word_ids = [single_token_id(backend, word) for word in self.label_words]
         longest = max(len(e["input_ids"]) for part in (train_examples, *self._evals.values()) for e in part)
         self._info = TaskInfo(

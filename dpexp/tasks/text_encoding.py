@@ -48,7 +48,7 @@ class Template:
         return cls(pieces)
 
 
-def plain_backend(tokenizer: Any) -> Tokenizer:
+def plain_tokenizer(tokenizer: Any) -> Tokenizer:
     """A copy of the tokenizer's Rust ``tokenizers`` backend with padding and truncation switched off."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -97,7 +97,7 @@ def encode_examples(
     """
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"Unknown truncation {truncation!r}; valid choices: {', '.join(TRUNCATION_MODES)}.")
-    backend = plain_backend(tokenizer)
+    backend = plain_tokenizer(tokenizer)
     columns = [list(column) for column in sentences]
     if template is None:
         encoded = [backend.encode_batch_fast(column, add_special_tokens=False) for column in columns]
