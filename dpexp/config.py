@@ -91,6 +91,7 @@ class Schema:
     wandb: WandbSchema = field(default_factory=WandbSchema)
     data: DataSchema = field(default_factory=DataSchema)
     output: OutputSchema = field(default_factory=OutputSchema)
+    audit: Any = None  # set by python -m dpexp.audit (conf/audit/*.yaml); refused by python -m dpexp.train
 
 
 ConfigStore.instance().store(name="dpexp_schema", node=Schema)
@@ -156,7 +157,24 @@ class OptimSchema:
     eps: float | None = None
 
 
-GROUP_SCHEMAS: dict[str, type] = {"clip": ClipSchema, "accountant": AccountantSchema, "optim": OptimSchema}
+@dataclass
+class AuditSchema:
+    variant: str
+    canaries: int
+    guesses: int
+    abstain_low: int
+    confidence: float
+    magnitude: float
+    seed: int
+    save_to: str | None
+
+
+GROUP_SCHEMAS: dict[str, type] = {
+    "clip": ClipSchema,
+    "accountant": AccountantSchema,
+    "optim": OptimSchema,
+    "audit": AuditSchema,
+}
 INSTANTIATED_GROUPS = ("task", "model")
 
 

@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import dpexp.config  # registers the config schema  # noqa: F401
+from dpexp.config import ConfigError
 from dpexp.privacy import accounting
 from dpexp.training.loop import run_training
 
@@ -50,6 +50,10 @@ def summary(record: dict[str, Any]) -> str:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     """Run one configuration and print its summary."""
+    if cfg.get("audit") is not None:
+        raise ConfigError(
+            "audit keys are for python -m dpexp.audit; python -m dpexp.train trains without canaries"
+        )
     runtime = HydraConfig.get().runtime
     choices = {group: runtime.choices[group] for group in GROUPS if group in runtime.choices}
     record = run_training(cfg, runtime.output_dir, choices)

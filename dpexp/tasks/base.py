@@ -62,3 +62,14 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
         """Task metrics on the held-out split(s), e.g. ``{"accuracy": 0.91}``."""
+
+    def relabelled(self, example: Any, label: int) -> Any:
+        """A copy of a training example with another label (the black-box privacy audit's mislabelled
+        canaries); classification tasks implement it."""
+        raise NotImplementedError(
+            f"task {self.name} cannot relabel its examples for input canaries; audit it with audit=white_box"
+        )
+
+    def label_of(self, example: Any) -> int:
+        """The label of a training example (classification tasks)."""
+        raise NotImplementedError(f"task {self.name} has no labels")

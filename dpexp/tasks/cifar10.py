@@ -126,6 +126,14 @@ class Cifar10Task(Task):
         images, labels = zip(*examples, strict=True)
         return {"image": torch.stack(images).float() / 255.0, "label": torch.stack(labels)}
 
+    def relabelled(
+        self, example: tuple[torch.Tensor, torch.Tensor], label: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return example[0], torch.tensor(label, dtype=torch.long)
+
+    def label_of(self, example: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return int(example[1])
+
     @staticmethod
     def logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Class scores (B, 10)."""

@@ -83,6 +83,14 @@ class DigitsTask(Task):
             loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
         return {"accuracy": correct / len(labels), "loss": loss_sum / len(labels)}
 
+    def relabelled(
+        self, example: tuple[torch.Tensor, torch.Tensor], label: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return example[0], torch.tensor(label, dtype=torch.long)
+
+    def label_of(self, example: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return int(example[1])
+
     @staticmethod
     def _require(dataset: TensorDataset | None) -> TensorDataset:
         if dataset is None:

@@ -298,6 +298,12 @@ class GlueTask(Task):
     def example_length(self, example: Example) -> int:
         return len(example["input_ids"])
 
+    def relabelled(self, example: Example, label: int) -> Example:
+        return {**example, "label": label}
+
+    def label_of(self, example: Example) -> int:
+        return int(example["label"])
+
     def logits(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Class scores (B, K): the classification head, or the label words' masked-LM logits at the mask."""
         inputs = {

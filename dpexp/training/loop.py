@@ -34,6 +34,7 @@ from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
 from dpexp.runtime import resolve_device
 from dpexp.tasks.base import Task
+from dpexp.training.hooks import RunHooks
 from dpexp.training.optim import build_optimizer, build_scheduler
 from dpexp.training.plan import calibration_accountant, plan_run, spent_epsilon
 from dpexp.training.record import RunRecord, WandbSink, peak_memory, reset_peak_memory
@@ -55,13 +56,17 @@ def instantiate(node: DictConfig) -> Any:
 
 
 def run_training(
-    cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, str] | None = None
+    cfg: DictConfig,
+    output_dir: str | Path,
+    choices: Mapping[str, str] | None = None,
+    hooks: RunHooks | None = None,
 ) -> dict[str, Any]:
     """Train as configured and write ``output_dir/metrics.json``; return the record.
 
     ``choices`` are the selected config-group options (Hydra's runtime choices), recorded as the run's task,
-    model, clip, accountant and optim names. On failure the record is written with ``status: failed`` and the
-    error is re-raised.
+    model, clip, accountant and optim names; ``hooks`` observe or change the run at fixed points
+    (:class:`~dpexp.training.hooks.RunHooks`). On failure the record is written with ``status: failed`` and
+    the error is re-raised.
     """
     started = time.perf_counter()
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -72,7 +77,7 @@ def run_training(
             record.add_sink(
                 WandbSink(cfg.wandb.project, cfg.wandb.entity, cfg.wandb.mode, resolved, Path(output_dir))
             )
-        _Run(cfg, record, dict(choices or {})).run()
+        _Run(cfg, record, dict(choices or {}), hooks or RunHooks()).run()
     except BaseException as error:
         record.fail(error, wall_time_s=time.perf_counter() - started)
         raise
@@ -83,10 +88,11 @@ def run_training(
 class _Run:
     """State of one training run; :meth:`run` fills ``record``."""
 
-    def __init__(self, cfg: DictConfig, record: RunRecord, choices: dict[str, str]) -> None:
+    def __init__(self, cfg: DictConfig, record: RunRecord, choices: dict[str, str], hooks: RunHooks) -> None:
         self.cfg = cfg
         self.record = record
         self.choices = choices
+        self.hooks = hooks
         self.device = resolve_device(cfg.device)
         self.train_time = 0.0  # seconds spent in training steps (the clock runs from self._tick)
         self._tick = 0.0
@@ -102,7 +108,7 @@ class _Run:
         self.task.setup(factory)
         self.model = factory.build(self.task.info).to(self.device)
         self.model.train()
-        self.dataset = self.task.train_dataset
+        self.dataset = self.hooks.training_set(self.task, self.task.train_dataset)
         self.plan = plan_run(cfg, len(self.dataset))
         names = {
             "task": self.task.name,
@@ -132,6 +138,7 @@ class _Run:
             sample_size=self.plan.sample_size,
             noise_multiplier=self.plan.noise_multiplier,
         )
+        self.hooks.backend_ready(self.backend, self.plan.sample_rate)
         try:
             self._train()
         finally:
@@ -162,6 +169,7 @@ class _Run:
                 self.backend.backward(loss)
                 window_loss += loss.detach().sum()
                 window_count += len(micro)
+            self.hooks.before_step(step)
             self.backend.step()
             self.scheduler.step()
             self.examples += len(indices)
@@ -182,6 +190,10 @@ class _Run:
                 with self._outside_training():
                     self._evaluate(step)
         bar.close()
+        self.model.eval()
+        with torch.no_grad():
+            self.record.update(**self.hooks.finished(self.model, self.task))
+        self.model.train()
         epsilons, errors = self._final_epsilons()
         memory, memory_kind = peak_memory(self.device)
         self.record.update(
