@@ -165,6 +165,7 @@ class Clipper:
         # sum_i (1[unclipped] - 1/2) per group, on the device (no host sync per group)
         self.centred_counts = torch.zeros(len(groups), dtype=torch.float64, device=device)
         self.coef: dict[int, torch.Tensor] = {}  # clipping factors of the current micro-batch, by group
+        self.all_finite: dict[int, bool] = {}  # whether every norm of the group was finite
         self._pass: _Pass | None = None
 
     # ------------------------------------------------------------------ one micro-batch
@@ -186,7 +187,7 @@ class Clipper:
             for attr, grad in grads.items():
                 name = layer.params.get(attr)
                 if name is not None:
-                    self._accumulate(name, grad.weighted_sum(self.coef[self.group_of[name]]))
+                    self._accumulate(name, self._clipped_sum(grad, self.group_of[name]))
             return
         single_use = state.calls[layer.name] == 1  # then its unshared parameters need no cross term
         for attr, grad in grads.items():
@@ -220,9 +221,9 @@ class Clipper:
         for k, group in enumerate(self.groups):
             present = [name for name in group if name in grads]
             norm_sq = sum(grads[n].norm_sq(self.norm_mode).double() for n in present) if present else None
-            coef = self._clipping_factors(k, norm_sq, batch_size)
+            self.coef[k] = self._clipping_factors(k, norm_sq, batch_size)
             for name in present:
-                self._accumulate(name, grads[name].weighted_sum(coef))
+                self._accumulate(name, self._clipped_sum(grads[name], k))
 
     # ------------------------------------------------------------------ the step
     def take_sums(self) -> dict[str, torch.Tensor]:
@@ -251,27 +252,36 @@ class Clipper:
         zero), shape (b,); counts the unclipped examples for adaptive thresholds.
 
         A norm that is not finite (a gradient that overflowed, or ``inf * 0`` in a ghost norm of an example
-        with huge activations) gives ``c_i = 0``: the example adds nothing to the sums (every weighted sum
-        drops it, :func:`dpexp.privacy.per_example.dropped`), which keeps the sensitivity bound; a NaN
-        factor would turn the whole group's sum into NaN and tell that example's presence for certain."""
+        with huge activations) gives ``c_i = 0``, and :meth:`_clipped_sum` leaves the example out of the sum
+        (0 times its values could still be NaN), which keeps the sensitivity bound; a NaN factor would turn
+        the whole group's sum into NaN and tell that example's presence for certain."""
         if norm_sq is None:
             device = self.params[self.groups[k][0]].device
             norm_sq = torch.zeros(batch_size, dtype=torch.float64, device=device)
         norm = norm_sq.clamp_min(0).sqrt()
         threshold = float(self.thresholds[k])
         self.centred_counts[k] += centred_counts(norm, threshold)
-        return torch.where(torch.isfinite(norm), threshold / norm.clamp_min(threshold), 0.0)
+        finite = torch.isfinite(norm)
+        self.all_finite[k] = bool(finite.all())  # a host sync per group; False only on the rare path
+        return torch.where(finite, threshold / norm.clamp_min(threshold), 0.0)
+
+    def _clipped_sum(self, grad: PerExampleGrad, k: int) -> torch.Tensor:
+        """``sum_i c_i g_i`` with group k's factors, leaving out the examples whose norm was not finite."""
+        coef = self.coef[k]
+        if self.all_finite[k]:
+            return grad.weighted_sum(coef)
+        keep = coef != 0
+        return grad.select(keep).weighted_sum(coef[keep])
 
     def _finish_group(self, k: int) -> None:
         state = self._pass
-        coef = self._clipping_factors(k, state.norm_sq.pop(k, None), state.batch_size)
+        self.coef[k] = self._clipping_factors(k, state.norm_sq.pop(k, None), state.batch_size)
         for name in self.groups[k]:
             grads = state.arrived.pop(name, [])
             if not self.strategy.sums_at_norms:
                 continue  # sums come from the second backward pass
             for grad in grads:
-                self._accumulate(name, grad.weighted_sum(coef))
-        self.coef[k] = coef
+                self._accumulate(name, self._clipped_sum(grad, k))
 
     def _accumulate(self, name: str, value: torch.Tensor) -> None:
         value = value.to(self.params[name].dtype)

@@ -38,13 +38,6 @@ def _accurate(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def dropped(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``t`` with the rows (dim 0) of the examples whose factor ``coef_i`` is 0 set to 0. Such an example (a
-    non-finite norm) must contribute nothing to a weighted sum, also where its values are not finite
-    (``0 * inf`` is NaN)."""
-    return torch.where((coef != 0).view(-1, *[1] * (t.dim() - 1)), t, 0)
-
-
 def _same_precision(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Under autocast a layer's saved input may be float32 while its output gradient is bf16; sums are then
     formed in the lower precision, as autograd would for the non-private weight gradient."""
@@ -82,8 +75,11 @@ class PerExampleGrad(ABC):
 
     @abstractmethod
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        """``sum_i coef_i g_i`` computed from the factors; examples with ``coef_i = 0`` add exactly 0
-        (:func:`dropped`)."""
+        """``sum_i coef_i g_i`` computed from the factors."""
+
+    @abstractmethod
+    def _select(self, keep: torch.Tensor) -> PerExampleGrad:
+        """The per-example gradients of the examples where the boolean ``keep`` (B,) is true."""
 
     def retain(self, release: bool = False, max_values: int = 0) -> None:
         """Keep instantiated per-example gradients for :meth:`weighted_sum` (costs B x |param| memory);
@@ -114,11 +110,17 @@ class PerExampleGrad(ABC):
         return grads
 
     def weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        """``sum_i coef_i g_i``, shape ``shape``; ``coef`` has shape (B,). An example with ``coef_i = 0`` adds
-        exactly 0, whatever its values."""
+        """``sum_i coef_i g_i``, shape ``shape``; ``coef`` has shape (B,)."""
         if self._kept is not None:
-            return torch.tensordot(coef.to(self._kept.dtype), dropped(self._kept, coef), dims=1)
+            return torch.tensordot(coef.to(self._kept.dtype), self._kept, dims=1)
         return self._weighted_sum(coef)
+
+    def select(self, keep: torch.Tensor) -> PerExampleGrad:
+        """Only the examples where ``keep`` (B,) is true: the clipper drops an example whose norm is not
+        finite this way, since multiplying it by 0 could still give NaN (``0 * inf``)."""
+        if self._kept is not None:
+            return Dense(self._kept[keep])
+        return self._select(keep)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """``||g_i||^2`` for each example, shape (B,) (one fused reduction: no squared temporary)."""
@@ -145,7 +147,10 @@ class Dense(PerExampleGrad):
         return self.grads
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        return torch.tensordot(coef.to(self.grads.dtype), dropped(self.grads, coef), dims=1)
+        return torch.tensordot(coef.to(self.grads.dtype), self.grads, dims=1)
+
+    def _select(self, keep: torch.Tensor) -> Dense:
+        return Dense(self.grads[keep])
 
 
 class OneHot(PerExampleGrad):
@@ -167,12 +172,13 @@ class OneHot(PerExampleGrad):
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         out = self.value.new_zeros(self.shape.numel())
-        return out.index_add_(0, self.index, dropped(coef.to(self.value.dtype) * self.value, coef)).view(
-            self.shape
-        )
+        return out.index_add_(0, self.index, coef.to(self.value.dtype) * self.value).view(self.shape)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         return _accurate(self.value).square()
+
+    def _select(self, keep: torch.Tensor) -> OneHot:
+        return OneHot(self.index[keep], self.value[keep], self.shape)
 
 
 class Outer(PerExampleGrad):
@@ -203,16 +209,19 @@ class Outer(PerExampleGrad):
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         r = self.right.shape[-1]
         if self.is_index:
-            right = dropped(self.right * coef.to(self.right.dtype)[:, None, None], coef)
+            right = self.right * coef.to(self.right.dtype)[:, None, None]
             out = right.new_zeros(self.left_size, r).index_add_(0, self.left.flatten(), right.reshape(-1, r))
             return out.view(self.shape)
         left, right = _same_precision(self.left, self.right)
         scale = coef.to(left.dtype)[:, None, None]
         if left.shape[-1] < r:  # scale the narrower factor
-            left, right = dropped(left * scale, coef), dropped(right, coef)
+            left = left * scale
         else:
-            left, right = dropped(left, coef), dropped(right * scale, coef)
+            right = right * scale
         return (left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, r)).view(self.shape)
+
+    def _select(self, keep: torch.Tensor) -> Outer:
+        return Outer(self.left[keep], self.right[keep], self.shape, self.left_size)
 
     def ghost_is_cheaper(self) -> bool:
         t, r = self.right.shape[1], self.right.shape[-1]

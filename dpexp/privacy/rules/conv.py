@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, dropped, ghost_is_cheaper
+from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, ghost_is_cheaper
 from dpexp.privacy.rules import register_rule
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -119,8 +119,11 @@ class ConvWeightGrads(PerExampleGrad):
         return grads.view(b, *self.shape)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        scaled = dropped(self.dy * coef.to(self.dy.dtype).view(-1, *[1] * (self.dy.dim() - 1)), coef)
-        return _weight_grad(self.module, dropped(self.x, coef), scaled, self.module.groups, self.shape)
+        scaled = self.dy * coef.to(self.dy.dtype).view(-1, *[1] * (self.dy.dim() - 1))
+        return _weight_grad(self.module, self.x, scaled, self.module.groups, self.shape)
+
+    def _select(self, keep: torch.Tensor) -> ConvWeightGrads:
+        return ConvWeightGrads(self.module, self.x[keep], self.dy[keep])
 
     def held_extra_values(self) -> int | None:
         """Kept only where smaller than the feature maps: a batch-grouped per-example convolution is slower on

@@ -52,6 +52,10 @@ class Standardized(PerExampleGrad):
     def held_extra_values(self) -> int | None:
         return self.inner.held_extra_values()
 
+    def _select(self, keep: torch.Tensor) -> Standardized:
+        module = self.inner.module
+        return Standardized(self.inner.select(keep), module.weight, module.eps)
+
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
 
