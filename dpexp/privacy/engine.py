@@ -278,6 +278,15 @@ class PrivacyEngine:
                 )
         self._clipper.add_examples(grads, sizes.pop())
 
+    def clipped_sum_so_far(self, name: str) -> torch.Tensor:
+        """A copy of this step's clipped sum for parameter ``name`` as accumulated so far, before noise (zeros
+        if nothing touched it). Not private: the white-box privacy audit reads it to take the known examples'
+        part out of a canary's score (:mod:`dpexp.audit`); a training loop must never release it."""
+        if name not in self._params:
+            raise ValueError(f"clipped_sum_so_far: {name!r} is not a trainable parameter")
+        total = self._clipper.sums.get(name)
+        return torch.zeros_like(self._params[name]) if total is None else total.detach().clone()
+
     def _check_not_refused(self) -> None:
         if self._refusal is not None:
             raise VerificationError(f"the engine refused this model earlier: {self._refusal}")
