@@ -104,7 +104,7 @@ def test_nonprivate_run_reports_no_epsilon(compose_config, tmp_path):
 
 
 def test_record_refuses_metric_names_that_shadow_run_fields(tmp_path):
-    record = RunRecord(tmp_path, {"steps": 3})
+    record = RunRecord.create(tmp_path, {"steps": 3})
     record.log_eval({"step": 1}, {"accuracy": 0.5})
     record.log_eval({"step": 2}, {"accuracy": 0.6})  # the same metric again is fine
     with pytest.raises(ValueError, match="steps"):
