@@ -20,7 +20,7 @@ from dpexp.training import checkpoint as checkpoint_module
 from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
 from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import run_training
-from dpexp.training.record import RunDirectoryError
+from dpexp.training.record import RunDirectoryError, RunRecord
 from dpexp.training.resume import load_run_config, resumed_config
 from dpexp.training.signals import RunInterrupted
 
@@ -143,6 +143,16 @@ def test_resume_refusals(compose_config, tmp_path):
     cfg = resumed_config(tmp_path, composed, [f"resume={tmp_path}", "checkpoint.every=3", "device=cpu"])
     assert cfg.checkpoint.every == 3 and cfg.optim.lr == _read(tmp_path)["config"]["optim"]["lr"]
     assert cfg.steps == 2 and cfg.resume is None
+
+
+def test_one_process_at_a_time_runs_a_run(compose_config, tmp_path):
+    with pytest.raises(RuntimeError):
+        run_training(compose_config([*RUN, "steps=3"]), tmp_path, hooks=FailAt(2))
+    holder = RunRecord.reopen(tmp_path)  # as a process that is still running it would
+    with pytest.raises(RunDirectoryError, match="another process is running this run now"):
+        _resume(tmp_path)
+    holder.close()
+    assert _resume(tmp_path)["status"] == "completed"
 
 
 def test_a_checkpoint_loads_with_weights_only_and_holds_the_state(compose_config, tmp_path):

@@ -112,6 +112,7 @@ def run_training(
             raise
         finally:
             run.close()
+            record.close()
     return record.data
 
 

@@ -19,6 +19,7 @@ entries; wandb is imported only when selected and runs offline unless configured
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import torch
 from dpexp.runtime import write_json_atomic
 
 METRICS_FILE = "metrics.json"
+LOCK_FILE = ".lock"  # held (flock) by the process running the run; the kernel releases it when that one ends
 RUNNING, COMPLETED, FAILED = "running", "completed", "failed"
 DIVERGED, INTERRUPTED = "diverged", "interrupted"
 NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
@@ -46,15 +48,23 @@ class RunDirectoryError(ValueError):
 class RunRecord:
     """JSON-serialisable run fields plus the evaluation ``history``, written to ``<dir>/metrics.json``.
 
-    :meth:`create` claims a fresh directory, :meth:`reopen` takes up the record of a run to resume. ``status``
-    is ``running`` until :meth:`complete` or :meth:`fail`; task metrics of the latest evaluation are stored at
-    the top level (e.g. ``accuracy``) and every evaluation is appended to ``history``.
+    :meth:`create` claims a fresh directory, :meth:`reopen` takes up the record of a run to resume; either
+    holds the directory's lock until :meth:`close`, so no two processes run one run. ``status`` is ``running``
+    until :meth:`complete` or :meth:`fail`; task metrics of the latest evaluation are stored at the top level
+    (e.g. ``accuracy``) and every evaluation is appended to ``history``.
     """
 
     def __init__(self, path: Path, data: dict[str, Any]) -> None:
         self.path = path
         self.data = data
         self._sinks: list[Any] = []
+        self._lock: int | None = _lock(path.parent)
+
+    def close(self) -> None:
+        """Release the directory's lock (the record can still be read)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     @classmethod
     def create(cls, output_dir: str | os.PathLike, fields: Mapping[str, Any]) -> RunRecord:
@@ -66,6 +76,7 @@ class RunRecord:
             with path.open("x") as handle:
                 handle.write(record._text(strict=True))
         except FileExistsError:
+            record.close()
             raise RunDirectoryError(
                 f"{path.parent} already holds another run's record ({METRICS_FILE}), which is never "
                 f"overwritten: choose another directory (hydra.run.dir), or continue that run with "
@@ -79,14 +90,17 @@ class RunRecord:
         path = Path(output_dir) / METRICS_FILE
         if not path.is_file():
             raise RunDirectoryError(f"resume={output_dir}: no {METRICS_FILE} there, so no run to continue.")
-        data = json.loads(path.read_text())
-        if data.get("status") in (COMPLETED, DIVERGED):
+        record = cls(path, {})
+        record.data = json.loads(path.read_text())
+        status = record.data.get("status")
+        if status in (COMPLETED, DIVERGED):
+            record.close()
             raise RunDirectoryError(
-                f"resume={output_dir}: that run is {data['status']}; only a running, interrupted or failed "
+                f"resume={output_dir}: that run is {status}; only a running, interrupted or failed "
                 "run can be continued (a diverged one would diverge again: start a new run with other "
                 "settings)."
             )
-        return cls(path, data)
+        return record
 
     def add_sink(self, sink: Any) -> None:
         """Send each evaluation entry to ``sink.log(entry)``, and the record to ``sink.finish`` at the end."""
@@ -150,6 +164,21 @@ class RunRecord:
         ordered.update((k, self.data[k]) for k in bulky if k in self.data)
         default = _jsonable if strict else _jsonable_or_repr
         return json.dumps(finite_json(ordered), indent=2, allow_nan=False, default=default) + "\n"
+
+
+def _lock(folder: Path) -> int:
+    """An exclusive lock on the run directory ``folder`` (its file descriptor); RunDirectoryError if another
+    process holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise RunDirectoryError(
+            f"{folder}: another process is running this run now; wait for it to end (or stop it) first."
+        ) from None
+    return descriptor
 
 
 def finite_json(value: Any) -> Any:

@@ -33,10 +33,10 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
+    """Restore what :func:`rng_state` returned (CUDA's generators for the devices this machine has)."""
     random.setstate(state["python"])
     name, keys, position, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
