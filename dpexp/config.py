@@ -46,6 +46,8 @@ class PrivacySchema:
     epsilon: float = MISSING
     delta: float | None = MISSING
     delta_rule: str = MISSING  # a key of dpexp.privacy.accounting.DELTA_RULES
+    accounting_memory_gib: float = MISSING
+    accounting_timeout_s: float = MISSING
 
 
 @dataclass
@@ -63,6 +65,13 @@ class DataSchema:
 @dataclass
 class OutputSchema:
     root: str = MISSING
+
+
+@dataclass
+class CheckpointSchema:
+    every: int | None = MISSING
+    every_minutes: float | None = MISSING
+    keep: int = MISSING
 
 
 @dataclass
@@ -91,6 +100,9 @@ class Schema:
     wandb: WandbSchema = field(default_factory=WandbSchema)
     data: DataSchema = field(default_factory=DataSchema)
     output: OutputSchema = field(default_factory=OutputSchema)
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    resume: str | None = MISSING
+    debug: bool = MISSING
     audit: Any = None  # set by python -m dpexp.audit (conf/audit/*.yaml); refused by python -m dpexp.train
 
 

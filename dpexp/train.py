@@ -3,24 +3,48 @@
 Every key is checked against the schema of :mod:`dpexp.config` before training: an unknown key (appended
 with ``+`` too), a value of the wrong type or an invalid choice fails at start-up with the valid ones; Hydra
 itself lists the options of a config group (e.g. ``clip=foo``).
+
+An error raised by the project's own checks (a ValueError, OSError, RuntimeError, ... raised in dpexp's code)
+prints its one-line message, which names the key to change (in a sweep the other jobs still run); other
+errors (bugs, a library failing) print their traceback, and so does every error with ``debug=true`` or
+``DPEXP_DEBUG=1``. Either way the exit code is 1.
+SIGTERM and SIGINT stop the run at a step boundary with a checkpoint; it exits with 128 + the signal's number
+and ``resume=<run dir>`` continues it.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+import dpexp
 from dpexp.config import ConfigError
 from dpexp.privacy import accounting
 from dpexp.training.loop import run_training
+from dpexp.training.resume import resumed_config
+from dpexp.training.signals import RunInterrupted
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's conf/ (editable install)
 GROUPS = ("task", "model", "clip", "accountant", "optim")
 APPROXIMATION_LABELS = {"clt_approximation": "CLT approximation"}  # epsilon kinds that are not upper bounds
+PROJECT_ERRORS = (ValueError, OSError, RuntimeError, ImportError, ArithmeticError)
+DEBUG_VARIABLE = "DPEXP_DEBUG"
+
+# conf/config.yaml's run directories: a fresh one per run (or the run's own, resumed), Hydra's files in it.
+# The token is random per run (cached in the run's config; Hydra copies the cache to the jobs of a sweep),
+# so runs started in the same second never share a directory.
+OmegaConf.register_new_resolver("dpexp.token", lambda: secrets.token_hex(3), use_cache=True)
+OmegaConf.register_new_resolver("dpexp.run_dir", lambda resume, fresh: fresh if resume is None else resume)
+OmegaConf.register_new_resolver("dpexp.hydra_subdir", lambda resume: ".hydra" if resume is None else None)
+REPORTED: list[str] = []  # the one-line messages of the runs of this process that failed by a project error
 
 
 def _epsilon_text(name: str, value: float, kind: str) -> str:
@@ -47,19 +71,62 @@ def summary(record: dict[str, Any]) -> str:
     )
 
 
+def is_project_error(error: BaseException) -> bool:
+    """Whether ``error`` is one of the project's own refusals: an error of :data:`PROJECT_ERRORS` raised in
+    dpexp's code (not in a library it called)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    package = Path(dpexp.__file__).resolve().parent
+    return isinstance(error, PROJECT_ERRORS) and bool(frames) and package in Path(frames[-1].filename).parents
+
+
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    """Run one configuration and print its summary."""
+    """Run one configuration (or continue one: ``resume=<run dir>``) and print its summary."""
+    debug = bool(cfg.debug) or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        record = _train(cfg)
+    except RunInterrupted as interrupt:
+        print(
+            f"{interrupt}: the run is recorded as interrupted in {output_dir / 'metrics.json'}; continue it "
+            f"with: python -m dpexp.train resume={output_dir}",
+            file=sys.stderr,
+        )
+        sys.exit(interrupt.exit_code)
+    except Exception as error:
+        if debug or not is_project_error(error):
+            raise
+        message = f"{type(error).__name__}: {error} (for the traceback: debug=true or {DEBUG_VARIABLE}=1)"
+        print(message, file=sys.stderr)
+        REPORTED.append(message)
+        return
+    print(summary(record))
+    print(f"metrics: {output_dir}/metrics.json")
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
+    """The run of ``cfg``, or the run it resumes."""
+    hydra_cfg = HydraConfig.get()
     if cfg.get("audit") is not None:
         raise ConfigError(
             "audit keys are for python -m dpexp.audit; python -m dpexp.train trains without canaries"
         )
-    runtime = HydraConfig.get().runtime
+    if cfg.resume is not None:
+        run_cfg = resumed_config(cfg.resume, cfg, hydra_cfg.overrides.task)
+        return run_training(run_cfg, cfg.resume, resume=True)
+    runtime = hydra_cfg.runtime
     choices = {group: runtime.choices[group] for group in GROUPS if group in runtime.choices}
-    record = run_training(cfg, runtime.output_dir, choices)
-    print(summary(record))
-    print(f"metrics: {runtime.output_dir}/metrics.json")
+    return run_training(cfg, runtime.output_dir, choices)
+
+
+def cli() -> None:
+    """``python -m dpexp.train``: :func:`main`, then exit code 1 if a run failed with a project error (Hydra
+    would add its own traceback hint to an exception it reports)."""
+    REPORTED.clear()
+    main()
+    if REPORTED:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -11,8 +11,9 @@ import torch
 
 from dpexp.tasks.digits import DigitsTask
 from dpexp.train import summary
+from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import run_training
-from dpexp.training.record import RunRecord, peak_memory
+from dpexp.training.record import RunDirectoryError, RunRecord, peak_memory
 from tests.conftest import TINY_RUN
 
 
@@ -104,7 +105,7 @@ def test_nonprivate_run_reports_no_epsilon(compose_config, tmp_path):
 
 
 def test_record_refuses_metric_names_that_shadow_run_fields(tmp_path):
-    record = RunRecord(tmp_path, {"steps": 3})
+    record = RunRecord.create(tmp_path, {"steps": 3})
     record.log_eval({"step": 1}, {"accuracy": 0.5})
     record.log_eval({"step": 2}, {"accuracy": 0.6})  # the same metric again is fine
     with pytest.raises(ValueError, match="steps"):
@@ -140,3 +141,39 @@ def test_wandb_logger_mirrors_evaluations_offline(compose_config, tmp_path, monk
     assert [step for step, _ in calls["log"]] == [1, 2, 3]
     assert "accuracy" in calls["log"][-1][1] and calls["summary"]["status"] == "completed"
     assert calls["exit_code"] == 0
+
+
+def test_non_finite_numbers_are_stored_as_strings(tmp_path):
+    nan, inf = float("nan"), float("inf")
+    record = RunRecord.create(
+        tmp_path, {"loss": nan, "epsilon": {"gdp": [inf, -inf, 1.5]}, "t": torch.tensor(nan)}
+    )
+    record.write()
+    data = _read(tmp_path)
+    assert (
+        data["loss"] == "NaN"
+        and data["t"] == "NaN"
+        and data["epsilon"] == {"gdp": ["Infinity", "-Infinity", 1.5]}
+    )
+    assert [float(value) for value in data["epsilon"]["gdp"]] == [inf, -inf, 1.5]
+
+
+def test_a_record_is_never_overwritten_by_another_run(compose_config, tmp_path):
+    run_training(compose_config(list(TINY_RUN)), tmp_path)
+    first = (tmp_path / "metrics.json").read_text()
+    with pytest.raises(RunDirectoryError, match="already holds another run's record"):
+        run_training(compose_config([*TINY_RUN, "seed=1"]), tmp_path)
+    assert (tmp_path / "metrics.json").read_text() == first
+
+
+class Unstorable(RunHooks):
+    def finished(self, model, task):
+        return {"odd": object()}
+
+
+def test_a_value_json_cannot_hold_still_leaves_a_failed_record(compose_config, tmp_path):
+    with pytest.raises(TypeError, match=r"metrics\.json cannot store object"):
+        run_training(compose_config(list(TINY_RUN)), tmp_path, hooks=Unstorable())
+    data = _read(tmp_path)
+    assert data["status"] == "failed" and data["error"].startswith("TypeError")
+    assert data["odd"].startswith("<object object") and data["steps_done"] == 3

@@ -103,3 +103,25 @@ def test_split_micro_batches_groups_by_length_without_changing_the_step():
     assert micro == [[5, 3], [7, 2], [6, 0]]  # lengths (2, 3), (4, 5), (8, 9)
     assert sorted(i for m in micro for i in m) == indices
     assert split_micro_batches([], 2, lengths) == []
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: PoissonBatchSampler(20, 0.3, 9, _generator(5)),
+        lambda: ShuffleBatchSampler(
+            10, 3, 9, _generator(5)
+        ),  # 3 batches per epoch: resumes mid-epoch and at its end
+    ],
+    ids=["poisson", "shuffle"],
+)
+def test_sampler_state_resumes_the_same_batches(make):
+    expected = list(make())
+    for done in (0, 2, 3, 7, 9):
+        sampler = make()
+        batches = iter(sampler)
+        drawn = [next(batches) for _ in range(done)]
+        state = sampler.state_dict()
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert drawn + list(resumed) == expected, done

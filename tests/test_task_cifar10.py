@@ -127,3 +127,43 @@ def test_hub_failure_explains_the_offline_fix(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(RuntimeError, match=r"uoft-cs/cifar10 \(train\).*no network.*cifar-10-batches-py"):
         Cifar10Task().setup(WideResNetFactory())
+
+
+class RunsCode:
+    """What a hostile pickle holds: loading it would call ``os.system``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_only_what_the_release_holds_is_unpickled(tmp_path: Path) -> None:
+    write_cifar(tmp_path)
+    marker = tmp_path / "code_ran"
+    with (tmp_path / FOLDER / "data_batch_2").open("wb") as handle:
+        pickle.dump({b"data": RunsCode(marker), b"labels": [0]}, handle)
+    with pytest.raises(ValueError, match=r"data_batch_2: refers to (posix|os)\.system.*not loading it"):
+        Cifar10Task(data_root=str(tmp_path)).setup(WideResNetFactory())
+    assert not marker.exists()
+    with (tmp_path / FOLDER / "data_batch_2").open("wb") as handle:
+        pickle.dump({b"data": np.zeros((1, 3072), dtype=object), b"labels": [0]}, handle)
+    with pytest.raises(ValueError, match="'data' must be a uint8 array"):
+        Cifar10Task(data_root=str(tmp_path)).setup(WideResNetFactory())
+
+
+def test_the_release_pickle_format_loads(tmp_path: Path) -> None:
+    """Protocol 2 with the 2009 release's global names (numpy.core.multiarray); Python 3 writes bytes via
+    _codecs.encode in protocol 2, which is allowed too."""
+    batches = write_cifar(tmp_path)
+    for name, batch in batches.items():
+        data = pickle.dumps(batch, protocol=2).replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+        (tmp_path / FOLDER / name).write_bytes(data)
+    task = Cifar10Task(data_root=str(tmp_path))
+    task.setup(WideResNetFactory(width=1))
+    first = batches["data_batch_1"]
+    assert torch.equal(task.train_dataset[0][0].flatten(), torch.from_numpy(first[b"data"][0]))
+    assert len(task.eval_dataset) == TEST_SIZE

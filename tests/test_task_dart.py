@@ -74,6 +74,9 @@ def test_missing_fields_name_the_record(tmp_path: Path) -> None:
     write_json(tmp_path / "dart" / "dart-v1.1.1-full-dev.json", {"not": "a list"})
     with pytest.raises(ValueError, match="JSON list"):
         DARTTask(data_root=str(tmp_path)).setup(tiny_factory())  # offline: dev_train, dev_eval
+    (tmp_path / "dart" / "dart-v1.1.1-full-dev.json").write_bytes(b'[{"tripleset": [["caf\xe9"]]}]')
+    with pytest.raises(ValueError, match=r"full-dev\.json: not UTF-8 text"):
+        DARTTask(data_root=str(tmp_path)).setup(tiny_factory())
 
 
 def test_setup_groups_annotations_and_trains_on_all_pairs(tmp_path: Path) -> None:

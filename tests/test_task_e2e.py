@@ -232,3 +232,35 @@ def test_grouping_micro_batches_by_length_keeps_the_run(
     }
     assert runs["true"]["examples_seen"] == runs["false"]["examples_seen"]
     assert runs["true"]["nll"] == pytest.approx(runs["false"]["nll"], rel=1e-4)
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.8])  # in the middle of a quoted MR, of a quoted reference
+def test_a_truncated_csv_is_refused_naming_file_and_line(tmp_path: Path, e2e_root: Path, cut: float) -> None:
+    source = (e2e_root / "e2e" / "devset.csv").read_text(encoding="utf-8")
+    last = source.rstrip("\n").rsplit("\n", 1)[1]
+    truncated = source[: len(source.rstrip("\n")) - len(last) + int(cut * len(last))]
+    (e2e_root / "e2e" / "devset.csv").write_text(truncated, encoding="utf-8")
+    lines = truncated.count("\n") + 1
+    with pytest.raises(ValueError, match=rf"devset\.csv, line {lines}: .*is the file truncated\?"):
+        make_task(e2e_root)
+
+
+def test_a_row_without_its_reference_is_refused(e2e_root: Path) -> None:
+    path = e2e_root / "e2e" / "devset.csv"
+    path.write_text(
+        path.read_text(encoding="utf-8") + '"name[Alimentum], area[city centre]"\n', encoding="utf-8"
+    )
+    with pytest.raises(ValueError, match=r"devset\.csv, line \d+: a row without both 'mr' and 'ref'"):
+        make_task(e2e_root)
+
+
+def test_a_csv_that_is_not_utf8_is_named(e2e_root: Path) -> None:
+    (e2e_root / "e2e" / "devset.csv").write_bytes(b'mr,ref\n"name[Caf\xe9]","Nice."\n')
+    with pytest.raises(ValueError, match=r"devset\.csv: not UTF-8 text"):
+        make_task(e2e_root)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "e2e" / "devset.csv").is_file(), reason="../shared/data/e2e is absent")
+def test_the_release_files_pass_the_strict_reader() -> None:
+    for name in ("devset.csv", "testset_w_refs.csv"):
+        assert len(E2ETask().read_local(SHARED_DATA / "e2e" / name)) > 4000

@@ -280,3 +280,24 @@ def test_hub_failure_explains_the_offline_fix(
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(RuntimeError, match=r"nyu-mll/glue/qqp.*no network.*data.root"):
         GlueTask("qqp").setup(tiny)
+
+
+@pytest.mark.parametrize("split", ["train.tsv", "dev.tsv"])
+def test_a_header_only_split_is_refused_in_setup_naming_the_file(
+    tmp_path: Path, tiny: HFEncoderFactory, split: str
+) -> None:
+    """Every split is read and checked before training (an empty dev set used to fail at the first
+    evaluation, an empty training set as "batch_size must be in [1, N=0]")."""
+    write_sst2(tmp_path / "sst2")
+    write_tsv(tmp_path / "sst2" / split, ["sentence", "label"], [])
+    with pytest.raises(ValueError, match=rf"{split}: no examples below the header row"):
+        GlueTask("sst2", data_root=str(tmp_path)).setup(tiny)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path: Path, tiny: HFEncoderFactory) -> None:
+    write_sst2(tmp_path / "sst2")
+    (tmp_path / "sst2" / "train.tsv").write_bytes("sentence\tlabel\ncaf\xe9 cr\xe8me\t1\n".encode("latin-1"))
+    with pytest.raises(
+        ValueError, match=r"train\.tsv: not UTF-8 text \(invalid continuation byte: byte 0xe9\)"
+    ):
+        GlueTask("sst2", data_root=str(tmp_path)).setup(tiny)

@@ -13,6 +13,8 @@ the realised Poisson batch size.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +37,16 @@ class TrainingBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Remove hooks and restore the model."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the backend itself changes as it trains, beyond the model and the optimizer (for a
+        checkpoint between steps); nothing by default."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, the checkpoint gives {sorted(state)}")
 
 
 def check_per_example_loss(loss: torch.Tensor) -> None:

@@ -48,6 +48,12 @@ class EngineBackend(TrainingBackend):
     def close(self) -> None:
         self.engine.detach()
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.engine.load_state_dict(state)
+
 
 def build(
     clip_cfg: Mapping[str, Any],

@@ -34,6 +34,16 @@ class TaskInfo:
     lora: Mapping[str, Any] | None = None  # LoRA adapters the task's paper setup uses (He et al. App. C.2)
 
 
+def models_for(info: TaskInfo) -> str:
+    """The model options (``conf/model``) that serve a task like ``info``, for the message of a factory
+    that refuses it."""
+    if info.input_shape is not None:
+        return "an image model: model=small_cnn (any image size and channels), wrn16_4 or vit_small"
+    if info.kind == "generation":
+        return "a language model: model=gpt2_tiny, gpt2, gpt2_medium, gpt2_large, gpt2_xl or gpt2_lora"
+    return "a text encoder: model=roberta_base, roberta_large, minilm or roberta_tiny"
+
+
 class ModelFactory(ABC):
     """Builds a model, and provides the tokenizer that text tasks must use with it."""
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from dpexp.models.base import ModelFactory, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo, models_for
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
@@ -60,8 +60,7 @@ class SmallCNNFactory(ModelFactory):
     def build(self, info: TaskInfo) -> nn.Module:
         if info.kind != "classification" or info.input_shape is None or info.num_labels is None:
             raise ValueError(
-                "SmallCNN needs an image classification task (input_shape and num_labels), got "
-                f"kind={info.kind!r}, "
-                f"input_shape={info.input_shape}, num_labels={info.num_labels}."
+                f"model=small_cnn needs an image classification task, but task {info.name} is a {info.kind} "
+                f"task without images; use {models_for(info)}."
             )
         return SmallCNN(info.input_shape, info.num_labels, self.channels, self.num_groups, self.activation)

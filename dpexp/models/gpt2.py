@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from dpexp.models.base import ModelFactory, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo, models_for
 from dpexp.models.lora import apply_lora
 
 logger = logging.getLogger(__name__)
@@ -158,9 +158,10 @@ class GPT2Factory(ModelFactory):
     def build(self, info: TaskInfo) -> nn.Module:
         """GPT-2 for ``info`` (a generation task); ValueError for other task kinds or mismatched sizes."""
         if info.kind != "generation":
+            what = "an image classification" if info.input_shape is not None else f"a {info.kind}"
             raise ValueError(
-                "GPT-2 is a language model for generation tasks (e2e, dart, samsum), but the task is a "
-                f"{info.kind} task; pick a model for {info.kind} tasks (e.g. model=roberta_base)"
+                f"GPT-2 is a language model for generation tasks (e2e, dart, samsum), but task {info.name} "
+                f"is {what} task; use {models_for(info)}"
             )
         eos = info.eos_token_id
         if info.vocab_size is None or info.pad_token_id is None or eos is None:

@@ -31,7 +31,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from dpexp.models.base import ModelFactory, TaskInfo
+from dpexp.models.base import ModelFactory, TaskInfo, models_for
 
 PACKAGE_PREFIX = "package:"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -139,15 +139,11 @@ class HFEncoderFactory(ModelFactory):
 
     def build(self, info: TaskInfo) -> nn.Module:
         task = info.name
-        if info.kind != "classification" or info.num_labels is None:
+        if info.kind != "classification" or info.num_labels is None or info.vocab_size is None:
+            what = "an image" if info.input_shape is not None else f"a {info.kind}"
             raise ValueError(
-                f"Model {self.name} is a text classification encoder, but task {task} is a {info.kind} task; "
-                "use a generation model (e.g. model=gpt2)."
-            )
-        if info.vocab_size is None:
-            raise ValueError(
-                f"Model {self.name} is a text encoder, but task {task} has no tokenised text input "
-                f"(input_shape={info.input_shape}); use an image model (model=wrn16_4, vit_*, beit_*)."
+                f"model={self.name} is a text classification encoder, but task {task} is {what} task; use "
+                f"{models_for(info)}."
             )
         infilling = info.objective == "infilling"
         model = self._pretrained(info, infilling) if self.weights else self._random(info, infilling)

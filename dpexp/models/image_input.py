@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpexp.models.base import TaskInfo
+from dpexp.models.base import TaskInfo, models_for
 
 
 def image_classification_shape(info: TaskInfo, model: str) -> tuple[int, int, int]:
@@ -22,12 +22,12 @@ def image_classification_shape(info: TaskInfo, model: str) -> tuple[int, int, in
     if info.kind != "classification" or info.num_labels is None:
         raise ValueError(
             f"Model {model} is an image classifier, but task {task} is a {info.kind} task; "
-            "use a generation model (e.g. model=gpt2)."
+            f"use {models_for(info)}."
         )
     if info.input_shape is None or len(info.input_shape) != 3:
         raise ValueError(
             f"Model {model} needs images (C, H, W), but task {task} gives input_shape={info.input_shape} "
-            "(a text task?); use a text model (model=roberta_base, minilm, ...)."
+            f"(a text task?); use {models_for(info)}."
         )
     channels, height, width = info.input_shape
     return channels, height, width

@@ -107,6 +107,12 @@ class WideResNetFactory(ModelFactory):
 
     def build(self, info: TaskInfo) -> nn.Module:
         channels, _, _ = image_classification_shape(info, f"WRN-{self.depth}-{self.width}")
+        if len(self.mean) != channels:
+            raise ValueError(
+                f"model.mean and model.std of WRN-{self.depth}-{self.width} normalise {len(self.mean)} "
+                f"channels, task {info.name} has {channels}-channel images: set one value per channel "
+                f"(e.g. model.mean=[0.5] model.std=[0.5] for grey images) or use model=small_cnn."
+            )
         return WideResNet(
             self.depth, self.width, info.num_labels, channels, self.num_groups, self.mean, self.std
         )

@@ -350,6 +350,33 @@ class PrivacyEngine:
             accountant=accountant or self.accountant,
         )
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What the engine changes as it trains, for a checkpoint between steps: the step count, the
+        thresholds and the noise generator's state (None when it draws from torch's global generator, whose
+        state the caller saves; secure mode has no state to save: its redone steps draw fresh noise)."""
+        if self._clipper.sums:
+            raise RuntimeError("PrivacyEngine.state_dict() between steps only: clipped sums are pending")
+        return {
+            "steps": self.steps,
+            "thresholds": self.thresholds.clone(),
+            "generator": None if self.generator is None else self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of an engine built the same way."""
+        thresholds = torch.as_tensor(state["thresholds"])
+        if thresholds.shape != self.thresholds.shape:
+            raise ValueError(
+                f"the state has {thresholds.numel()} thresholds, this engine clips {len(self.groups)} groups"
+            )
+        if (state["generator"] is None) != (self.generator is None):
+            raise ValueError("the state and this engine disagree on whether the noise has its own generator")
+        self.steps = int(state["steps"])
+        self.thresholds = thresholds.to(self.thresholds)
+        if self.generator is not None:
+            self.generator.set_state(state["generator"])
+
     def detach(self) -> nn.Module:
         """Remove every hook and give the parameters their ``requires_grad`` back."""
         self._capture.remove()

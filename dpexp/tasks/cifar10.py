@@ -8,14 +8,16 @@ and ``label`` (B,); each model normalises (and, for pretrained transformers, res
 Data come from the Hugging Face hub (``uoft-cs/cifar10``) unless a local copy is given: ``path`` (the
 ``cifar-10-batches-py`` folder) or ``data_root`` (the folder containing it), in the original python format
 (pickled ``data_batch_1`` ... ``data_batch_5`` and ``test_batch``, each a dict with ``data``, uint8
-(n, 3072) in channel-major order, and ``labels``). Pickles can run code when loaded: only point this at files
-from the official release (https://www.cs.toronto.edu/~kriz/cifar.html).
+(n, 3072) in channel-major order, and ``labels``). A pickle can run code when it is loaded; these are read by
+a restricted unpickler that builds only what the release holds (dicts, lists, bytes, numbers and NumPy
+arrays), so a hostile folder cannot run code through them.
 """
 
 from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -34,6 +36,19 @@ TRAIN_FILES = tuple(f"data_batch_{k}" for k in range(1, 6))
 TEST_FILE = "test_batch"
 IMAGE_SHAPE = (3, 32, 32)
 NUM_CLASSES = 10
+# The only globals a CIFAR-10 batch refers to: NumPy's array reconstruction (numpy.core in the 2009 release;
+# numpy._core, _frombuffer and _codecs.encode in copies pickled again by Python 3 and NumPy 2).
+SAFE_GLOBALS = frozenset(
+    {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
+    }
+)
 
 
 class Cifar10Task(Task):
@@ -162,20 +177,40 @@ def read_cifar_batch(file: Path) -> tuple[torch.Tensor, torch.Tensor]:
             "task.path to the cifar-10-batches-py folder, or set data.root=null to download from the hub."
         )
     with file.open("rb") as handle:
-        batch = pickle.load(handle, encoding="bytes")
+        batch = _BatchUnpickler(handle, file).load()
+    if not isinstance(batch, dict):
+        raise ValueError(f"{file}: not a CIFAR-10 python batch (a {type(batch).__name__}, not a dict).")
     batch = {key.decode() if isinstance(key, bytes) else key: value for key, value in batch.items()}
     if "data" not in batch or "labels" not in batch:
         raise ValueError(
             f"{file}: not a CIFAR-10 python batch (keys {sorted(batch)}; expected 'data' and 'labels')."
         )
-    data = np.asarray(batch["data"], dtype=np.uint8)
-    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(batch["labels"]) != len(data):
+    data, labels = batch["data"], batch["labels"]
+    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2):
+        raise ValueError(f"{file}: 'data' must be a uint8 array (n, 3072), got {type(data).__name__}.")
+    if data.shape[1] != 3 * 32 * 32 or len(data) == 0 or len(labels) != len(data):
         raise ValueError(
-            f"{file}: 'data' must be (n, 3072) with n labels, got {data.shape} and {len(batch['labels'])}."
+            f"{file}: 'data' must be (n, 3072), n >= 1, with n labels; got {data.shape} and {len(labels)}."
         )
-    return torch.from_numpy(data.reshape(-1, *IMAGE_SHAPE).copy()), torch.tensor(
-        batch["labels"], dtype=torch.long
-    )
+    return torch.from_numpy(data.reshape(-1, *IMAGE_SHAPE).copy()), torch.tensor(labels, dtype=torch.long)
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles a CIFAR-10 batch, refusing every global outside :data:`SAFE_GLOBALS` (a pickle that names
+    another one is not from the release and could run code)."""
+
+    def __init__(self, handle: BinaryIO, file: Path) -> None:
+        super().__init__(handle, encoding="bytes")
+        self.file = file
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in SAFE_GLOBALS:
+            raise ValueError(
+                f"{self.file}: refers to {module}.{name}, which a CIFAR-10 python batch does not hold; not "
+                "loading it (a pickle can run code). Use the files of the official release "
+                "(https://www.cs.toronto.edu/~kriz/cifar.html)."
+            )
+        return super().find_class(module.replace("numpy.core.", "numpy._core."), name)
 
 
 def _load_hub(split: str) -> tuple[torch.Tensor, torch.Tensor]:

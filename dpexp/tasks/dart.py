@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from dpexp.tasks.files import read_text
 from dpexp.tasks.generation import GenerationTask
 
 
@@ -75,7 +76,7 @@ class DARTTask(GenerationTask):
 
     def read_local(self, path: Path) -> list[tuple[str, str]]:
         try:
-            records = json.loads(path.read_text(encoding="utf-8"))
+            records = json.loads(read_text(path))
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}: not valid JSON ({error}); expected the DART release format") from error
         if not isinstance(records, list):

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from dpexp.tasks.files import text_file
 from dpexp.tasks.generation import GenerationTask
 
 _ATTRIBUTE = re.compile(r"\s*([^,\[\]]+?)\s*\[([^\]]*)\]\s*(?:,|$)")
@@ -59,14 +60,30 @@ class E2ETask(GenerationTask):
         super().__init__(hub_name=hub_name, **kwargs)
 
     def read_local(self, path: Path) -> list[tuple[str, str]]:
-        with path.open(newline="", encoding="utf-8") as handle:
-            reader = csv.DictReader(handle)
+        """(linearised MR, reference) rows of an E2E release CSV; a truncated or malformed file (an
+        unterminated quote, a row without its reference, an MR cut short) is refused, naming the line."""
+        with text_file(path) as handle:
+            reader = csv.DictReader(handle, strict=True)
             if reader.fieldnames is None or not {"mr", "ref"} <= set(reader.fieldnames):
                 raise ValueError(
                     f"{path}: expected a CSV header with columns 'mr' and 'ref' (the E2E release "
                     f"format), got {reader.fieldnames}"
                 )
-            return [(linearize_mr(row["mr"]), row["ref"].strip()) for row in reader]
+            pairs = []
+            try:
+                for row in reader:
+                    pairs.append(self._pair(row))
+            except csv.Error as error:  # raised reading the line after the last one counted
+                raise _malformed(path, reader.line_num + 1, error) from error
+            except ValueError as error:  # raised for the row just read
+                raise _malformed(path, reader.line_num, error) from error
+            return pairs
+
+    @staticmethod
+    def _pair(row: dict[str, str | None]) -> tuple[str, str]:
+        if row["mr"] is None or row["ref"] is None:
+            raise ValueError("a row without both 'mr' and 'ref'")
+        return linearize_mr(row["mr"]), row["ref"].strip()
 
     def hub_pairs(self, rows: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
         pairs = []
@@ -78,3 +95,10 @@ class E2ETask(GenerationTask):
                 )
             pairs.append((linearize_mr(row["meaning_representation"]), row["human_reference"].strip()))
         return pairs
+
+
+def _malformed(path: Path, line: int, error: Exception) -> ValueError:
+    return ValueError(
+        f"{path}, line {line}: {error}; is the file truncated? The E2E release files are CSV with a "
+        "quoted 'mr' and 'ref' on every row."
+    )

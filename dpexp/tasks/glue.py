@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from dpexp.metrics.accuracy import accuracy
 from dpexp.models.base import ModelFactory, TaskInfo
 from dpexp.tasks.base import Task
+from dpexp.tasks.files import text_file
 from dpexp.tasks.subsets import check_split_options, training_indices
 from dpexp.tasks.text_encoding import (
     TRUNCATION_MODES,
@@ -334,11 +335,11 @@ class GlueTask(Task):
 
 
 def read_glue_tsv(file: Path, spec: GlueSpec) -> RawSplit:
-    """Read a tab-separated file of the original GLUE release (header row, no quoting)."""
+    """Read a tab-separated file of the original GLUE release (header row, no quoting, some examples)."""
     wanted = (*spec.local_columns, spec.local_label)
     sentences: list[list[str]] = [[] for _ in spec.local_columns]
     labels: list[int] = []
-    with file.open(encoding="utf-8", newline="") as handle:
+    with text_file(file) as handle:
         reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = reader.fieldnames or []
         missing = [column for column in wanted if column not in header]
@@ -354,6 +355,11 @@ def read_glue_tsv(file: Path, spec: GlueSpec) -> RawSplit:
             for column, value in zip(sentences, values, strict=False):
                 column.append(value)
             labels.append(_label_id(values[-1], spec.label_names, file, line))
+    if not labels:
+        raise ValueError(
+            f"{file}: no examples below the header row; every split the task reads needs at least one (is "
+            "the file truncated?)."
+        )
     return RawSplit(sentences, labels)
 
 

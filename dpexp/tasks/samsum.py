@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from dpexp.metrics.text import rouge
+from dpexp.tasks.files import read_text
 from dpexp.tasks.generation import GenerationTask
 
 _FIELDS = ("dialogue", "summary")
@@ -70,7 +71,7 @@ class SAMSumTask(GenerationTask):
 
     def read_local(self, path: Path) -> list[tuple[str, str]]:
         try:
-            records = json.loads(path.read_text(encoding="utf-8"))
+            records = json.loads(read_text(path))
         except json.JSONDecodeError as error:
             raise ValueError(
                 f"{path}: not valid JSON ({error}); expected the SAMSum release format"

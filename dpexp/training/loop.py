@@ -6,14 +6,21 @@ the GDP approximation is opted into: :func:`calibration_accountant`), then T log
 DP-SGD/DP-Adam (Abadi et al. 2016): each logical batch (Poisson-sampled by default) is split into physical
 micro-batches whose clipped gradients the backend accumulates, and one ``backend.step()`` adds the noise once
 and divides by the expected B. Evaluations every ``eval_every`` steps and at the end go to metrics.json
-(:mod:`dpexp.training.record`), which also records the epsilon spent under all three accountants and what each
-of them is (``epsilon_kind``: upper bound or approximation).
+(:mod:`dpexp.training.record`), which also records the epsilon spent under all three accountants (each
+computed under memory and time limits: :mod:`dpexp.training.budget`) and what each of them is
+(``epsilon_kind``: upper bound or approximation).
+
+However the run ends, its record says so: ``completed``, ``failed`` (an error), ``diverged`` (a non-finite
+loss or parameter: the run stops at the first one) or ``interrupted`` (SIGTERM or SIGINT, handled at a step
+boundary: :mod:`dpexp.training.signals`), with the steps done and the epsilon they spent. Checkpoints
+(:mod:`dpexp.training.checkpoint`: periodic ones and one on an interrupt) let ``resume`` continue the run in
+its own directory, every step accounted exactly once (:meth:`_Run.restore`).
 """
 
 from __future__ import annotations
 
 import logging
-import random
+import math
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -23,36 +30,52 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import numpy as np
 import torch
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from dpexp.backends import build_backend
-from dpexp.config import check_config
+from dpexp.config import ConfigError, check_config
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
 from dpexp.runtime import resolve_device
 from dpexp.tasks.base import Task
+from dpexp.training.budget import PrivacyBudget, accounting_limits
+from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
 from dpexp.training.hooks import RunHooks
-from dpexp.training.optim import build_optimizer, build_scheduler
-from dpexp.training.plan import calibration_accountant, plan_run, spent_epsilon
-from dpexp.training.record import RunRecord, WandbSink, peak_memory, reset_peak_memory
+from dpexp.training.optim import build_optimizer, build_scheduler, check_optim_values
+from dpexp.training.plan import RunPlan, calibration_accountant, check_run_keys, plan_run, target_epsilon
+from dpexp.training.record import (
+    DIVERGED,
+    FAILED,
+    INTERRUPTED,
+    RUNNING,
+    RunRecord,
+    WandbSink,
+    peak_memory,
+    reset_peak_memory,
+)
+from dpexp.training.rng import rng_state, seed_everything, set_rng_state
 from dpexp.training.sampling import build_batch_sampler, split_micro_batches
+from dpexp.training.signals import InterruptGuard, RunInterrupted
 
 log = logging.getLogger(__name__)
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and CUDA) so that CPU runs are reproducible."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+class TrainingDiverged(FloatingPointError):
+    """The training loss or the parameters became non-finite."""
 
 
-def instantiate(node: DictConfig) -> Any:
-    """``hydra.utils.instantiate`` of a task or model node, with plain Python containers."""
-    return hydra.utils.instantiate(node, _convert_="all")
+def instantiate(node: DictConfig, group: str) -> Any:
+    """``hydra.utils.instantiate`` of a task or model node, with plain Python containers; a constructor's
+    ValueError (an invalid option) becomes a ConfigError naming the config group."""
+    try:
+        return hydra.utils.instantiate(node, _convert_="all")
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ValueError):
+            raise ConfigError(f"{group} ({node._target_}): {error.__cause__}") from error.__cause__
+        raise
 
 
 def run_training(
@@ -60,56 +83,105 @@ def run_training(
     output_dir: str | Path,
     choices: Mapping[str, str] | None = None,
     hooks: RunHooks | None = None,
+    *,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train as configured and write ``output_dir/metrics.json``; return the record.
 
     ``choices`` are the selected config-group options (Hydra's runtime choices), recorded as the run's task,
     model, clip, accountant and optim names; ``hooks`` observe or change the run at fixed points
-    (:class:`~dpexp.training.hooks.RunHooks`). On failure the record is written with ``status: failed`` and
-    the error is re-raised.
+    (:class:`~dpexp.training.hooks.RunHooks`). ``resume``: continue the run recorded in ``output_dir``
+    (``cfg`` is its config: :func:`dpexp.training.resume.load_run_config`) from its latest checkpoint, or from
+    the start if it has none. A new run refuses a directory that holds another run's record. If the run fails,
+    diverges or is interrupted, the record says so and the exception is re-raised.
     """
     started = time.perf_counter()
-    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    record = RunRecord(output_dir, {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "config": resolved})
-    try:
-        check_config(cfg)
-        if _choice(cfg.logger) == "wandb":
-            record.add_sink(
-                WandbSink(cfg.wandb.project, cfg.wandb.entity, cfg.wandb.mode, resolved, Path(output_dir))
+    with InterruptGuard() as guard:
+        if resume:
+            record = RunRecord.reopen(output_dir)
+        else:
+            resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+            record = RunRecord.create(
+                output_dir, {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "config": resolved}
             )
-        _Run(cfg, record, dict(choices or {}), hooks or RunHooks()).run()
-    except BaseException as error:
-        record.fail(error, wall_time_s=time.perf_counter() - started)
-        raise
-    record.complete(wall_time_s=time.perf_counter() - started)
+        run = _Run(cfg, record, dict(choices or {}), hooks or RunHooks(), started)
+        try:
+            run.run(guard, resume)
+        except BaseException as error:
+            run.stop(error)
+            raise
+        finally:
+            run.close()
+            record.close()
     return record.data
 
 
 class _Run:
     """State of one training run; :meth:`run` fills ``record``."""
 
-    def __init__(self, cfg: DictConfig, record: RunRecord, choices: dict[str, str], hooks: RunHooks) -> None:
+    def __init__(
+        self, cfg: DictConfig, record: RunRecord, choices: dict[str, str], hooks: RunHooks, started: float
+    ) -> None:
         self.cfg = cfg
         self.record = record
         self.choices = choices
         self.hooks = hooks
-        self.device = resolve_device(cfg.device)
-        self.train_time = 0.0  # seconds spent in training steps (the clock runs from self._tick)
-        self._tick = 0.0
+        self.started = started  # perf_counter() when this process took the run up
+        self.device: torch.device | None = None
+        self.plan: RunPlan | None = None
+        self.budget: PrivacyBudget | None = None
+        self.step = 0  # logical steps done
+        self.steps_accounted = 0  # steps whose privacy is spent: step, plus steps redone with fresh noise
         self.examples = 0
-        self.train_loss: float | None = None  # mean per-example loss since the previous progress update
+        self.train_time = 0.0  # seconds spent in training steps (the clock runs from self._tick)
+        self.wall_time_before = 0.0  # wall time of a resumed run's earlier sessions, up to its checkpoint
+        self._tick = 0.0
+        self.train_loss: float | None = None  # mean per-example loss of the previous progress window
+        self.window_loss = torch.zeros(())  # summed loss and examples since then
+        self.window_count = 0
+        self._at_boundary = False  # the state is complete and between two steps: it can be checkpointed
 
-    def run(self) -> None:
+    # ------------------------------------------------------------------ the run
+    def run(self, guard: InterruptGuard, resume: bool) -> None:
+        self._build(resume)
+        try:
+            if resume:
+                self.restore()
+            self._at_boundary = True
+            self._train(guard)
+        except RunInterrupted as interrupt:
+            if self._at_boundary and not interrupt.mid_step:
+                self.save_checkpoint()
+            raise
+        finally:
+            self._at_boundary = False
+            self.backend.close()
+        self.record.complete(**self._progress(), **self._spent())
+
+    def _build(self, resume: bool) -> None:
+        """Check the config, load the data, build the model, solve the plan, wrap the optimizer."""
         cfg = self.cfg
-        calibration_accountant(cfg)  # refuse an uncalibratable accountant before loading any data
+        check_config(cfg)
+        self.device = resolve_device(cfg.device)
+        calibration_accountant(cfg)  # refuse values that cannot work before loading any data
+        target_epsilon(cfg)
+        check_run_keys(cfg)
+        check_optim_values(cfg.optim)
+        if _choice(cfg.logger) == "wandb":
+            resolved = self.record.data["config"]
+            self.record.add_sink(
+                WandbSink(cfg.wandb.project, cfg.wandb.entity, cfg.wandb.mode, resolved, self.run_dir)
+            )
+        self.checkpointer = Checkpointer(self.run_dir, CheckpointPolicy.from_config(cfg.checkpoint))
+        self.budget = PrivacyBudget(accounting_limits(cfg.privacy))
         seed_everything(cfg.seed)
-        self.task: Task = instantiate(cfg.task)
-        factory: ModelFactory = instantiate(cfg.model)
+        self.task: Task = instantiate(cfg.task, "task")
+        factory: ModelFactory = instantiate(cfg.model, "model")
         self.task.setup(factory)
         self.model = factory.build(self.task.info).to(self.device)
         self.model.train()
         self.dataset = self.hooks.training_set(self.task, self.task.train_dataset)
-        self.plan = plan_run(cfg, len(self.dataset))
+        self.plan = plan_run(cfg, len(self.dataset), self.budget.noise_multiplier)
         names = {
             "task": self.task.name,
             "model": type(factory).__name__,
@@ -118,9 +190,10 @@ class _Run:
             "optim": cfg.optim.name,
         }
         names.update({k: v for k, v in self.choices.items() if k in names})
-        self.record.update(
-            **names, **asdict(self.plan), epsilon_kind=dict(accounting.EPSILON_KINDS), device=str(self.device)
-        )
+        fields = {**names, **asdict(self.plan), "epsilon_kind": dict(accounting.EPSILON_KINDS)}
+        if resume:  # the record keeps what the run recorded first
+            fields = {k: v for k, v in fields.items() if k not in self.record.data}
+        self.record.update(**fields, device=str(self.device))
         self.record.write()
         if self.plan.target_epsilon is not None and _choice(cfg.sampling) == "shuffle":
             warnings.warn(
@@ -128,83 +201,110 @@ class _Run:
                 stacklevel=1,
             )
 
-        optimizer = build_optimizer((p for p in self.model.parameters() if p.requires_grad), cfg.optim)
-        self.scheduler = build_scheduler(optimizer, cfg.optim.schedule, self.plan.steps)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim.schedule, self.plan.steps)
         self.backend = build_backend(
             cfg.clip,
             model=self.model,
-            optimizer=optimizer,
+            optimizer=self.optimizer,
             batch_size=self.plan.batch_size,
             sample_size=self.plan.sample_size,
             noise_multiplier=self.plan.noise_multiplier,
         )
-        self.hooks.backend_ready(self.backend, self.plan.sample_rate)
-        try:
-            self._train()
-        finally:
-            self.backend.close()
-
-    def _train(self) -> None:
-        cfg, plan = self.cfg, self.plan
-        generator = torch.Generator().manual_seed(int(cfg.seed))
-        sampler = build_batch_sampler(
+        self.sampler = build_batch_sampler(
             _choice(cfg.sampling),
-            sample_size=plan.sample_size,
-            batch_size=plan.batch_size,
-            steps=plan.steps,
-            generator=generator,
+            sample_size=self.plan.sample_size,
+            batch_size=self.plan.batch_size,
+            steps=self.plan.steps,
+            generator=torch.Generator().manual_seed(int(cfg.seed)),
         )
+        self.window_loss = torch.zeros((), device=self.device)
+        self.hooks.backend_ready(self.backend, self.plan.sample_rate)
+
+    def _train(self, guard: InterruptGuard) -> None:
+        cfg, plan = self.cfg, self.plan
         reset_peak_memory(self.device)
         bar = tqdm(
-            total=plan.steps, disable=not cfg.progress, desc=self.record.data["task"], dynamic_ncols=True
+            total=plan.steps,
+            initial=self.step,
+            disable=not cfg.progress,
+            desc=self.record.data["task"],
+            dynamic_ncols=True,
         )
-        window_loss = torch.zeros((), device=self.device)
-        window_count = 0
-        self._tick = time.perf_counter()
         lengths = self._example_lengths() if cfg.group_by_length else None
-        for step, indices in enumerate(sampler, start=1):
-            for micro in split_micro_batches(indices, plan.physical_batch_size, lengths):
-                batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
-                loss = self.task.per_example_loss(self.backend.model, batch)
-                self.backend.backward(loss)
-                window_loss += loss.detach().sum()
-                window_count += len(micro)
-            self.hooks.before_step(step)
-            self.backend.step()
-            self.scheduler.step()
-            self.examples += len(indices)
-            bar.update()
-            if step % cfg.log_every == 0 or step == plan.steps:
-                with self._outside_training():
-                    if window_count:
-                        self.train_loss = float(window_loss) / window_count
-                    window_loss.zero_()
-                    window_count = 0
-                    bar.set_postfix(
-                        loss=self.train_loss,
-                        eps=spent_epsilon(plan, step, cfg.accountant.name),
-                        ex_per_s=round(self.examples / max(self.train_time, 1e-9)),
-                        refresh=False,
-                    )
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == plan.steps:
-                with self._outside_training():
-                    self._evaluate(step)
-        bar.close()
+        batches = iter(self.sampler)
+        self._tick = time.perf_counter()
+        try:
+            if self.step:  # resumed: the step of the checkpoint may have stopped before its report
+                self._report(bar)
+            while self.step < plan.steps:
+                with guard.step():
+                    self._train_step(next(batches), lengths)
+                bar.update()
+                self._report(bar)
+                if self.checkpointer.due(self.step):
+                    with self._outside_training():
+                        self.save_checkpoint()
+        finally:
+            bar.close()
         self.model.eval()
         with torch.no_grad():
             self.record.update(**self.hooks.finished(self.model, self.task))
         self.model.train()
-        epsilons, errors = self._final_epsilons()
-        memory, memory_kind = peak_memory(self.device)
-        self.record.update(
-            epsilon=epsilons,
-            epsilon_errors=errors,
-            throughput_examples_per_s=self.examples / max(self.train_time, 1e-9),
-            train_time_s=self.train_time,
-            examples_seen=self.examples,
-            peak_memory_bytes=memory,
-            peak_memory_kind=memory_kind,
-        )
+
+    def _train_step(self, indices: list[int], lengths: list[int] | None) -> None:
+        """One logical step: micro-batches, the privatised update, the counters; stops a diverged run."""
+        step_loss = torch.zeros((), device=self.device)
+        for micro in split_micro_batches(indices, self.plan.physical_batch_size, lengths):
+            batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
+            loss = self.task.per_example_loss(self.backend.model, batch)
+            self.backend.backward(loss)
+            step_loss += loss.detach().sum()
+        self.hooks.before_step(self.step + 1)
+        self.backend.step()
+        self.scheduler.step()
+        self.step += 1
+        self.steps_accounted += 1
+        self.examples += len(indices)
+        self.window_loss += step_loss
+        self.window_count += len(indices)
+        self._check_finite(step_loss)
+
+    def _check_finite(self, step_loss: torch.Tensor) -> None:
+        lr = f"optim.lr={self.cfg.optim.lr:g}"
+        if not bool(torch.isfinite(step_loss)):
+            raise TrainingDiverged(
+                f"the training loss of step {self.step} is {float(step_loss)} ({lr}); lower optim.lr"
+            )
+        if not bool(torch.isfinite(torch.nn.utils.get_total_norm(self.params, norm_type=math.inf))):
+            raise TrainingDiverged(
+                f"the parameters became non-finite at step {self.step} ({lr}); lower optim.lr"
+            )
+
+    def _report(self, bar: tqdm) -> None:
+        """Progress and evaluation after a step, as configured. Doing it twice changes nothing (the window is
+        empty the second time, an evaluation of the step is not repeated), so a resumed run can always redo
+        the report of the step it resumes at."""
+        cfg, plan, step = self.cfg, self.plan, self.step
+        last = step == plan.steps
+        if step % cfg.log_every == 0 or last:
+            with self._outside_training():
+                if self.window_count:
+                    self.train_loss = float(self.window_loss) / self.window_count
+                self.window_loss.zero_()
+                self.window_count = 0
+                bar.set_postfix(
+                    loss=self.train_loss,
+                    eps=self.budget.epsilon(plan, self.steps_accounted, cfg.accountant.name),
+                    ex_per_s=round(self.examples / max(self.train_time, 1e-9)),
+                    refresh=False,
+                )
+        history = self.record.data["history"]
+        evaluated = bool(history) and history[-1]["step"] == step
+        if ((cfg.eval_every and step % cfg.eval_every == 0) or last) and not evaluated:
+            with self._outside_training():
+                self._evaluate()
 
     def _example_lengths(self) -> list[int] | None:
         """Every training example's length for grouping micro-batches; None if the task has no lengths
@@ -222,34 +322,152 @@ class _Run:
         yield
         self._tick = time.perf_counter()
 
-    def _evaluate(self, step: int) -> None:
+    def _evaluate(self) -> None:
         self.model.eval()
         with torch.no_grad():
             metrics = self.task.evaluate(self.model, int(self.cfg.eval_batch_size))
         self.model.train()
         entry = {
-            "step": step,
-            "epoch": step * self.plan.sample_rate,
-            "epsilon": spent_epsilon(self.plan, step, self.cfg.accountant.name),
+            "step": self.step,
+            "epoch": self.step * self.plan.sample_rate,
+            "epsilon": self.budget.epsilon(self.plan, self.steps_accounted, self.cfg.accountant.name),
             "train_loss": self.train_loss,
             "lr": self.scheduler.get_last_lr()[0],
             "examples_seen": self.examples,
             "train_time_s": self.train_time,
         }
+        self.record.update(**self._counts())
         self.record.log_eval(entry, metrics)
 
-    def _final_epsilons(self) -> tuple[dict[str, float | None], dict[str, str]]:
-        """Epsilon spent under every accountant; a failing accountant is recorded, not fatal."""
-        epsilons: dict[str, float | None] = {}
-        errors: dict[str, str] = {}
-        for name in accounting.ACCOUNTANTS:
-            try:
-                epsilons[name] = spent_epsilon(self.plan, self.plan.steps, name)
-            except (ValueError, RuntimeError, ArithmeticError) as error:
-                epsilons[name] = None
-                errors[name] = f"{type(error).__name__}: {error}"
-                log.warning("epsilon under the %s accountant failed: %s", name, error)
-        return epsilons, errors
+    # ------------------------------------------------------------------ checkpoints and resume
+    @property
+    def run_dir(self) -> Path:
+        return self.record.path.parent
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything the run needs to go on from this step boundary as if it had never stopped."""
+        return {
+            "plan": asdict(self.plan),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "backend": self.backend.state_dict(),
+            "rng": rng_state(),
+            "progress": {
+                "steps_accounted": self.steps_accounted,
+                "examples": self.examples,
+                "train_time_s": self.train_time,
+                "wall_time_s": self._wall_time(),
+                "train_loss": self.train_loss,
+                "window_loss": self.window_loss.detach().cpu().clone(),
+                "window_count": self.window_count,
+            },
+            "evaluations": self.record.evaluations(),
+        }
+
+    def save_checkpoint(self) -> None:
+        path = self.checkpointer.save(self.step, self.checkpoint_state())
+        self.record.update(checkpoint=str(path.relative_to(self.run_dir)), **self._counts())
+        self.record.write()
+        log.info("checkpoint of step %d: %s", self.step, path)
+
+    def restore(self) -> None:
+        """Continue from the latest checkpoint (or from the start), accounting every step exactly once.
+
+        The steps the record shows beyond the checkpoint are done again. They draw the same batches and the
+        same noise, and so release nothing new, unless the noise is not reproducible (``secure_mode``): then
+        the steps of the released record beyond the checkpoint are accounted again.
+        """
+        recorded = int(self.record.data.get("steps_done", 0))
+        found = checkpoints(self.run_dir)
+        if found:
+            state = load_checkpoint(found[-1])
+            if state["plan"] != asdict(self.plan):
+                raise ValueError(
+                    f"resume: {found[-1]} was written for the plan {state['plan']}, this run plans "
+                    f"{asdict(self.plan)}: its data or its code changed, so it is not the same run."
+                )
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.backend.load_state_dict(state["backend"])
+            set_rng_state(state["rng"])
+            progress = state["progress"]
+            self.step = state["step"]
+            self.steps_accounted = progress["steps_accounted"]
+            self.examples = progress["examples"]
+            self.train_time = progress["train_time_s"]
+            self.wall_time_before = progress["wall_time_s"]
+            self.train_loss = progress["train_loss"]
+            self.window_loss = progress["window_loss"].to(self.device)
+            self.window_count = progress["window_count"]
+            self.record.rewind(state["evaluations"])
+        else:
+            self.record.rewind({"history": [], "metrics": {}})
+        secure = bool(OmegaConf.select(self.cfg, "clip.engine.secure_mode", default=False))
+        again = max(0, recorded - self.step) if secure else 0
+        self.steps_accounted += again
+        resumes = self.record.data.get("resumes", [])
+        resumes.append({"from_step": self.step, "recorded_steps": recorded, "accounted_again": again})
+        self.record.update(status=RUNNING, error=None, resumes=resumes, **self._counts())
+        self.record.write()
+        log.info(
+            "resuming %s at step %d of %d (%d steps accounted again)",
+            self.run_dir,
+            self.step,
+            self.plan.steps,
+            again,
+        )
+
+    # ------------------------------------------------------------------ the end
+    def stop(self, error: BaseException) -> None:
+        """Record how the run ended and what it had done: at once, then with the epsilon it spent."""
+        if isinstance(error, RunInterrupted):
+            status = INTERRUPTED
+        elif isinstance(error, FloatingPointError):
+            status = DIVERGED
+        else:
+            status = FAILED
+        self.record.update(status=status, error=f"{type(error).__name__}: {error}", **self._progress())
+        self.record.write(strict=False)
+        self.record.fail(error, status, **self._spent())
+
+    def close(self) -> None:
+        if self.budget is not None:
+            self.budget.close()
+
+    def _counts(self) -> dict[str, int]:
+        return {
+            "steps_done": self.step,
+            "steps_accounted": self.steps_accounted,
+            "examples_seen": self.examples,
+        }
+
+    def _progress(self) -> dict[str, Any]:
+        """What the run did and measured so far (the latest training loss includes the open window)."""
+        latest = float(self.window_loss) / self.window_count if self.window_count else self.train_loss
+        fields = {
+            **self._counts(),
+            "train_loss": latest,
+            "throughput_examples_per_s": self.examples / max(self.train_time, 1e-9),
+            "train_time_s": self.train_time,
+            "wall_time_s": self._wall_time(),
+        }
+        if self.device is not None:
+            fields["peak_memory_bytes"], fields["peak_memory_kind"] = peak_memory(self.device)
+        return fields
+
+    def _spent(self) -> dict[str, Any]:
+        """Epsilon of the steps accounted under every accountant, and the accountants that failed."""
+        if self.plan is None:
+            return {}
+        epsilons, errors = self.budget.epsilons(self.plan, self.steps_accounted)
+        return {"epsilon": epsilons, "epsilon_errors": errors}
+
+    def _wall_time(self) -> float:
+        return self.wall_time_before + time.perf_counter() - self.started
 
 
 def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
@@ -259,5 +477,5 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
 
 
 def _choice(value: Any) -> str:
-    """The string of an enum-typed config value (the schema in dpexp/train.py types them as str Enums)."""
+    """The string of an enum-typed config value (the schema in dpexp/config.py types them as str Enums)."""
     return str(getattr(value, "value", value))

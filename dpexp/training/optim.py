@@ -8,11 +8,14 @@ gradients (Li et al. 2022, app. A).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+from dpexp.config import ConfigError
 
 
 def _adam_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -40,7 +43,23 @@ def build_optimizer(
     name = optim_cfg["name"]
     if name not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer {name!r}; valid choices: {', '.join(OPTIMIZERS)}.")
+    check_optim_values(optim_cfg)
     return OPTIMIZERS[name](list(params), optim_cfg)
+
+
+def check_optim_values(optim_cfg: Mapping[str, Any]) -> None:
+    """Refuse values torch would refuse with a message that does not name the key (or would accept: an
+    infinite learning rate), naming ``optim.<key>`` and the range."""
+    lr = optim_cfg["lr"]
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ConfigError(f"optim.lr must be a finite number >= 0, got {lr}; e.g. optim.lr=0.1 for sgd.")
+    for key in ("momentum", "weight_decay", "eps"):
+        value = optim_cfg.get(key)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"optim.{key} must be a finite number >= 0, got {value}.")
+    betas = optim_cfg.get("betas")
+    if betas is not None and (len(betas) != 2 or not all(0 <= beta < 1 for beta in betas)):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(betas)}.")
 
 
 def lr_factor(schedule: str, step: int, total_steps: int, warmup_fraction: float = 0.0) -> float:
@@ -66,6 +85,6 @@ def build_scheduler(
     name = schedule_cfg["name"]
     warmup_fraction = float(schedule_cfg.get("warmup_fraction", 0.0))
     if not 0.0 <= warmup_fraction < 1.0:
-        raise ValueError(f"schedule.warmup_fraction must be in [0, 1), got {warmup_fraction}.")
+        raise ConfigError(f"optim.schedule.warmup_fraction must be in [0, 1), got {warmup_fraction}.")
     lr_factor(name, 0, total_steps, warmup_fraction)  # fail now on an unknown schedule name
     return LambdaLR(optimizer, lambda step: lr_factor(name, step, total_steps, warmup_fraction))

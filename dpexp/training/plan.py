@@ -4,6 +4,8 @@ steps T, delta, and the noise multiplier sigma solved for the target epsilon wit
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -62,14 +64,42 @@ def calibration_accountant(cfg: DictConfig) -> tuple[str, bool]:
     return node.name, approximate
 
 
-def plan_run(cfg: DictConfig, sample_size: int) -> RunPlan:
-    """Steps, sampling rate, delta and the noise multiplier solved with :func:`calibration_accountant`."""
+def check_run_keys(cfg: DictConfig) -> None:
+    """Refuse sizes and intervals of the run that cannot work, whatever the data."""
+    for key in ("batch_size", "physical_batch_size", "log_every", "eval_batch_size"):
+        if cfg[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}.")
+    if cfg.eval_every is not None and cfg.eval_every < 1:
+        raise ValueError(
+            f"eval_every must be a number of steps >= 1, or null to evaluate only at the end; "
+            f"got {cfg.eval_every}."
+        )
+
+
+def target_epsilon(cfg: DictConfig) -> float | None:
+    """``privacy.epsilon`` of a private run, refused unless a finite number > 0; None if not private."""
+    if not is_private(cfg.clip):
+        return None
+    epsilon = cfg.privacy.epsilon
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(
+            f"privacy.epsilon must be a finite number > 0, got {epsilon}; for a run without privacy use "
+            "clip=nonprivate."
+        )
+    return float(epsilon)
+
+
+def plan_run(
+    cfg: DictConfig, sample_size: int, solve: Callable[..., float] = accounting.get_noise_multiplier
+) -> RunPlan:
+    """Steps, sampling rate, delta and the noise multiplier solved with :func:`calibration_accountant`
+    (``solve`` has the signature of :func:`dpexp.privacy.accounting.get_noise_multiplier`)."""
+    check_run_keys(cfg)
+    if sample_size < 1:
+        raise ValueError("The training set is empty: the task's training split has no examples.")
     batch_size = int(cfg.batch_size)
     if not 1 <= batch_size <= sample_size:
         raise ValueError(f"batch_size must be in [1, N={sample_size}], got {batch_size}.")
-    for key in ("physical_batch_size", "log_every", "eval_batch_size"):
-        if cfg[key] < 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}.")
     sample_rate = batch_size / sample_size
     if cfg.steps is not None:
         steps = int(cfg.steps)
@@ -82,13 +112,11 @@ def plan_run(cfg: DictConfig, sample_size: int) -> RunPlan:
             f"The run must have at least one step, got {steps} (epochs={cfg.epochs}, steps={cfg.steps})."
         )
     delta = resolve_delta(cfg.privacy.delta, cfg.privacy.delta_rule, sample_size)
-    private = is_private(cfg.clip)
+    epsilon = target_epsilon(cfg)
     sigma = 0.0
-    if private:
+    if epsilon is not None:
         name, approximate = calibration_accountant(cfg)
-        sigma = accounting.get_noise_multiplier(
-            cfg.privacy.epsilon, delta, sample_rate, steps, accountant=name, allow_approximation=approximate
-        )
+        sigma = solve(epsilon, delta, sample_rate, steps, accountant=name, allow_approximation=approximate)
     return RunPlan(
         sample_size=sample_size,
         batch_size=batch_size,
@@ -97,17 +125,6 @@ def plan_run(cfg: DictConfig, sample_size: int) -> RunPlan:
         steps=steps,
         epochs=steps * sample_rate,
         delta=delta,
-        target_epsilon=float(cfg.privacy.epsilon) if private else None,
+        target_epsilon=epsilon,
         noise_multiplier=sigma,
-    )
-
-
-def spent_epsilon(plan: RunPlan, steps_done: int, accountant: str) -> float | None:
-    """Epsilon after ``steps_done`` steps (None for non-private runs, 0 before the first step)."""
-    if plan.target_epsilon is None:
-        return None
-    if steps_done == 0:
-        return 0.0
-    return accounting.get_epsilon(
-        plan.noise_multiplier, plan.sample_rate, steps_done, plan.delta, accountant=accountant
     )

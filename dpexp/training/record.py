@@ -1,13 +1,27 @@
-"""metrics.json: the record every run leaves in its Hydra run directory (also when it fails).
+"""metrics.json: the record every run leaves in its run directory, whatever happens to the run.
 
-The file is rewritten atomically (temporary file + rename) after every evaluation and at the end, so an
-interrupted run keeps everything measured so far. Optional wandb mirroring (``logger=wandb``) logs the same
-evaluation entries; wandb is imported only when selected and runs offline unless configured otherwise.
+The file is created exclusively (a run never overwrites another run's record) and then rewritten atomically
+(temporary file + rename) after every evaluation, checkpoint and at the end, so a run that dies keeps
+everything measured so far. Its ``status``:
+
+- ``running``: under way, or killed without a chance to say so (SIGKILL, power loss); ``resume=<run dir>``
+  continues it from its last checkpoint;
+- ``completed``: every planned step ran;
+- ``failed``: an error stopped it (``error`` says which);
+- ``diverged``: the training loss or the parameters became non-finite (NaN or infinity);
+- ``interrupted``: stopped by SIGTERM or SIGINT, after writing a checkpoint.
+
+Whatever the status, ``steps_done`` says how many steps ran and ``epsilon`` what they spent. Non-finite
+numbers are stored as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (``float()`` reads them back),
+so the file is always strict JSON. Optional wandb mirroring (``logger=wandb``) logs the same evaluation
+entries; wandb is imported only when selected and runs offline unless configured otherwise.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
 import resource
 import sys
@@ -15,23 +29,78 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from dpexp.runtime import write_json_atomic
+
 METRICS_FILE = "metrics.json"
+LOCK_FILE = ".lock"  # held (flock) by the process running the run; the kernel releases it when that one ends
+RUNNING, COMPLETED, FAILED = "running", "completed", "failed"
+DIVERGED, INTERRUPTED = "diverged", "interrupted"
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+class RunDirectoryError(ValueError):
+    """A run directory that cannot take this run's record (another run's is there, or none to resume)."""
 
 
 class RunRecord:
     """JSON-serialisable run fields plus the evaluation ``history``, written to ``<dir>/metrics.json``.
 
-    ``status`` is ``running`` until :meth:`complete` or :meth:`fail`; task metrics of the final evaluation are
-    stored at the top level (e.g. ``accuracy``) and every evaluation is appended to ``history``.
+    :meth:`create` claims a fresh directory, :meth:`reopen` takes up the record of a run to resume; either
+    holds the directory's lock until :meth:`close`, so no two processes run one run. ``status`` is ``running``
+    until :meth:`complete` or :meth:`fail`; task metrics of the latest evaluation are stored at the top level
+    (e.g. ``accuracy``) and every evaluation is appended to ``history``.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, fields: Mapping[str, Any]) -> None:
-        self.path = Path(output_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.data: dict[str, Any] = {"status": "running", "error": None, **fields, "history": []}
+    def __init__(self, path: Path, data: dict[str, Any]) -> None:
+        self.path = path
+        self.data = data
         self._sinks: list[Any] = []
+        self._lock: int | None = _lock(path.parent)
+
+    def close(self) -> None:
+        """Release the directory's lock (the record can still be read)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    @classmethod
+    def create(cls, output_dir: str | os.PathLike, fields: Mapping[str, Any]) -> RunRecord:
+        """A new record in ``output_dir``; RunDirectoryError if a run already keeps its record there."""
+        path = Path(output_dir) / METRICS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = cls(path, {"status": RUNNING, "error": None, **fields, "history": []})
+        try:
+            with path.open("x") as handle:
+                handle.write(record._text(strict=True))
+        except FileExistsError:
+            record.close()
+            raise RunDirectoryError(
+                f"{path.parent} already holds another run's record ({METRICS_FILE}), which is never "
+                f"overwritten: choose another directory (hydra.run.dir), or continue that run with "
+                f"resume={path.parent}."
+            ) from None
+        return record
+
+    @classmethod
+    def reopen(cls, output_dir: str | os.PathLike) -> RunRecord:
+        """The record of the run in ``output_dir``, to resume it (refused for a completed or diverged run)."""
+        path = Path(output_dir) / METRICS_FILE
+        if not path.is_file():
+            raise RunDirectoryError(f"resume={output_dir}: no {METRICS_FILE} there, so no run to continue.")
+        record = cls(path, {})
+        record.data = json.loads(path.read_text())
+        status = record.data.get("status")
+        if status in (COMPLETED, DIVERGED):
+            record.close()
+            raise RunDirectoryError(
+                f"resume={output_dir}: that run is {status}; only a running, interrupted or failed "
+                "run can be continued (a diverged one would diverge again: start a new run with other "
+                "settings)."
+            )
+        return record
 
     def add_sink(self, sink: Any) -> None:
         """Send each evaluation entry to ``sink.log(entry)``, and the record to ``sink.finish`` at the end."""
@@ -56,34 +125,87 @@ class RunRecord:
             sink.log(full)
         self.write()
 
+    def evaluations(self) -> dict[str, Any]:
+        """The history and the latest task metrics: what a checkpoint keeps to restore with :meth:`rewind`."""
+        names = self.data.get("metric_names", [])
+        return {"history": list(self.data["history"]), "metrics": {name: self.data[name] for name in names}}
+
+    def rewind(self, evaluations: Mapping[str, Any]) -> None:
+        """Back to the evaluations of :meth:`evaluations` (those logged since are dropped)."""
+        for name in self.data.pop("metric_names", []):
+            self.data.pop(name, None)
+        self.data["history"] = list(evaluations["history"])
+        if evaluations["metrics"]:
+            self.data.update(evaluations["metrics"])
+            self.data["metric_names"] = sorted(evaluations["metrics"])
+
     def complete(self, **fields: Any) -> None:
-        self.data.update(fields, status="completed", error=None)
+        self.data.update(fields, status=COMPLETED, error=None)
         self._finish()
 
-    def fail(self, error: BaseException, **fields: Any) -> None:
-        self.data.update(fields, status="failed", error=f"{type(error).__name__}: {error}")
+    def fail(self, error: BaseException, status: str = FAILED, **fields: Any) -> None:
+        """End with ``status`` (failed, diverged or interrupted) and the error's type and message."""
+        self.data.update(fields, status=status, error=f"{type(error).__name__}: {error}")
         self._finish()
 
     def _finish(self) -> None:
-        self.write()
+        self.write(strict=self.data["status"] == COMPLETED)
         for sink in self._sinks:
             sink.finish(self.data)
 
-    def write(self) -> None:
+    def write(self, strict: bool = True) -> None:
+        """Rewrite the file atomically. ``strict``: a value JSON cannot hold raises TypeError; otherwise (the
+        record of a failed run) it is stored as its ``repr``, so that the failure is still recorded."""
+        write_json_atomic(self.path, self._text(strict))
+
+    def _text(self, strict: bool) -> str:
         bulky = ("history", "config")  # written last, after the scalar fields
         ordered = {k: v for k, v in self.data.items() if k not in bulky}
         ordered.update((k, self.data[k]) for k in bulky if k in self.data)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(ordered, indent=2, allow_nan=False, default=_jsonable) + "\n")
-        tmp.replace(self.path)
+        default = _jsonable if strict else _jsonable_or_repr
+        return json.dumps(finite_json(ordered), indent=2, allow_nan=False, default=default) + "\n"
+
+
+def _lock(folder: Path) -> int:
+    """An exclusive lock on the run directory ``folder`` (its file descriptor); RunDirectoryError if another
+    process holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise RunDirectoryError(
+            f"{folder}: another process is running this run now; wait for it to end (or stop it) first."
+        ) from None
+    return descriptor
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (at any depth) replaced by ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return NON_FINITE[str(value)]
+    if isinstance(value, Mapping):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(item) for item in value]
+    return value
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return finite_json(value.item())
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"metrics.json cannot store {type(value).__name__}: {value!r}")
+
+
+def _jsonable_or_repr(value: Any) -> Any:
+    try:
+        return _jsonable(value)
+    except TypeError:
+        return repr(value)
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -7,12 +7,16 @@ summed clipped gradients by the expected B, never by the realised size.
 
 Shuffle sampling: fixed-size batches of exactly B from a fresh permutation each epoch (the incomplete tail is
 dropped). Common in practice, but the accountants' subsampling analysis does not strictly apply.
+
+Both samplers are single-pass iterators over their ``steps`` batches whose position and generator state are
+saved and restored with ``state_dict`` / ``load_state_dict``: a resumed run draws the very batches the
+interrupted one would have drawn.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -30,14 +34,23 @@ class PoissonBatchSampler:
         self.sample_rate = sample_rate
         self.steps = steps
         self.generator = generator
+        self.done = 0  # batches drawn so far
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        for _ in range(self.steps):
+        while self.done < self.steps:
             mask = torch.rand(self.sample_size, generator=self.generator) < self.sample_rate
+            self.done += 1
             yield mask.nonzero().flatten().tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"done": self.done, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.done = int(state["done"])
+        self.generator.set_state(state["generator"])
 
 
 class ShuffleBatchSampler:
@@ -50,18 +63,32 @@ class ShuffleBatchSampler:
         self.batch_size = batch_size
         self.steps = steps
         self.generator = generator
+        self.done = 0  # batches drawn so far
+        self._epoch_start: torch.Tensor | None = None  # generator state before this epoch's permutation
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
         per_epoch = self.sample_size // self.batch_size
-        done = 0
-        while done < self.steps:
-            order = torch.randperm(self.sample_size, generator=self.generator).tolist()
-            for k in range(min(per_epoch, self.steps - done)):
-                yield order[k * self.batch_size : (k + 1) * self.batch_size]
-            done += per_epoch
+        order: list[int] | None = None
+        while self.done < self.steps:
+            position = self.done % per_epoch
+            if position == 0:
+                self._epoch_start = self.generator.get_state()
+            if position == 0 or order is None:  # a new epoch, or the current one again after a restore
+                self.generator.set_state(self._epoch_start)
+                order = torch.randperm(self.sample_size, generator=self.generator).tolist()
+            self.done += 1
+            yield order[position * self.batch_size : (position + 1) * self.batch_size]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"done": self.done, "generator": self.generator.get_state(), "epoch_start": self._epoch_start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.done = int(state["done"])
+        self.generator.set_state(state["generator"])
+        self._epoch_start = state["epoch_start"]
 
 
 def build_batch_sampler(

@@ -1,0 +1,92 @@
+"""The accountants' answers a run needs, computed under limits: sigma for the target epsilon, and the epsilon
+spent after so many steps under every accountant. Each answer comes from a child process that may map at
+most ``privacy.accounting_memory_gib`` more memory and run ``privacy.accounting_timeout_s`` seconds
+(:mod:`dpexp.training.bounded`): at a huge epsilon the PRV accountant's grid needs tens of GB, and that
+accountant is then reported as failed, with the reason, instead of killing the run."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from omegaconf import DictConfig
+
+from dpexp.config import ConfigError
+from dpexp.privacy import accounting
+from dpexp.training.bounded import BoundedCalls, Limits
+from dpexp.training.plan import RunPlan
+
+MEMORY_KEY = "privacy.accounting_memory_gib"
+TIMEOUT_KEY = "privacy.accounting_timeout_s"
+
+log = logging.getLogger(__name__)
+
+
+def accounting_limits(privacy: DictConfig) -> Limits:
+    """The limits of every accountant call, from the ``privacy`` config node."""
+    memory, timeout = privacy.accounting_memory_gib, privacy.accounting_timeout_s
+    for key, value in ((MEMORY_KEY, memory), (TIMEOUT_KEY, timeout)):
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{key} must be a positive number, got {value}.")
+    return Limits(int(memory * 2**30), float(timeout), MEMORY_KEY, TIMEOUT_KEY)
+
+
+class PrivacyBudget:
+    """The run's accountant calls under ``limits``; epsilons are remembered by (accountant, steps). Close it
+    (or use it as a context manager) to end the child process."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._calls = BoundedCalls(limits)
+        self._epsilons: dict[tuple[str, int], float] = {}
+
+    def __enter__(self) -> PrivacyBudget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._calls.close()
+
+    def noise_multiplier(self, *args: Any, accountant: str, **kwargs: Any) -> float:
+        """:func:`dpexp.privacy.accounting.get_noise_multiplier` under the limits."""
+        return self._calls(
+            accounting.get_noise_multiplier,
+            *args,
+            accountant=accountant,
+            what=f"calibrating sigma with the {accountant} accountant",
+            **kwargs,
+        )
+
+    def epsilon(self, plan: RunPlan, steps: int, accountant: str) -> float | None:
+        """Epsilon after ``steps`` steps (None for a non-private run, 0 before the first step)."""
+        if plan.target_epsilon is None:
+            return None
+        if steps == 0:
+            return 0.0
+        key = (accountant, steps)
+        if key not in self._epsilons:
+            self._epsilons[key] = self._calls(
+                accounting.get_epsilon,
+                plan.noise_multiplier,
+                plan.sample_rate,
+                steps,
+                plan.delta,
+                accountant=accountant,
+                what=f"epsilon under the {accountant} accountant",
+            )
+        return self._epsilons[key]
+
+    def epsilons(self, plan: RunPlan, steps: int) -> tuple[dict[str, float | None], dict[str, str]]:
+        """Epsilon under every accountant, and the error of each one that failed (its epsilon is None)."""
+        epsilons: dict[str, float | None] = {}
+        errors: dict[str, str] = {}
+        for name in accounting.ACCOUNTANTS:
+            try:
+                epsilons[name] = self.epsilon(plan, steps, name)
+            except (ValueError, RuntimeError, ArithmeticError) as error:
+                epsilons[name] = None
+                errors[name] = f"{type(error).__name__}: {error}"
+                log.warning("epsilon under the %s accountant failed: %s", name, error)
+        return epsilons, errors

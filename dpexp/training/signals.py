@@ -1,0 +1,78 @@
+"""SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) as a clean stop of a run.
+
+Inside :meth:`InterruptGuard.step` a signal is held until the step has ended, so the run stops at a step
+boundary, where its state can be checkpointed; a second signal does not wait. Outside a step (loading data,
+evaluating, writing the record) the signal stops the run at once. Either way the run sees
+:exc:`RunInterrupted`, a BaseException like KeyboardInterrupt, so that no ``except Exception`` swallows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class RunInterrupted(BaseException):
+    """The run was stopped by ``signum``; ``mid_step``: in the middle of a training step (a second signal),
+    where the state is not a step boundary and cannot be checkpointed."""
+
+    def __init__(self, signum: int, mid_step: bool = False) -> None:
+        self.signum = signum
+        self.mid_step = mid_step
+        where = "in the middle of a step" if mid_step else "at a step boundary"
+        super().__init__(f"{signal.Signals(signum).name} received; stopped {where}")
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a process ended by the signal (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+class InterruptGuard:
+    """A context manager that turns SIGTERM and SIGINT into :exc:`RunInterrupted` while it is active (in the
+    main thread only: Python delivers signals there), restoring the previous handlers on exit."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._in_step = False
+        self._pending: int | None = None
+
+    def __enter__(self) -> InterruptGuard:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """A training step: a signal received inside it raises :exc:`RunInterrupted` once it has ended."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+        if self._pending is not None:
+            signum, self._pending = self._pending, None
+            raise RunInterrupted(signum)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self._in_step and self._pending is None:
+            self._pending = signum
+            log.warning("%s received: stopping after this step (send it again to stop at once)", name)
+            return
+        log.warning("%s received: stopping now", name)
+        raise RunInterrupted(signum, mid_step=self._in_step)

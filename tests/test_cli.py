@@ -1,0 +1,130 @@
+"""``python -m dpexp.train`` as a user meets it (run in this process through :func:`dpexp.train.cli`): the
+project's own refusals print one line naming the key, exit code 1, and leave a valid record; ``debug=true``
+shows the traceback; every run gets a directory of its own and never overwrites another run's record."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpexp.train import cli
+
+QUICK = ("steps=3", "progress=false", "eval_every=null", "batch_size=32")
+QUIET = ("hydra/job_logging=none", "hydra/hydra_logging=none")
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of ``python -m dpexp.train *args``."""
+    monkeypatch.setattr(sys, "argv", ["dpexp.train", *args, *QUIET])
+    try:
+        cli()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().err
+
+
+def strict_json(path: Path) -> dict:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{path} holds the non-JSON constant {constant}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("+clip.max_grad_nrom=5", "clip.max_grad_nrom"),
+        ("+optim.lrr=0.1", "optim.lrr"),
+        ("+optim.schedule.warmup=0.5", "optim.schedule.warmup"),
+    ],
+)
+def test_misspelt_keys_are_refused_from_the_command_line(monkeypatch, capsys, tmp_path, override, key):
+    code, err = run_cli(monkeypatch, capsys, override, f"hydra.run.dir={tmp_path}")
+    assert code == 1
+    assert one_line(err).startswith(f"ConfigError: Unknown config key {key}; valid keys of")
+    record = strict_json(tmp_path / "metrics.json")
+    assert record["status"] == "failed" and key in record["error"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("optim.lr=-0.1",), "ConfigError: optim.lr must be a finite number >= 0, got -0.1"),
+        (("eval_every=0",), "ValueError: eval_every must be a number of steps >= 1, or null"),
+        (("eval_every=-5",), "ValueError: eval_every must be a number of steps >= 1, or null"),
+        (("privacy.epsilon=inf",), "ValueError: privacy.epsilon must be a finite number > 0, got inf"),
+        (("privacy.epsilon=nan",), "ValueError: privacy.epsilon must be a finite number > 0, got nan"),
+        (("checkpoint.keep=0",), "ConfigError: checkpoint.keep must be >= 1"),
+        (("privacy.accounting_timeout_s=0",), "ConfigError: privacy.accounting_timeout_s must be a positive"),
+        (("model=minilm",), "task digits is an image task; use an image model: model=small_cnn"),
+        (("model=wrn16_4",), "task digits has 1-channel images: set one value per channel"),
+        (("model=gpt2_tiny",), "task digits is an image classification task; use an image model"),
+    ],
+)
+def test_invalid_values_print_one_line_naming_the_key(monkeypatch, capsys, tmp_path, overrides, message):
+    code, err = run_cli(monkeypatch, capsys, *QUICK, *overrides, f"hydra.run.dir={tmp_path}")
+    assert code == 1 and message in one_line(err)
+    assert one_line(err).endswith("(for the traceback: debug=true or DPEXP_DEBUG=1)")
+    record = strict_json(tmp_path / "metrics.json")
+    assert record["status"] == "failed" and record["steps_done"] == 0
+
+
+def test_debug_shows_the_traceback(monkeypatch, capsys, tmp_path):
+    code, err = run_cli(
+        monkeypatch, capsys, "+optim.lrr=0.1", "debug=true", f"hydra.run.dir={tmp_path / 'a'}"
+    )
+    assert code == 1 and "Traceback" in err and "dpexp/config.py" in err
+    monkeypatch.setenv("DPEXP_DEBUG", "1")
+    code, err = run_cli(monkeypatch, capsys, "+optim.lrr=0.1", f"hydra.run.dir={tmp_path / 'b'}")
+    assert code == 1 and "Traceback" in err
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss(monkeypatch, capsys, tmp_path):
+    code, err = run_cli(monkeypatch, capsys, *QUICK, "steps=20", "optim.lr=1e30", f"hydra.run.dir={tmp_path}")
+    assert code == 1
+    assert re.fullmatch(
+        r"TrainingDiverged: the training loss of step (\d+) is nan \(optim\.lr=1e\+30\); lower optim\.lr .*",
+        one_line(err),
+    )
+    record = strict_json(tmp_path / "metrics.json")
+    done = record["steps_done"]
+    assert record["status"] == "diverged" and 1 <= done < 20 and f"step {done} " in record["error"]
+    assert record["train_loss"] == "NaN" and record["steps_accounted"] == done
+    assert all(isinstance(record["epsilon"][name], float) for name in ("rdp", "prv", "gdp"))
+
+
+def test_every_run_gets_a_directory_of_its_own(monkeypatch, capsys, tmp_path):
+    for _ in range(2):  # two runs in the same second, whatever the timestamp says
+        run_cli(monkeypatch, capsys, "+optim.lrr=0.1", f"output.root={tmp_path}")
+    runs = sorted((tmp_path / "runs" / "digits" / "adaptive_perlayer").iterdir())
+    assert len(runs) == 2 and all((run / "metrics.json").is_file() for run in runs)
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", run.name) for run in runs)
+    for _ in range(2):  # the random token alone separates them
+        run_cli(
+            monkeypatch,
+            capsys,
+            "+optim.lrr=0.1",
+            f"hydra.run.dir={tmp_path}/same_second_" + "${dpexp.token:}",
+        )
+    assert len(list(tmp_path.glob("same_second_*/metrics.json"))) == 2
+
+
+def test_a_record_is_never_overwritten(monkeypatch, capsys, tmp_path):
+    run_cli(monkeypatch, capsys, *QUICK, f"hydra.run.dir={tmp_path}")
+    first = (tmp_path / "metrics.json").read_text()
+    code, err = run_cli(monkeypatch, capsys, *QUICK, "seed=1", f"hydra.run.dir={tmp_path}")
+    assert code == 1 and one_line(err).startswith(
+        f"RunDirectoryError: {tmp_path} already holds another run's"
+    )
+    assert f"resume={tmp_path}" in err and (tmp_path / "metrics.json").read_text() == first

@@ -1,0 +1,103 @@
+"""Real signals to real ``python -m dpexp.train`` processes on the digits default: SIGTERM and SIGINT stop the
+run at a step boundary with a checkpoint and an honest record; after SIGKILL at a random step, resume ends
+with parameters and metrics identical, bit for bit, to an uninterrupted run's, and the same epsilon."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dpexp.privacy import accounting
+from dpexp.training.checkpoint import checkpoints, load_checkpoint
+from tests.conftest import REPO_ROOT
+from tests.test_checkpoint import identical, stable
+
+ARGS = ("eval_every=5", "checkpoint.every=4", "progress=false", "batch_size=32", "physical_batch_size=16")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _start(run_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpexp.train", *ARGS, *args, f"hydra.run.dir={run_dir}"],
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_until(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run made no progress in time"
+        time.sleep(0.02)
+
+
+def _record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_sigterm_and_sigint_stop_the_run_at_a_step_with_a_checkpoint(tmp_path):
+    runs = {signum: tmp_path / signum.name for signum in (signal.SIGTERM, signal.SIGINT)}
+    processes = {signum: _start(run_dir, "steps=500") for signum, run_dir in runs.items()}
+    for signum, process in processes.items():
+        _wait_until(lambda run_dir=runs[signum]: bool(checkpoints(run_dir)), process)
+        process.send_signal(signum)
+    for signum, process in processes.items():
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 128 + signum, err
+        data = _record(runs[signum])
+        done = data["steps_done"]
+        assert data["status"] == "interrupted" and data["error"].startswith(f"RunInterrupted: {signum.name}")
+        assert 4 <= done < 500 and data["steps_accounted"] == done
+        assert data["checkpoint"] == f"checkpoints/step_{done:08d}.pt"
+        state = load_checkpoint(runs[signum] / data["checkpoint"])
+        assert state["step"] == done and state["backend"]["steps"] == done
+        sigma, q, delta = data["noise_multiplier"], data["sample_rate"], data["delta"]
+        for name in accounting.ACCOUNTANTS:
+            assert data["epsilon"][name] == accounting.get_epsilon(sigma, q, done, delta, accountant=name)
+        assert isinstance(data["train_loss"], float) and all(h["step"] <= done for h in data["history"])
+        assert f"resume={runs[signum]}" in err and "Traceback" not in err
+
+
+def test_sigkill_at_a_random_step_then_resume_ends_as_an_uninterrupted_run(tmp_path):
+    rng = random.Random()
+    first_kept, delay = rng.choice([4, 8, 12]), rng.uniform(0.0, 0.3)  # then a few more steps before the kill
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    reference = _start(whole, "steps=60")
+    killed = _start(parts, "steps=60")
+    _wait_until(lambda: any(int(p.stem[5:]) >= first_kept for p in checkpoints(parts)), killed)
+    time.sleep(delay)
+    killed.kill()
+    killed.communicate(timeout=30)  # no process of the run lingers (its accountant child ends with it)
+    assert killed.returncode == -signal.SIGKILL
+    assert _record(parts)["status"] == "running", (first_kept, delay)  # killed before it could say more
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "dpexp.train", f"resume={parts}"],
+        cwd=REPO_ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err
+    assert resumed.returncode == 0, resumed.stderr
+    data, expected = _record(parts), _record(whole)
+    assert data["resumes"][0]["accounted_again"] == 0 and data["steps_accounted"] == 60
+    assert stable(data) == stable(expected), (first_kept, delay)
+    assert data["epsilon"] == expected["epsilon"]
+    final = [load_checkpoint(run / "checkpoints" / "step_00000060.pt") for run in (whole, parts)]
+    for part in ("model", "optimizer", "backend", "sampler", "rng"):
+        assert identical(final[0][part], final[1][part]), (part, first_kept, delay)
