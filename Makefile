@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpexp-installed
 
-.PHONY: install test test-all lint bench bench-report tables
+.PHONY: install test test-all lint bench bench-report tables audit
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ bench: install
 
 bench-report: install
 	$(PY) scripts/bench_report.py
+
+audit: install
+	$(PY) -m dpexp.audit audit.save_to=results/audit/digits_white_box.json
 
 tables: install
 	$(PY) scripts/make_tables.py

@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-import dpexp.config  # registers the config schema  # noqa: F401
 from dpexp.backends import TrainingBackend
 from dpexp.backends.engine import EngineBackend
+from dpexp.config import ConfigError  # importing dpexp.config registers the schema
 from dpexp.privacy.audit import DiracCanaries, correct_guesses, epsilon_lower_bound
 from dpexp.runtime import write_json_atomic
 from dpexp.tasks.base import Task
@@ -172,6 +172,8 @@ def run_audit(
 ) -> dict[str, Any]:
     """Train ``cfg`` once with canaries and return the audit's result (also written to ``output_dir``)."""
     audit = cfg.audit
+    if cfg.get("resume") is not None:
+        raise ConfigError("resume: an audit trains once from the start (its canaries are not checkpointed)")
     if audit.variant == "white_box":
         canaries: WhiteBoxCanaries | InputCanaries = WhiteBoxCanaries(
             audit.canaries, audit.magnitude, audit.seed

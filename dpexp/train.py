@@ -15,7 +15,6 @@ and ``resume=<run dir>`` continues it.
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 import traceback
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import dpexp
 from dpexp.config import ConfigError
@@ -38,12 +37,6 @@ APPROXIMATION_LABELS = {"clt_approximation": "CLT approximation"}  # epsilon kin
 PROJECT_ERRORS = (ValueError, OSError, RuntimeError, ImportError, ArithmeticError)
 DEBUG_VARIABLE = "DPEXP_DEBUG"
 
-# conf/config.yaml's run directories: a fresh one per run (or the run's own, resumed), Hydra's files in it.
-# The token is random per run (cached in the run's config; Hydra copies the cache to the jobs of a sweep),
-# so runs started in the same second never share a directory.
-OmegaConf.register_new_resolver("dpexp.token", lambda: secrets.token_hex(3), use_cache=True)
-OmegaConf.register_new_resolver("dpexp.run_dir", lambda resume, fresh: fresh if resume is None else resume)
-OmegaConf.register_new_resolver("dpexp.hydra_subdir", lambda resume: ".hydra" if resume is None else None)
 REPORTED: list[str] = []  # the one-line messages of the runs of this process that failed by a project error
 
 

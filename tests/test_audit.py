@@ -5,6 +5,8 @@ only here, by monkeypatching: there is no fault switch in the package)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -155,3 +157,14 @@ def test_small_transformer_audit_never_exceeds_epsilon(audit_config, tmp_path, s
     ]  # fmt: skip
     result, violated = _run(audit_config, tmp_path, overrides)
     assert not violated, result
+
+
+def test_audit_command_runs_and_reports(tmp_path):
+    """``python -m dpexp.audit`` end to end (Hydra's run directory, the summary, the exit status)."""
+    command = [
+        sys.executable, "-m", "dpexp.audit", "steps=3", "eval_every=null", "progress=false",
+        "audit.canaries=50", "audit.guesses=10", f"hydra.run.dir={tmp_path}",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "guesses right among 50 canaries" in done.stdout and (tmp_path / "audit.json").is_file()
