@@ -11,13 +11,21 @@ against the constructor of their ``_target_`` (the constructor is their schema).
 from __future__ import annotations
 
 import inspect
+import secrets
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, get_args, get_origin, get_type_hints
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+# conf/config.yaml's run directories: a fresh one per run (or the run's own, resumed), Hydra's files in it.
+# The token is random per run (cached in the run's config; Hydra copies the cache to the jobs of a sweep),
+# so runs started in the same second never share a directory.
+OmegaConf.register_new_resolver("dpexp.token", lambda: secrets.token_hex(3), use_cache=True)
+OmegaConf.register_new_resolver("dpexp.run_dir", lambda resume, fresh: fresh if resume is None else resume)
+OmegaConf.register_new_resolver("dpexp.hydra_subdir", lambda resume: ".hydra" if resume is None else None)
 
 
 class ConfigError(ValueError):
@@ -129,6 +137,8 @@ class EngineSchema:
     groups: Any
     secure_mode: bool
     verify_every_step: bool
+    clip_function: str
+    automatic_stability: float
 
 
 @dataclass

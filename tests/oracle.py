@@ -42,14 +42,22 @@ def group_norms(grads: list[dict[str, torch.Tensor]], groups: list[list[str]]) -
 
 
 def clipped_mean(
-    grads: list[dict[str, torch.Tensor]], groups: list[list[str]], thresholds: list[float], batch_size: int
+    grads: list[dict[str, torch.Tensor]],
+    groups: list[list[str]],
+    thresholds: list[float],
+    batch_size: int,
+    automatic_stability: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """(1/B) sum_i clip_i(g_i) with clip_i scaling group k of g_i by min(1, C_k / ||g_{i,k}||)."""
+    """(1/B) sum_i clip_i(g_i) with clip_i scaling group k of g_i by min(1, C_k / ||g_{i,k}||), or with
+    ``automatic_stability`` gamma by C_k / (||g_{i,k}|| + gamma) (automatic clipping, AUTO-S)."""
     norms = group_norms(grads, groups)
     total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
     for i, g in enumerate(grads):
         for k, group in enumerate(groups):
-            factor = min(1.0, thresholds[k] / float(norms[i, k])) if norms[i, k] > 0 else 1.0
+            if automatic_stability is not None:
+                factor = thresholds[k] / (float(norms[i, k]) + automatic_stability)
+            else:
+                factor = min(1.0, thresholds[k] / float(norms[i, k])) if norms[i, k] > 0 else 1.0
             for n in group:
                 total[n] += g[n] * factor
     return {n: t / batch_size for n, t in total.items()}

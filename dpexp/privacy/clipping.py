@@ -137,6 +137,28 @@ class _Pass:
     norm_sq: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+ClipFunction = Literal["standard", "automatic"]
+CLIP_FUNCTIONS = ("standard", "automatic")
+
+
+def clipping_factors(
+    norm: torch.Tensor, threshold: float, function: ClipFunction = "standard", stability: float = 0.01
+) -> torch.Tensor:
+    """Per-example factors ``c_i`` (shape (b,)) from per-example group norms ``||g_i||`` (b,), so that
+    ``||c_i g_i|| <= C`` (the sensitivity of the clipped sum):
+
+    * ``standard``: ``c_i = min(1, C / ||g_i||)`` (exactly 1 for g = 0; Abadi et al. 2016, eq. in Alg. 1);
+    * ``automatic``: ``c_i = C / (||g_i|| + gamma)``, per-example normalisation AUTO-S (Bu et al., "Automatic
+      clipping", eq. 4.1, scaled by C so that the sensitivity stays C: ``||c_i g_i|| < C``), with the
+      stability constant ``gamma = stability > 0``; no example is left unscaled and C acts as a learning-rate
+      factor only."""
+    if function == "standard":
+        return threshold / norm.clamp_min(threshold)
+    if function == "automatic":
+        return threshold / (norm + stability)
+    raise ValueError(f"unknown clip function {function!r}; valid: {', '.join(CLIP_FUNCTIONS)}")
+
+
 class Clipper:
     """Clipping of one logical step: per-example group norms accumulated use by use (with the cross terms of
     tied parameters), clipping factors once a group's last use has arrived, clipped sums accumulated across
@@ -154,8 +176,11 @@ class Clipper:
         thresholds: torch.Tensor,
         strategy: ClippingStrategy,
         norm_mode: NormMode,
+        function: ClipFunction = "standard",
+        stability: float = 0.01,
     ) -> None:
         self.groups, self.params, self.shared = groups, params, shared
+        self.function, self.stability = function, stability
         self.group_of = {name: k for k, group in enumerate(groups) for name in group}
         self.thresholds = thresholds
         self.strategy, self.norm_mode = strategy, norm_mode
@@ -248,8 +273,8 @@ class Clipper:
         previous.append(grad)
 
     def _clipping_factors(self, k: int, norm_sq: torch.Tensor | None, batch_size: int) -> torch.Tensor:
-        """``c_i = min(1, C_k / ||g_{i,k}||)`` (exactly 1 for g = 0) from squared group norms (None: all
-        zero), shape (b,); counts the unclipped examples for adaptive thresholds.
+        """:func:`clipping_factors` from squared group norms (None: all zero), shape (b,); counts the
+        unclipped examples for adaptive thresholds.
 
         A norm that is not finite (a gradient that overflowed, or ``inf * 0`` in a ghost norm of an example
         with huge activations) gives ``c_i = 0``, and :meth:`_clipped_sum` leaves the example out of the sum
@@ -263,7 +288,7 @@ class Clipper:
         self.centred_counts[k] += centred_counts(norm, threshold)
         finite = torch.isfinite(norm)
         self.all_finite[k] = bool(finite.all())  # a host sync per group; False only on the rare path
-        return torch.where(finite, threshold / norm.clamp_min(threshold), 0.0)
+        return torch.where(finite, clipping_factors(norm, threshold, self.function, self.stability), 0.0)
 
     def _clipped_sum(self, grad: PerExampleGrad, k: int) -> torch.Tensor:
         """``sum_i c_i g_i`` with group k's factors, leaving out the examples whose norm was not finite."""

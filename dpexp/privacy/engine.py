@@ -34,7 +34,7 @@ from dpexp.privacy.adaptive import (
     update_thresholds,
 )
 from dpexp.privacy.capture import Capture, Use, discover_layers
-from dpexp.privacy.clipping import Clipper, StrategyName, make_strategy
+from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, StrategyName, make_strategy
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
 from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
 from dpexp.privacy.per_example import NormMode, PerExampleGrad
@@ -71,6 +71,10 @@ class PrivacyEngine:
         secure_mode: draw the gradient and clip-count noise from the secure sampler
             (``dpexp.privacy.noise.secure_standard_normal``: OS CSPRNG, sums of Gaussians against
             floating-point attacks; slower, not reproducible); refuses a ``generator``.
+        clip_function: "standard" (``min(1, C_k / ||g||)``) or "automatic" (``C_k / (||g|| + gamma)``,
+            AUTO-S of Bu et al.'s automatic clipping; fixed thresholds only):
+            :func:`dpexp.privacy.clipping.clipping_factors`.
+        automatic_stability: gamma of the automatic clip function (Bu et al. use 0.01).
     """
 
     def __init__(
@@ -94,6 +98,8 @@ class PrivacyEngine:
         generator: torch.Generator | None = None,
         verify_every_step: bool = False,
         secure_mode: bool = False,
+        clip_function: ClipFunction = "standard",
+        automatic_stability: float = 0.01,
     ) -> None:
         if backend is not None:
             warnings.warn("PrivacyEngine(backend=...) is now strategy=...", DeprecationWarning, stacklevel=2)
@@ -106,6 +112,15 @@ class PrivacyEngine:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
         if norm_mode not in ("auto", "ghost", "instantiate"):
             raise ValueError(f"unknown norm_mode {norm_mode!r}; valid: 'auto', 'ghost', 'instantiate'")
+        if clip_function not in CLIP_FUNCTIONS:
+            raise ValueError(f"unknown clip_function {clip_function!r}; valid: {', '.join(CLIP_FUNCTIONS)}")
+        if clip_function == "automatic" and not automatic_stability > 0:
+            raise ValueError(f"automatic_stability must be > 0 (gamma of AUTO-S), got {automatic_stability}")
+        if clip_function == "automatic" and adaptive is not None:
+            raise ValueError(
+                "clip_function='automatic' scales every example (no example is unclipped), so adaptive "
+                "thresholds have no quantile to track: set adaptive=None (clip.engine.adaptive=null)"
+            )
         if not noise_multiplier >= 0:
             raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
         if noise_multiplier == 0:
@@ -141,6 +156,8 @@ class PrivacyEngine:
             self._initial_thresholds(thresholds),
             self.strategy,
             self.norm_mode,
+            clip_function,
+            automatic_stability,
         )
 
         self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, Mapping) else adaptive
