@@ -26,7 +26,7 @@ from dpexp.backends import TrainingBackend
 from dpexp.backends.engine import EngineBackend
 from dpexp.config import ConfigError  # importing dpexp.config registers the schema
 from dpexp.privacy.audit import DiracCanaries, correct_guesses, epsilon_lower_bound
-from dpexp.runtime import write_json_atomic
+from dpexp.runtime import debug_requested, is_project_error, one_line, write_json_atomic
 from dpexp.tasks.base import Task
 from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import run_training
@@ -215,9 +215,16 @@ def verdict(result: Mapping[str, Any]) -> tuple[str, bool]:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="audit")
 def main(cfg: DictConfig) -> None:
+    """Audit the run of ``cfg``; exit status 1 if the audit failed, 2 on a refusal (printed in one line)."""
     runtime = HydraConfig.get().runtime
     choices = {group: runtime.choices[group] for group in GROUPS if group in runtime.choices}
-    result = run_audit(cfg, runtime.output_dir, choices)
+    try:
+        result = run_audit(cfg, runtime.output_dir, choices)
+    except Exception as error:
+        if debug_requested(cfg.debug) or not is_project_error(error):
+            raise
+        print(one_line(error), file=sys.stderr)
+        sys.exit(2)
     text, violated = verdict(result)
     print(text)
     print(f"audit: {runtime.output_dir}/{RESULT_FILE}")

@@ -14,9 +14,7 @@ and ``resume=<run dir>`` continues it.
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +22,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import dpexp
 from dpexp.config import ConfigError
 from dpexp.privacy import accounting
+from dpexp.runtime import debug_requested, is_project_error, one_line
 from dpexp.training.loop import run_training
 from dpexp.training.resume import resumed_config
 from dpexp.training.signals import RunInterrupted
@@ -34,8 +32,6 @@ from dpexp.training.signals import RunInterrupted
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's conf/ (editable install)
 GROUPS = ("task", "model", "clip", "accountant", "optim")
 APPROXIMATION_LABELS = {"clt_approximation": "CLT approximation"}  # epsilon kinds that are not upper bounds
-PROJECT_ERRORS = (ValueError, OSError, RuntimeError, ImportError, ArithmeticError)
-DEBUG_VARIABLE = "DPEXP_DEBUG"
 
 REPORTED: list[str] = []  # the one-line messages of the runs of this process that failed by a project error
 
@@ -64,18 +60,10 @@ def summary(record: dict[str, Any]) -> str:
     )
 
 
-def is_project_error(error: BaseException) -> bool:
-    """Whether ``error`` is one of the project's own refusals: an error of :data:`PROJECT_ERRORS` raised in
-    dpexp's code (not in a library it called)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    package = Path(dpexp.__file__).resolve().parent
-    return isinstance(error, PROJECT_ERRORS) and bool(frames) and package in Path(frames[-1].filename).parents
-
-
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     """Run one configuration (or continue one: ``resume=<run dir>``) and print its summary."""
-    debug = bool(cfg.debug) or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    debug = debug_requested(cfg.debug)
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         record = _train(cfg)
@@ -89,7 +77,7 @@ def main(cfg: DictConfig) -> None:
     except Exception as error:
         if debug or not is_project_error(error):
             raise
-        message = f"{type(error).__name__}: {error} (for the traceback: debug=true or {DEBUG_VARIABLE}=1)"
+        message = one_line(error)
         print(message, file=sys.stderr)
         REPORTED.append(message)
         return

@@ -168,3 +168,14 @@ def test_audit_command_runs_and_reports(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "guesses right among 50 canaries" in done.stdout and (tmp_path / "audit.json").is_file()
+
+
+def test_audit_refusal_is_one_line_with_exit_status_2(tmp_path):
+    command = [
+        sys.executable, "-m", "dpexp.audit", "steps=2", "progress=false", "audit.canaries=0",
+        f"hydra.run.dir={tmp_path}",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "audit.canaries=0" in lines[0] and "Traceback" not in done.stderr
