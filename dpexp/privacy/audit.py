@@ -19,7 +19,9 @@ coordinate of one trainable parameter each, with a magnitude M above the clippin
 engine's clipping (not the canary) sets what each contributes. An included canary takes part in each logical
 step like a data example, with the run's sampling rate q (so the accountant's analysis applies to it), and
 enters the engine with :meth:`dpexp.privacy.PrivacyEngine.add_per_example_gradients`; its score is the sum
-over the steps of the privatised gradient at its coordinate, the mechanism's own output.
+over the steps of the privatised gradient at its coordinate (times B) minus the data's clipped sum there,
+which a white-box auditor knows (:meth:`~dpexp.privacy.PrivacyEngine.clipped_sum_so_far`): what remains is
+the canaries' clipped contribution and the noise, the part of the mechanism's output the audit tests.
 """
 
 from __future__ import annotations
