@@ -88,6 +88,43 @@ def _padded_text(batch_size: int, length: int, vocab: int, generator: torch.Gene
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+class FlattenedMLPNet(nn.Module):
+    """Embedding -> (B, T, d) flattened to (B*T, d) -> LayerNorm -> Linear -> back to (B, T, d) -> Linear, as
+    OPT's decoder layers run their MLP: the middle layers see b*T rows, example i's in [i*T, (i+1)*T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6, padding_idx=0)
+        self.norm = nn.LayerNorm(6)
+        self.fc = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        flat = self.fc(self.norm(h.reshape(-1, h.shape[-1])))
+        return self.out(torch.tanh(flat).view(h.shape) + h)
+
+
+def opt() -> nn.Module:
+    """Tiny random Hugging Face OPT (its decoder layers flatten (B, T, d) to (B*T, d) before fc1/fc2)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=40,
+        hidden_size=16,
+        word_embed_proj_dim=16,
+        ffn_dim=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layerdrop=0.0,
+        pad_token_id=1,
+    )
+    return OPTForCausalLM(config).double().eval()
+
+
 def gpt2(lora: bool = False) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -218,6 +255,12 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         ids = torch.randint(1, 11, (batch_size, 7), generator=gen)
         ids[:, -2:] = 0  # padding
         return SequenceNet().double(), sequence_loss, {"ids": ids}
+    if name == "flattened":
+        ids = torch.randint(1, 11, (batch_size, 7), generator=gen)
+        ids[:, -2:] = 0  # padding
+        return FlattenedMLPNet().double(), sequence_loss, {"ids": ids}
+    if name == "opt":
+        return opt(), lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("gpt2", "gpt2_lora"):
         return gpt2(lora=name == "gpt2_lora"), lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("roberta", "bert"):
@@ -238,4 +281,6 @@ CASES = [
     "fallback",
     "vit",
     "vit_registers",
+    "flattened",
+    "opt",
 ]

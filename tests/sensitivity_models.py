@@ -84,6 +84,22 @@ class TimeMajorNet(nn.Module):
         return self.head(h.mean(1))
 
 
+class FlatTimeMajorNet(nn.Module):
+    """(B, T, d) -> (T, B, d) flattened to (T*B, d) -> Linear -> back: the middle layer's rows are
+    time-major, so rows [i*T, (i+1)*T) of its input are not example i's (at T == B nothing says so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # (T, B, d)
+        flat = torch.tanh(self.mix(h.reshape(-1, h.shape[-1])))  # (T*B, d)
+        return self.head(flat.view(h.shape).transpose(0, 1).mean(1))
+
+
 class PositionGate(nn.Module):
     """A module without a rule (torch.func fallback) given a (T, d) table shared by every example."""
 
@@ -255,6 +271,8 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "sequence": {"padding": {"ids": 0}},
     "gpt2": {"padding": LM_PADDING},
     "gpt2_lora": {"padding": LM_PADDING},
+    "flattened": {"padding": {"ids": 0}},
+    "opt": {"padding": LM_PADDING},
     "roberta": {"class_label": ("labels", 3), "padding": {"input_ids": 1, "attention_mask": 0}},
     "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
 }
@@ -265,6 +283,8 @@ REFUSABLE: dict[str, tuple[str, ...]] = {
     "t5_len_ne_batch": ("relative_attention_bias",),
     "time_major_len_eq_batch": ("recurrent",),
     "time_major_len_ne_batch": ("recurrent",),
+    "flat_time_major_len_eq_batch": ("mix",),
+    "flat_time_major_len_ne_batch": ("mix",),
     "shared_table_len_eq_batch": ("position_gate",),
     "shared_table_len_ne_batch": ("position_gate",),
     "hand_tied": ("tok_emb",),
@@ -281,6 +301,8 @@ NEW_CASES = [
     "t5_len_ne_batch",
     "time_major_len_eq_batch",
     "time_major_len_ne_batch",
+    "flat_time_major_len_eq_batch",
+    "flat_time_major_len_ne_batch",
     "shared_table_len_eq_batch",
     "shared_table_len_ne_batch",
     "hand_tied",
@@ -320,6 +342,9 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         }
         return t5(), seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
     float_info = {"float_inputs": ("x",), "class_label": ("y", 3)}
+    if name.startswith("flat_time_major"):
+        batch = {"x": _floats(gen, size, length, 4), "y": _labels(gen, size, 3)}
+        return FlatTimeMajorNet().double(), engine_models.classification_loss, batch, float_info
     if name.startswith("time_major"):
         batch = {"x": _floats(gen, size, length, 4), "y": _labels(gen, size, 3)}
         return TimeMajorNet().double(), engine_models.classification_loss, batch, float_info

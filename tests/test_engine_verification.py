@@ -85,6 +85,60 @@ def test_time_major_layer_is_refused(length):
         _step(TimeMajor(), _cross_entropy, _sequence_batch(4, length))
 
 
+class FlatTimeMajor(nn.Module):
+    """(B, T, d) -> (T, B, d) flattened to (T*B, d) -> Linear: b*T rows, but time-major."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = x.transpose(0, 1)
+        flat = self.fc(h.reshape(-1, 3)).view(h.shape).transpose(0, 1)
+        return self.head(torch.tanh(flat)).sum(1)
+
+
+@pytest.mark.parametrize("length", [2, 4, 6])  # 4 = the micro-batch size
+def test_flattened_time_major_rows_are_refused(length):
+    """b*T rows are folded to (b, T) only when the probe shows that rows [i*T, (i+1)*T) are example i's."""
+    with pytest.raises(VerificationError, match=r"layer 'fc' \(Linear\): row \d+ of its output gradient"):
+        _step(FlatTimeMajor(), _cross_entropy, _sequence_batch(4, length))
+
+
+def test_a_layer_verified_batch_first_that_arrives_flattened_is_refused():
+    """At T = 1 the time-major flattening is batch-first and passes the probe; with T = 3 on a later
+    micro-batch the same layer gets b*T rows in a layout no probe established."""
+    model = FlatTimeMajor()
+    engine = _engine(model)
+    engine.backward(_cross_entropy(model, _sequence_batch(4, 1)))
+    with pytest.raises(VerificationError, match=r"flattened into dim 0.*verify_every_step=True"):
+        engine.backward(_cross_entropy(model, _sequence_batch(4, 3)))
+
+    model = FlatTimeMajor()
+    engine = _engine(model, verify_every_step=True)
+    engine.backward(_cross_entropy(model, _sequence_batch(4, 1)))
+    with pytest.raises(VerificationError, match=r"row \d+ of its output gradient"):
+        engine.backward(_cross_entropy(model, _sequence_batch(4, 3)))
+
+
+class FlatConv(nn.Module):
+    """A Conv1d on (B*T, C, L) rows: its rule acts on whole examples, so the rows cannot be folded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 2, 1)
+
+    def forward(self, x):  # x: (B, T, 3, L)
+        return self.conv(x.flatten(0, 1)).view(x.shape[0], -1).sum(1, keepdim=True).expand(-1, 2)
+
+
+def test_flattened_input_of_a_layer_that_is_not_position_wise_is_refused():
+    batch = {"x": torch.randn(4, 3, 3, 5), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(VerificationError, match=r"'conv' \(Conv1d\).*3 x the batch size.*cannot be folded"):
+        _step(FlatConv(), _cross_entropy, batch)
+
+
 @pytest.mark.parametrize("length", [4, 6])
 def test_fallback_on_a_tensor_shared_by_all_examples_is_refused(length):
     with pytest.raises(VerificationError, match=r"layer 'scale' \(Scale\)"):

@@ -233,12 +233,17 @@ class Capture:
         forward, self.forward = self.forward, Forward()
         return forward
 
-    def per_example_grads(self, use: Use, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-        """The per-example gradients of ``use``'s trainable parameters for output gradient ``dy``, by its
-        layer's rule or, without one, the exact fallback (which recomputes the layer, unrecorded)."""
+    def per_example_grads(self, use: Use, dy: torch.Tensor, fold: int = 1) -> dict[str, PerExampleGrad]:
+        """The per-example gradients of ``use``'s trainable parameters for output gradient ``dy`` (b, ...),
+        by its layer's rule or, without one, the exact fallback (which recomputes the layer, unrecorded).
+        ``fold`` > 1: the input was flattened to (b*fold, ...) and is folded to (b, fold, ...) for the
+        (position-wise) rule."""
         layer = use.layer
         if layer.rule is not None:
-            grads = layer.rule.per_example_grads(layer.module, use.args[0], dy)
+            x = use.args[0]
+            if fold > 1:
+                x = x.unflatten(0, (dy.shape[0], fold))
+            grads = layer.rule.per_example_grads(layer.module, x, dy)
             missing = set(layer.params) - set(grads)
             if missing:  # never leave a trainable parameter without its per-example gradient
                 raise RuntimeError(

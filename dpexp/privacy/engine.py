@@ -260,14 +260,17 @@ class PrivacyEngine:
                 "gradients of a model under a PrivacyEngine must be computed with "
                 "engine.backward(per_example_loss), not loss.backward()"
             )
-        check_use(use, dy, self._batch_size)
+        fold = check_use(use, dy, self._batch_size)
+        self._verifier.check_fold(use, fold)
+        if fold > 1:  # a flattened (b*T, ...) input of a position-wise rule: (b, T, ...)
+            dy = dy.unflatten(0, (self._batch_size, fold))
         verifying = self._verifier.probe is not None
         if self._phase == "probe":
             self._verifier.record(use, dy)
             return
         if verifying and self._phase == "first":
             self._verifier.check_rows(use, dy)
-        grads = self._capture.per_example_grads(use, dy)
+        grads = self._capture.per_example_grads(use, dy, fold)
         if verifying and self._phase == "first":
             self._verifier.add_engine_sums(use, grads)
         if self._phase == "second" or self.strategy.passes == 1:

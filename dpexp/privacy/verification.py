@@ -13,7 +13,9 @@ on the model the user brought (:class:`Verifier`), and the engine refuses what i
    gradient comes out as exactly ``v_i`` times its row in the unweighted pass if and only if it depends on
    loss i alone (:class:`RowFingerprint`). A layer's input shares dim 0 with its output (linear, convolution,
    embedding, normalisation), and the model's floating-point inputs are probed the same way, which exposes
-   examples mixed before the first trainable layer.
+   examples mixed before the first trainable layer. A position-wise layer may also get its input flattened
+   to (b*T, ..., F) (OPT's MLP): it is folded to (b, T, ..., F) and the probe establishes the same of each
+   block of T rows, so a time-major (T*b) flattening is refused like a time-major tensor.
 2. **Every use of every trainable parameter, attributed to the right example.** Hooks see module calls; a
    parameter can also be used outside them (``F.linear(h, emb.weight)`` as a hand-tied output layer, a weight
    read only through ``F.linear`` or in the loss). On a verified micro-batch the parameters require gradients,
@@ -259,9 +261,11 @@ def differentiable_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, d
     return tuple(alias(a) for a in args), {k: alias(v) for k, v in kwargs.items()}, leaves
 
 
-def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> None:
+def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
     """The captured input is unchanged since the call, and dim 0 of input and output gradient has the batch
-    size (necessary, not sufficient: the probe establishes the rest)."""
+    size b, or b*T for a position-wise rule (a flattened (B*T, ..., F) input, e.g. OPT's MLP); returns the
+    positions per example folded into dim 0 (1: batch-first). Sizes are necessary, not sufficient: the probe
+    establishes that row i (or rows [i*T, (i+1)*T)) belongs to example i."""
     layer, tensors = use.layer, use.tensors
     if [t._version for t in tensors] != use.versions:
         raise RuntimeError(
@@ -269,15 +273,33 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> None:
             "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
         )
     x = tensors[0]
-    if x.dim() == 0 or x.shape[0] != batch_size or dy.dim() == 0 or dy.shape[0] != batch_size:
-        raise VerificationError(
-            f"layer {layer.name!r} ({type(layer.module).__name__}) got an input of shape "
-            f"{tuple(x.shape)} and an output gradient of shape {tuple(dy.shape)}, but the loss has "
-            f"{batch_size} examples: the engine needs the example index in dim 0 of every layer's input and "
-            "output. Inputs broadcast over the batch (leading size 1), time-major or flattened (B*T, ...) "
-            "tensors and tensors shared by all examples are not batch-first. Make the layer's input "
-            "batch-first (expand broadcast inputs to the batch), or freeze its parameters."
+    rows = x.shape[0] if x.dim() else 0
+    if rows == batch_size and dy.dim() and dy.shape[0] == batch_size:
+        return 1
+    position_wise = layer.rule is not None and layer.rule.position_wise
+    if position_wise and rows > batch_size and rows % batch_size == 0 and dy.dim() and dy.shape[0] == rows:
+        return rows // batch_size
+    shape = f"{layer.name!r} ({type(layer.module).__name__}) got an input of shape {tuple(x.shape)}"
+    if rows == 1:
+        cause = (
+            "its input is broadcast over the batch (leading size 1). Expand it to the batch before the "
+            "layer, or freeze its parameters."
         )
+    elif rows and rows % batch_size == 0 and not position_wise:
+        cause = (
+            f"its leading size is {rows // batch_size} x the batch size, as for an input flattened to "
+            "(B*T, ...), but its rule acts on whole examples (or it has none), so the rows cannot be "
+            "folded back per example. Keep its input batch-first, or freeze its parameters."
+        )
+    else:
+        cause = (
+            "its leading dimension is not the example index (a time-major tensor, or a tensor shared by "
+            "all examples). Make its input batch-first, or freeze its parameters."
+        )
+    raise VerificationError(
+        f"layer {shape} and an output gradient of shape {tuple(dy.shape)} for a micro-batch of "
+        f"{batch_size} examples: {cause}"
+    )
 
 
 @dataclass
@@ -293,6 +315,7 @@ class _Probe:
     engine_sums: ProjectedSums | None = None  # sum_i v_i g_i from the engine's per-example gradients
     autograd_sums: ProjectedSums | None = None  # sum_i v_i grad l_i from autograd
     path: tuple = ()
+    batch_first: set[int] = field(default_factory=set)  # indices in the path of uses verified unfolded
 
 
 class Verifier:
@@ -309,6 +332,9 @@ class Verifier:
         self._params, self._owners, self._every_step = params, owners, every_step
         self._structures: set[tuple] = set()
         self._paths: set[tuple] = set()
+        self._batch_first: dict[tuple, set[int]] = {}  # verified path -> its uses verified unfolded
+        self._path: tuple = ()  # the path of the current backward
+        self._index: dict[int, int] = {}  # id(use) -> its position in the current path
         self._buffers = BufferWatch(model)
         self._next: _Probe | None = None  # set by a verified forward, taken by its backward
         self.probe: _Probe | None = None  # the backward being verified
@@ -340,7 +366,8 @@ class Verifier:
         """Whether this backward is probed. A micro-batch of one example needs no probe (nothing to mix); a
         sequence of layer calls never verified, in a forward that was not verified, is refused."""
         probe, self._next = self._next, None
-        path = forward.path
+        path = self._path = forward.path
+        self._index = {id(use): i for i, use in enumerate(forward.uses)}
         if batch_size < 2 or (probe is None and path in self._paths):
             return False
         if probe is None:
@@ -386,6 +413,25 @@ class Verifier:
         for leaf in probe.leaves:
             leaf.grad = None
 
+    def check_fold(self, use: Use, fold: int) -> None:
+        """``fold`` positions per example in dim 0 of a use (:func:`check_use`). Probed: remember the uses
+        that were batch-first. Not probed: a use verified batch-first must not arrive flattened, since only
+        a probe can tell an example-major (B*T) layout from a time-major (T*B) one (a (T, B, d) tensor
+        flattened at T = 1 is batch-first when verified)."""
+        index = self._index.get(id(use), -1)
+        if self.probe is not None:
+            if fold == 1:
+                self.probe.batch_first.add(index)
+            return
+        if fold > 1 and index in self._batch_first.get(self._path, ()):
+            layer = use.layer
+            raise VerificationError(
+                f"layer {layer.name!r} ({type(layer.module).__name__}) got {fold} rows per example, "
+                "flattened into dim 0, where it had one row per example when the model was verified; which "
+                "example a row belongs to cannot be established without a probe. Construct the PrivacyEngine "
+                "with verify_every_step=True."
+            )
+
     def record(self, use: Use, dy: torch.Tensor) -> None:
         """Probe pass: fingerprint the rows of a use's output gradient."""
         self.probe.fingerprints[id(use)] = RowFingerprint(dy)
@@ -423,6 +469,7 @@ class Verifier:
         self._check_model_inputs(probe)
         self._structures.add(probe.structure)
         self._paths.add(probe.path)
+        self._batch_first[probe.path] = probe.batch_first
 
     def _check_parameter_uses(self, probe: _Probe) -> None:
         tol = max(tolerance(dtype) for dtype in probe.dtypes)

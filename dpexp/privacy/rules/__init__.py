@@ -33,12 +33,18 @@ class LayerRule:
     ``tap`` instead reads the input of the submodule of that name and the gradient with respect to that input:
     for parameters that enter the computation inside a larger module's forward (a Vision Transformer's class
     token and position embedding are added just before its ``pos_drop``).
+
+    A ``position_wise`` rule treats every axis between the example axis and the feature axis as a position
+    (:func:`as_sequence`): the layer acts on each position alone, so an input flattened to (B*T, ..., F) with
+    example i's positions in rows [i*T, (i+1)*T) is folded back to (B, T, ..., F) before the rule runs. The
+    engine's probe establishes that layout; it is never inferred from the sizes alone.
     """
 
     per_example_grads: GradFn
     check: CheckFn | None = None
     expand_broadcast_input: bool = False  # inputs of batch size 1 are expanded to the batch (position ids)
     tap: str | None = None
+    position_wise: bool = False  # a flattened (B*T, ...) input may be folded to (B, T, ...)
 
 
 _RULES: dict[str, LayerRule] = {}
@@ -53,6 +59,7 @@ def register_rule(
     check: CheckFn | None = None,
     expand_broadcast_input: bool = False,
     tap: str | None = None,
+    position_wise: bool = False,
 ) -> Callable[[GradFn], GradFn]:
     """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
     qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`."""
@@ -60,7 +67,7 @@ def register_rule(
     def decorate(fn: GradFn) -> GradFn:
         for module_type in module_types:
             key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
-            _RULES[key] = LayerRule(fn, check, expand_broadcast_input, tap)
+            _RULES[key] = LayerRule(fn, check, expand_broadcast_input, tap, position_wise)
         return fn
 
     return decorate

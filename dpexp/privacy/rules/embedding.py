@@ -23,7 +23,7 @@ def _check(module: nn.Embedding) -> None:
         )
 
 
-@register_rule(nn.Embedding, check=_check, expand_broadcast_input=True)
+@register_rule(nn.Embedding, check=_check, expand_broadcast_input=True, position_wise=True)
 def embedding_grads(module: nn.Embedding, idx: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     idx = idx.reshape(idx.shape[0], -1)
     g = dy.reshape(idx.shape[0], idx.shape[1], -1)

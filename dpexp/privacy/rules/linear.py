@@ -13,7 +13,7 @@ from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
 from dpexp.privacy.rules import as_sequence, register_rule
 
 
-@register_rule(nn.Linear)
+@register_rule(nn.Linear, position_wise=True)
 def linear_grads(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     a, g = as_sequence(x), as_sequence(dy)
     grads: dict[str, PerExampleGrad] = {"weight": Outer(g, a, module.weight.shape, g.shape[-1])}
@@ -22,7 +22,7 @@ def linear_grads(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> dict[s
     return grads
 
 
-@register_rule("transformers.pytorch_utils.Conv1D")
+@register_rule("transformers.pytorch_utils.Conv1D", position_wise=True)
 def conv1d_transposed_grads(
     module: nn.Module, x: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:

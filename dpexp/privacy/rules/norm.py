@@ -29,7 +29,7 @@ def _affine_grads(module: nn.Module, x_hat: torch.Tensor, dy: torch.Tensor, redu
 
 
 # timm's LayerNorm subclass computes the same F.layer_norm (optionally with a fused kernel).
-@register_rule(nn.LayerNorm, "timm.layers.norm.LayerNorm")
+@register_rule(nn.LayerNorm, "timm.layers.norm.LayerNorm", position_wise=True)
 def layer_norm_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)
     reduce = tuple(range(1, x.dim() - len(module.normalized_shape)))

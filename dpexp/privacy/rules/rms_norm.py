@@ -59,19 +59,19 @@ def _scale_grad(dy: torch.Tensor, x_hat: torch.Tensor) -> dict[str, PerExampleGr
     return {"weight": Dense(as_sequence(dy * x_hat).sum(1))}
 
 
-@register_rule(*LLAMA_FORM)
+@register_rule(*LLAMA_FORM, position_wise=True)
 def llama_rms_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     return _scale_grad(dy, _normalised_float32(x, _eps(module)).to(x.dtype))
 
 
-@register_rule(*FLOAT_PRODUCT_FORM)
+@register_rule(*FLOAT_PRODUCT_FORM, position_wise=True)
 def float_product_rms_norm_grads(
     module: nn.Module, x: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
     return _scale_grad(dy.float(), _normalised_float32(x, _eps(module)))
 
 
-@register_rule(*T5_FORM)
+@register_rule(*T5_FORM, position_wise=True)
 def t5_layer_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     x_hat = x * torch.rsqrt(variance + module.variance_epsilon)
@@ -80,7 +80,7 @@ def t5_layer_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) ->
     return _scale_grad(dy, x_hat)
 
 
-@register_rule(nn.RMSNorm)
+@register_rule(nn.RMSNorm, position_wise=True)
 def torch_rms_norm_grads(module: nn.RMSNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``torch.nn.RMSNorm`` normalises over ``normalized_shape`` (one or more trailing axes)."""
     x_hat = F.rms_norm(x, module.normalized_shape, None, module.eps)
