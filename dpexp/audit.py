@@ -32,7 +32,7 @@ from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import run_training
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("task", "model", "clip", "accountant", "optim", "audit")
+GROUPS = ("task", "model", "clip", "accountant", "noise", "optim", "audit")
 RESULT_FILE = "audit.json"
 
 

@@ -3,9 +3,9 @@ else, appended keys (``+clip.engine.foo=1``) included, naming the valid keys.
 
 The structured top-level schema (:class:`Schema`, registered as ``dpexp_schema``) types the keys of
 ``conf/config.yaml``; Hydra refuses an unknown top-level key or a wrong type while composing. Groups are
-checked after composition by :func:`check_config`: ``clip``, ``accountant`` and ``optim`` against the
-dataclasses below (the values and their documentation live in the YAML files), ``task`` and ``model``
-against the constructor of their ``_target_`` (the constructor is their schema).
+checked after composition by :func:`check_config`: ``clip``, ``accountant``, ``noise`` and ``optim``
+against the dataclasses below (the values and their documentation live in the YAML files), ``task`` and
+``model`` against the constructor of their ``_target_`` (the constructor is their schema).
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class Schema:
     model: Any = MISSING
     clip: Any = MISSING
     accountant: Any = MISSING
+    noise: Any = MISSING
     optim: Any = MISSING
     seed: int = MISSING
     privacy: PrivacySchema = field(default_factory=PrivacySchema)
@@ -163,6 +164,15 @@ class AccountantSchema:
 
 
 @dataclass
+class NoiseSchema:
+    name: str
+    initial: float | None = None
+    rate: float | None = None
+    period: float | None = None
+    end_fraction: float | None = None
+
+
+@dataclass
 class ScheduleSchema:
     name: str
     warmup_fraction: float = 0.0
@@ -194,6 +204,7 @@ class AuditSchema:
 GROUP_SCHEMAS: dict[str, type] = {
     "clip": ClipSchema,
     "accountant": AccountantSchema,
+    "noise": NoiseSchema,
     "optim": OptimSchema,
     "audit": AuditSchema,
 }

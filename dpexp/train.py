@@ -30,7 +30,7 @@ from dpexp.training.resume import resumed_config
 from dpexp.training.signals import RunInterrupted
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's conf/ (editable install)
-GROUPS = ("task", "model", "clip", "accountant", "optim")
+GROUPS = ("task", "model", "clip", "accountant", "noise", "optim")
 APPROXIMATION_LABELS = {"clt_approximation": "CLT approximation"}  # epsilon kinds that are not upper bounds
 
 REPORTED: list[str] = []  # the one-line messages of the runs of this process that failed by a project error

@@ -94,7 +94,7 @@ def test_prv_is_prv_accountant_upper_bound(sigma, q, steps):
 )
 def test_gdp_clt_closed_form(sigma, q, steps, delta):
     mu = q * math.sqrt(steps * (math.exp(sigma**-2) - 1))
-    assert gdp_mu(sigma, q, steps) == pytest.approx(mu, rel=1e-12)
+    assert gdp_mu([(sigma, steps)], q) == pytest.approx(mu, rel=1e-12)
     eps = get_epsilon(sigma, q, steps, delta, "gdp")
     # Dong, Roth & Su (2019), Corollary 2.13: mu-GDP is (eps, delta(eps))-DP with this delta(eps), every eps.
     delta_at_eps = norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)

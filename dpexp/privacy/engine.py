@@ -18,7 +18,7 @@ layers see, :mod:`~dpexp.privacy.verification` establishes what the engine assum
 
 from __future__ import annotations
 
-import math
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,7 +51,9 @@ class PrivacyEngine:
         sample_size: N, the size of the private data set.
         max_grad_norm: C, the global clipping norm (per-group thresholds default to C / sqrt(K)).
         noise_multiplier: sigma (0: no noise, for tests; solve it for a target epsilon with
-            :func:`dpexp.privacy.accounting.get_noise_multiplier`).
+            :func:`dpexp.privacy.accounting.get_noise_multiplier`), or a noise schedule: the sigma of every
+            step (:mod:`dpexp.privacy.noise_schedule`), each step accounted with its own; the engine refuses
+            a step beyond the schedule.
         accountant: the default accountant of :meth:`get_epsilon`.
         clipping: "flat", "per_layer" or "groups" (``groups`` = lists of parameter names, or an int K).
         strategy: "bk", "ghost" or "instantiate" (:mod:`dpexp.privacy.clipping`); ``backend`` is its old
@@ -84,7 +86,7 @@ class PrivacyEngine:
         batch_size: int,
         sample_size: int,
         max_grad_norm: float,
-        noise_multiplier: float,
+        noise_multiplier: float | Sequence[float],
         accountant: str = "rdp",
         clipping: ClippingMode = "flat",
         groups: Sequence[Sequence[str]] | int | None = None,
@@ -121,16 +123,19 @@ class PrivacyEngine:
                 "clip_function='automatic' scales every example (no example is unclipped), so adaptive "
                 "thresholds have no quantile to track: set adaptive=None (clip.engine.adaptive=null)"
             )
-        if not noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-        if noise_multiplier == 0:
+        schedule = None if isinstance(noise_multiplier, numbers.Real) else tuple(map(float, noise_multiplier))
+        sigmas = (float(noise_multiplier),) if schedule is None else schedule
+        if not sigmas or not all(sigma >= 0 for sigma in sigmas):
+            raise ValueError(f"noise multipliers must be >= 0 (at least one), got {noise_multiplier}")
+        if min(sigmas) == 0:
             warnings.warn(
                 "noise_multiplier=0: no privacy (epsilon = inf); use only for testing.", stacklevel=2
             )
         self.model, self.batch_size, self.sample_size = model, batch_size, sample_size
         self.sample_rate = batch_size / sample_size
         self.max_grad_norm, self.accountant = float(max_grad_norm), accountant
-        self.noise_multiplier = float(noise_multiplier)
+        self.noise_multipliers = schedule  # None: the constant sigmas[0] at every step
+        self._constant_sigma = sigmas[0]
         if secure_mode and generator is not None:
             raise ValueError(
                 "secure_mode=True draws noise from the operating system's CSPRNG, never from a seed: pass "
@@ -161,12 +166,6 @@ class PrivacyEngine:
         )
 
         self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, Mapping) else adaptive
-        if self.adaptive is not None and self.noise_multiplier > 0:
-            self.gradient_noise_multiplier, self.count_noise_multiplier = split_noise_multiplier(
-                self.noise_multiplier, len(self.groups), self.adaptive.budget_fraction
-            )
-        else:
-            self.gradient_noise_multiplier, self.count_noise_multiplier = self.noise_multiplier, 0.0
 
         self._verifier = Verifier(model, self._params, owners, verify_every_step)
         self._capture = Capture(
@@ -330,6 +329,35 @@ class PrivacyEngine:
         ]
         return optimizer
 
+    @property
+    def noise_multiplier(self) -> float:
+        """sigma of the current step (``self.steps``): the constant one, or the schedule's."""
+        if self.noise_multipliers is None:
+            return self._constant_sigma
+        if self.steps >= len(self.noise_multipliers):
+            raise RuntimeError(
+                f"the noise schedule has {len(self.noise_multipliers)} steps, all taken: another step would "
+                "spend privacy that was never accounted for. Build the engine with a longer schedule."
+            )
+        return self.noise_multipliers[self.steps]
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """sigma of this step's gradient noise: sigma, or sigma_new of He et al. Prop. 3.1 with adaptive
+        thresholds (:func:`dpexp.privacy.adaptive.split_noise_multiplier`)."""
+        return self._split_noise()[0]
+
+    @property
+    def count_noise_multiplier(self) -> float:
+        """sigma_b of this step's clip counts (0 without adaptive thresholds)."""
+        return self._split_noise()[1]
+
+    def _split_noise(self) -> tuple[float, float]:
+        sigma = self.noise_multiplier
+        if self.adaptive is None or sigma == 0:
+            return sigma, 0.0
+        return split_noise_multiplier(sigma, len(self.groups), self.adaptive.budget_fraction)
+
     def _privatize(self) -> None:
         """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step."""
         self._check_not_refused()
@@ -357,17 +385,15 @@ class PrivacyEngine:
         self.steps += 1
 
     def get_epsilon(self, delta: float, accountant: str | None = None) -> float:
-        """Epsilon spent so far (all ``self.steps`` steps at sample rate q and noise multiplier sigma)."""
+        """Epsilon spent so far (all ``self.steps`` steps at sample rate q, each at its noise multiplier)."""
         if self.steps == 0:
             return 0.0
-        if self.noise_multiplier == 0:
-            return math.inf
-        return accounting.get_epsilon(
-            self.noise_multiplier,
-            self.sample_rate,
-            self.steps,
-            delta,
-            accountant=accountant or self.accountant,
+        if self.noise_multipliers is None:
+            sigmas, repeat = [self._constant_sigma], self.steps
+        else:
+            sigmas, repeat = self.noise_multipliers[: self.steps], 1
+        return accounting.get_schedule_epsilon(
+            sigmas, self.sample_rate, delta, accountant or self.accountant, repeat=repeat
         )
 
     # ------------------------------------------------------------------ checkpoints

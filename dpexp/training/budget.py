@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from omegaconf import DictConfig
@@ -59,32 +60,44 @@ class PrivacyBudget:
             **kwargs,
         )
 
-    def epsilon(self, plan: RunPlan, steps: int, accountant: str) -> float | None:
-        """Epsilon after ``steps`` steps (None for a non-private run, 0 before the first step)."""
+    def steps_within_budget(self, *args: Any, accountant: str, **kwargs: Any) -> int:
+        """:func:`dpexp.privacy.accounting.steps_within_budget` under the limits."""
+        return self._calls(
+            accounting.steps_within_budget,
+            *args,
+            accountant=accountant,
+            what=f"the steps within the budget under the {accountant} accountant",
+            **kwargs,
+        )
+
+    def epsilon(self, plan: RunPlan, sigmas: Sequence[float], accountant: str) -> float | None:
+        """Epsilon of steps at noise multipliers ``sigmas``, those accounted so far (None for a non-private
+        run, 0 before the first step); remembered by their number, which only grows during a run."""
         if plan.target_epsilon is None:
             return None
-        if steps == 0:
+        if not sigmas:
             return 0.0
-        key = (accountant, steps)
+        key = (accountant, len(sigmas))
         if key not in self._epsilons:
             self._epsilons[key] = self._calls(
-                accounting.get_epsilon,
-                plan.noise_multiplier,
+                accounting.get_schedule_epsilon,
+                list(sigmas),
                 plan.sample_rate,
-                steps,
                 plan.delta,
                 accountant=accountant,
                 what=f"epsilon under the {accountant} accountant",
             )
         return self._epsilons[key]
 
-    def epsilons(self, plan: RunPlan, steps: int) -> tuple[dict[str, float | None], dict[str, str]]:
+    def epsilons(
+        self, plan: RunPlan, sigmas: Sequence[float]
+    ) -> tuple[dict[str, float | None], dict[str, str]]:
         """Epsilon under every accountant, and the error of each one that failed (its epsilon is None)."""
         epsilons: dict[str, float | None] = {}
         errors: dict[str, str] = {}
         for name in accounting.ACCOUNTANTS:
             try:
-                epsilons[name] = self.epsilon(plan, steps, name)
+                epsilons[name] = self.epsilon(plan, sigmas, name)
             except (ValueError, RuntimeError, ArithmeticError) as error:
                 epsilons[name] = None
                 errors[name] = f"{type(error).__name__}: {error}"

@@ -45,7 +45,14 @@ from dpexp.training.budget import PrivacyBudget, accounting_limits
 from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
 from dpexp.training.hooks import RunHooks
 from dpexp.training.optim import build_optimizer, build_scheduler, check_optim_values
-from dpexp.training.plan import RunPlan, calibration_accountant, check_run_keys, plan_run, target_epsilon
+from dpexp.training.plan import (
+    RunPlan,
+    calibration_accountant,
+    check_noise,
+    check_run_keys,
+    plan_run,
+    target_epsilon,
+)
 from dpexp.training.record import (
     DIVERGED,
     FAILED,
@@ -165,6 +172,7 @@ class _Run:
         self.device = resolve_device(cfg.device)
         calibration_accountant(cfg)  # refuse values that cannot work before loading any data
         target_epsilon(cfg)
+        check_noise(cfg)
         check_run_keys(cfg)
         check_optim_values(cfg.optim)
         if _choice(cfg.logger) == "wandb":
@@ -181,7 +189,9 @@ class _Run:
         self.model = factory.build(self.task.info).to(self.device)
         self.model.train()
         self.dataset = self.hooks.training_set(self.task, self.task.train_dataset)
-        self.plan = plan_run(cfg, len(self.dataset), self.budget.noise_multiplier)
+        self.plan = plan_run(
+            cfg, len(self.dataset), self.budget.noise_multiplier, self.budget.steps_within_budget
+        )
         names = {
             "task": self.task.name,
             "model": type(factory).__name__,
@@ -210,7 +220,11 @@ class _Run:
             optimizer=self.optimizer,
             batch_size=self.plan.batch_size,
             sample_size=self.plan.sample_size,
-            noise_multiplier=self.plan.noise_multiplier,
+            noise_multiplier=(
+                self.plan.noise_multiplier
+                if self.plan.noise_schedule == "constant"
+                else self.plan.noise_multipliers
+            ),
         )
         self.sampler = build_batch_sampler(
             _choice(cfg.sampling),
@@ -296,7 +310,7 @@ class _Run:
                 self.window_count = 0
                 bar.set_postfix(
                     loss=self.train_loss,
-                    eps=self.budget.epsilon(plan, self.steps_accounted, cfg.accountant.name),
+                    eps=self.budget.epsilon(plan, self._accounted(), cfg.accountant.name),
                     ex_per_s=round(self.examples / max(self.train_time, 1e-9)),
                     refresh=False,
                 )
@@ -330,7 +344,7 @@ class _Run:
         entry = {
             "step": self.step,
             "epoch": self.step * self.plan.sample_rate,
-            "epsilon": self.budget.epsilon(self.plan, self.steps_accounted, self.cfg.accountant.name),
+            "epsilon": self.budget.epsilon(self.plan, self._accounted(), self.cfg.accountant.name),
             "train_loss": self.train_loss,
             "lr": self.scheduler.get_last_lr()[0],
             "examples_seen": self.examples,
@@ -463,8 +477,19 @@ class _Run:
         """Epsilon of the steps accounted under every accountant, and the accountants that failed."""
         if self.plan is None:
             return {}
-        epsilons, errors = self.budget.epsilons(self.plan, self.steps_accounted)
+        epsilons, errors = self.budget.epsilons(self.plan, self._accounted())
         return {"epsilon": epsilons, "epsilon_errors": errors}
+
+    def _accounted(self) -> list[float]:
+        """The noise multiplier of every step whose privacy is spent (``steps_accounted`` of them): steps
+        0..step-1, and the first runs of the steps a secure-mode resume redid with fresh noise."""
+        sigmas = self.plan.noise_multipliers
+        redone = [
+            sigma
+            for resume in self.record.data.get("resumes", [])
+            for sigma in sigmas[resume["from_step"] : resume["from_step"] + resume["accounted_again"]]
+        ]
+        return sigmas[: self.step] + redone
 
     def _wall_time(self) -> float:
         return self.wall_time_before + time.perf_counter() - self.started

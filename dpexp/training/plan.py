@@ -1,6 +1,9 @@
 """What a run fixes before it trains: the data set size N, batch size B and rate q = B/N, the number of
 steps T, delta, and the noise multiplier sigma solved for the target epsilon with the calibrating accountant
-(an upper bound, rdp or prv, unless the GDP approximation is opted into: :func:`calibration_accountant`)."""
+(an upper bound, rdp or prv, unless the GDP approximation is opted into: :func:`calibration_accountant`).
+
+With a noise schedule (``noise`` group, :mod:`dpexp.privacy.noise_schedule`) sigma is the first step's and
+every step has its own; with ``noise.initial`` given instead of solved, T is where the budget is spent."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from dpexp.backends import is_private
+from dpexp.backends import is_private, method_of
 from dpexp.privacy import accounting
+from dpexp.privacy.noise_schedule import check_schedule, schedule_shape
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,10 @@ class RunPlan:
     epochs: float  # T * q
     delta: float
     target_epsilon: float | None  # None for non-private runs
-    noise_multiplier: float  # sigma (0 for non-private runs)
+    noise_multiplier: float  # sigma of the first step (0 for non-private runs)
+    noise_schedule: str  # constant | time | exponential | step | polynomial
+    noise_multipliers: list[float]  # sigma of every step (empty for non-private runs)
+    stopped_at_budget: bool  # T is where noise.initial's schedule spends the budget (budget-based stopping)
 
 
 def resolve_delta(delta: float | None, rule: str, sample_size: int) -> float:
@@ -76,6 +83,27 @@ def check_run_keys(cfg: DictConfig) -> None:
         )
 
 
+def check_noise(cfg: DictConfig) -> None:
+    """Refuse a noise schedule that cannot work (``noise`` group), naming the key, before any data loads."""
+    noise = cfg.noise
+    try:
+        check_schedule(noise.name, noise.rate, noise.period, noise.end_fraction)
+    except ValueError as error:
+        raise ValueError(f"{error} (conf/noise/{noise.name}.yaml documents the keys)") from None
+    if noise.initial is not None and not (noise.initial > 0 and math.isfinite(noise.initial)):
+        raise ValueError(
+            f"noise.initial must be a finite sigma > 0, or null to solve it for privacy.epsilon; "
+            f"got {noise.initial}."
+        )
+    if noise.initial is not None and not is_private(cfg.clip):
+        raise ValueError("noise.initial sets the noise of a private run; clip=nonprivate adds none.")
+    if noise.name != "constant" and method_of(cfg.clip) == "opacus":
+        raise ValueError(
+            f"noise={noise.name}: the Opacus baseline adds one sigma for the whole run; noise schedules need "
+            "a dpexp clip (e.g. clip=bk), or noise=constant."
+        )
+
+
 def target_epsilon(cfg: DictConfig) -> float | None:
     """``privacy.epsilon`` of a private run, refused unless a finite number > 0; None if not private."""
     if not is_private(cfg.clip):
@@ -90,11 +118,17 @@ def target_epsilon(cfg: DictConfig) -> float | None:
 
 
 def plan_run(
-    cfg: DictConfig, sample_size: int, solve: Callable[..., float] = accounting.get_noise_multiplier
+    cfg: DictConfig,
+    sample_size: int,
+    solve: Callable[..., float] = accounting.get_noise_multiplier,
+    within_budget: Callable[..., int] = accounting.steps_within_budget,
 ) -> RunPlan:
-    """Steps, sampling rate, delta and the noise multiplier solved with :func:`calibration_accountant`
-    (``solve`` has the signature of :func:`dpexp.privacy.accounting.get_noise_multiplier`)."""
+    """Steps, sampling rate, delta and the noise multipliers: solved with :func:`calibration_accountant`
+    (``solve`` has the signature of :func:`dpexp.privacy.accounting.get_noise_multiplier`), or, with
+    ``noise.initial``, fixed and the run cut at the step where they spend the budget (``within_budget``:
+    :func:`dpexp.privacy.accounting.steps_within_budget`)."""
     check_run_keys(cfg)
+    check_noise(cfg)
     if sample_size < 1:
         raise ValueError("The training set is empty: the task's training split has no examples.")
     batch_size = int(cfg.batch_size)
@@ -113,10 +147,27 @@ def plan_run(
         )
     delta = resolve_delta(cfg.privacy.delta, cfg.privacy.delta_rule, sample_size)
     epsilon = target_epsilon(cfg)
-    sigma = 0.0
+    noise = cfg.noise
+    sigmas: list[float] = []
+    stopped = False
     if epsilon is not None:
         name, approximate = calibration_accountant(cfg)
-        sigma = solve(epsilon, delta, sample_rate, steps, accountant=name, allow_approximation=approximate)
+        shape = schedule_shape(noise.name, steps, sample_rate, noise.rate, noise.period, noise.end_fraction)
+        scale = noise.initial
+        if scale is None:
+            scale = solve(
+                epsilon,
+                delta,
+                sample_rate,
+                steps,
+                accountant=name,
+                allow_approximation=approximate,
+                **({} if noise.name == "constant" else {"shape": shape}),
+            )
+        sigmas = [scale * f for f in shape]
+        if noise.initial is not None:
+            steps = _steps_until_spent(sigmas, sample_rate, delta, epsilon, name, within_budget, cfg)
+            sigmas, stopped = sigmas[:steps], True
     return RunPlan(
         sample_size=sample_size,
         batch_size=batch_size,
@@ -126,5 +177,34 @@ def plan_run(
         epochs=steps * sample_rate,
         delta=delta,
         target_epsilon=epsilon,
-        noise_multiplier=sigma,
+        noise_multiplier=sigmas[0] if sigmas else 0.0,
+        noise_schedule=str(noise.name),
+        noise_multipliers=sigmas,
+        stopped_at_budget=stopped,
     )
+
+
+def _steps_until_spent(
+    sigmas: list[float],
+    sample_rate: float,
+    delta: float,
+    epsilon: float,
+    accountant: str,
+    within_budget: Callable[..., int],
+    cfg: DictConfig,
+) -> int:
+    """Budget-based stopping: the number of steps of ``sigmas`` that spend at most ``epsilon``; refused when
+    not even one step fits, or when the budget is not spent by the last allowed step."""
+    steps = within_budget(sigmas, sample_rate, delta, epsilon, accountant=accountant)
+    where = f"noise.initial={cfg.noise.initial} with noise={cfg.noise.name}"
+    if steps == 0:
+        raise ValueError(
+            f"{where} spends more than privacy.epsilon={epsilon} in its first step: raise noise.initial."
+        )
+    if steps == len(sigmas):
+        raise ValueError(
+            f"{where} does not spend privacy.epsilon={epsilon} in the {steps} steps allowed (epochs/steps "
+            "are the maximum when the run stops at its budget): raise epochs or steps, lower noise.initial, "
+            "or set noise.initial=null to solve the schedule's scale for the budget."
+        )
+    return steps

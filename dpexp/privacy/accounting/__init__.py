@@ -1,8 +1,9 @@
 """Privacy accounting for DP-SGD with Poisson subsampling at rate q, noise multiplier sigma and T steps.
 
-One module per accountant, each with ``epsilon(sigma, q, T, delta)`` and ``KIND`` (an upper bound on the
-true epsilon, or an approximation), behind the registry :data:`ACCOUNTANTS`; Li et al. (2022, appendix B)
-report all three for the same run:
+One module per accountant, each with ``epsilon(compositions, q, delta)`` (``compositions``: ``(sigma, steps)``
+pairs, so that a noise schedule whose sigma changes from step to step is accounted exactly, Monir et al.
+2024, section 3.1.1) and ``KIND`` (an upper bound on the true epsilon, or an approximation), behind the
+registry :data:`ACCOUNTANTS`; Li et al. (2022, appendix B) report all three for the same run:
 
 - ``"rdp"`` (:mod:`.rdp`): Rényi DP, converted to (epsilon, delta); a strict upper bound.
 - ``"prv"`` (:mod:`.prv`): numerical composition of privacy loss random variables; its upper bound.
@@ -19,7 +20,8 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from dpexp.privacy.accounting import gdp, prv, rdp
@@ -51,14 +53,52 @@ def get_epsilon(
 
     Returns ``math.inf`` for sigma = 0 (no noise, no privacy).
     """
-    _check_accountant(accountant)
     _check_run(sample_rate, steps)
+    return get_schedule_epsilon([noise_multiplier], sample_rate, delta, accountant, repeat=steps)
+
+
+def get_schedule_epsilon(
+    noise_multipliers: Sequence[float],
+    sample_rate: float,
+    delta: float,
+    accountant: str = "rdp",
+    repeat: int = 1,
+) -> float:
+    """Epsilon of one Poisson-subsampled Gaussian step (rate q) at every sigma of ``noise_multipliers`` (a
+    noise schedule, one sigma per step, each taken ``repeat`` times), at delta: the steps compose whatever
+    their order, so equal sigmas are accounted together. ``math.inf`` if any sigma is 0."""
+    _check_accountant(accountant)
+    _check_run(sample_rate, max(len(noise_multipliers), 1) * repeat)
     _check_delta(delta)
-    if not noise_multiplier >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
-    if noise_multiplier == 0:
+    if not len(noise_multipliers):
+        return 0.0
+    if not all(sigma >= 0 for sigma in noise_multipliers):
+        raise ValueError(f"every noise_multiplier must be >= 0, got {min(noise_multipliers)}.")
+    if min(noise_multipliers) == 0:
         return math.inf
-    return ACCOUNTANTS[accountant].epsilon(noise_multiplier, sample_rate, steps, delta)
+    counts = Counter(float(sigma) for sigma in noise_multipliers)
+    compositions = [(sigma, count * repeat) for sigma, count in sorted(counts.items())]
+    return ACCOUNTANTS[accountant].epsilon(compositions, sample_rate, delta)
+
+
+def steps_within_budget(
+    noise_multipliers: Sequence[float],
+    sample_rate: float,
+    delta: float,
+    target_epsilon: float,
+    accountant: str = "rdp",
+) -> int:
+    """The largest t such that the first t steps of the schedule spend at most ``target_epsilon``: where a run
+    stops when its budget is spent (budget-based stopping, Monir et al. 2024, section 6, Table 8). Epsilon
+    grows with t, so t is found by bisection (O(log T) accountant calls)."""
+    lo, hi = 0, len(noise_multipliers)  # epsilon(lo steps) <= target; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if get_schedule_epsilon(noise_multipliers[:mid], sample_rate, delta, accountant) <= target_epsilon:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def get_noise_multiplier(
@@ -70,8 +110,13 @@ def get_noise_multiplier(
     tolerance: float = 1e-3,
     *,
     allow_approximation: bool = False,
+    shape: Sequence[float] | None = None,
 ) -> float:
     """sigma with (1 - tolerance) target_epsilon <= get_epsilon(sigma, ...) <= target_epsilon.
+
+    With a noise schedule's ``shape`` (``steps`` positive factors, :mod:`dpexp.privacy.noise_schedule`), the
+    scale s such that the schedule ``s * shape`` spends the budget the same way (its first sigma when the
+    shape starts at 1).
 
     Li et al. (2022), appendix B: "numerically invert" the accountant. sigma is bracketed (steps of 1.5x from
     1, or for the costly PRV 1.1x from the GDP and RDP solutions, which usually under- and overestimate it),
@@ -93,7 +138,13 @@ def get_noise_multiplier(
         )
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance (relative, on epsilon) must be in (0, 1), got {tolerance}.")
-    return _solve_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, accountant, tolerance)
+    if shape is None:
+        shape = [1.0]
+    elif len(shape) != steps or not all(0 < f < math.inf for f in shape):
+        raise ValueError(f"a noise schedule's shape needs {steps} positive finite factors, got {len(shape)}.")
+    return _solve_noise_multiplier(
+        target_epsilon, target_delta, sample_rate, steps, accountant, tolerance, list(shape)
+    )
 
 
 def _check_approximation_allowed(accountant: str, allow_approximation: bool) -> None:
@@ -119,15 +170,20 @@ def _solve_noise_multiplier(
     steps: int,
     accountant: str,
     tolerance: float,
+    shape: list[float],
 ) -> float:
-    """The search of :func:`get_noise_multiplier` on validated arguments, for any accountant."""
+    """The search of :func:`get_noise_multiplier` on validated arguments, for any accountant; ``shape`` is
+    the schedule's (one factor: constant sigma for all ``steps``)."""
+    repeat = steps // len(shape)
 
-    def excess(sigma: float) -> float:  # relative excess over the budget, decreasing in sigma
-        return get_epsilon(sigma, sample_rate, steps, target_delta, accountant) / target_epsilon - 1
+    def excess(scale: float) -> float:  # relative excess over the budget, decreasing in the scale
+        sigmas = [scale * f for f in shape]
+        spent = get_schedule_epsilon(sigmas, sample_rate, target_delta, accountant, repeat)
+        return spent / target_epsilon - 1
 
     if accountant == "prv":  # start near the solution, step gently: prv_accountant fails at too small sigma
         lo, hi = sorted(  # the GDP solution is only a starting point here: PRV decides
-            _solve_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, other, tolerance)
+            _solve_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, other, tolerance, shape)
             for other in ("gdp", "rdp")
         )
         factor = 1.1

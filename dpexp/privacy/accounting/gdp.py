@@ -1,5 +1,5 @@
 """The central limit theorem of Gaussian DP (Dong, Roth & Su 2019, Theorem 3.4 and section 5; Bu et al. 2020
-for Poisson subsampling): the run is approximately mu-GDP with mu = q sqrt(T (e^{1/sigma^2} - 1)). An
+for Poisson subsampling): the run is approximately mu-GDP with mu = q sqrt(sum_t (e^{1/sigma_t^2} - 1)). An
 approximation that can *underestimate* epsilon (Li et al. 2022, appendix B: "only provides approximations to
 the actual loss under a finite number of compositions"); reported beside the upper bounds, and calibrating
 with it needs an explicit opt-in (:func:`dpexp.privacy.accounting.get_noise_multiplier`)."""
@@ -7,6 +7,7 @@ with it needs an explicit opt-in (:func:`dpexp.privacy.accounting.get_noise_mult
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import optimize, special
@@ -14,20 +15,28 @@ from scipy import optimize, special
 KIND = "clt_approximation"
 
 
-def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
-    """The approximate epsilon at ``delta`` of T = ``steps`` steps (validated arguments, sigma > 0)."""
-    return gdp_epsilon(gdp_mu(noise_multiplier, sample_rate, steps), delta)
+def epsilon(compositions: Sequence[tuple[float, int]], sample_rate: float, delta: float) -> float:
+    """The approximate epsilon at ``delta`` of ``steps`` steps at sigma for every ``(sigma, steps)`` of
+    ``compositions`` (validated arguments, every sigma > 0)."""
+    return gdp_epsilon(gdp_mu(compositions, sample_rate), delta)
 
 
-def gdp_mu(noise_multiplier: float, sample_rate: float, steps: int) -> float:
-    """mu of the GDP central limit theorem for Poisson subsampling: q sqrt(T (e^{1/sigma^2} - 1)).
+def gdp_mu(compositions: Sequence[tuple[float, int]], sample_rate: float) -> float:
+    """mu of the GDP central limit theorem for Poisson subsampling: q sqrt(sum_t (e^{1/sigma_t^2} - 1)), the
+    sum over every step t (``steps`` of them at each ``(sigma, steps)``).
 
-    Dong, Roth & Su (2019), section 5, in the Poisson form of Bu et al. (2020); inf when e^{1/sigma^2}
-    overflows.
+    Dong, Roth & Su (2019), section 5 and Theorem 5.2 (the CLT for a sequence of mechanisms), in the Poisson
+    form of Bu et al. (2020); inf when e^{1/sigma^2} overflows. A constant sigma gives q sqrt(T (e^{1/sigma^2}
+    - 1)).
     """
-    with np.errstate(over="ignore"):
-        growth = np.expm1(np.float64(noise_multiplier) ** -2.0)
-    return float(sample_rate * math.sqrt(steps * growth)) if np.isfinite(growth) else math.inf
+    total = 0.0
+    for sigma, steps in compositions:
+        with np.errstate(over="ignore"):
+            growth = np.expm1(np.float64(sigma) ** -2.0)
+        if not np.isfinite(growth):
+            return math.inf
+        total += steps * float(growth)
+    return float(sample_rate * math.sqrt(total))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:

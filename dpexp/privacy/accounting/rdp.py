@@ -1,10 +1,11 @@
 """Rényi DP of the Poisson-subsampled Gaussian mechanism (Mironov, Talwar & Zhang 2019, section 3.3),
-composed over T steps and converted to (epsilon, delta)-DP with Balle et al. (2020, Theorem 21), as Opacus
-does. A strict upper bound."""
+composed over T steps (each with its own sigma under a noise schedule) and converted to (epsilon, delta)-DP
+with Balle et al. (2020, Theorem 21), as Opacus does. A strict upper bound."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import special
@@ -20,12 +21,13 @@ RDP_ORDERS: tuple[float, ...] = (
 )
 
 
-def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
-    """Epsilon at ``delta`` of T = ``steps`` Poisson-subsampled Gaussian steps (validated, sigma > 0)."""
+def epsilon(compositions: Sequence[tuple[float, int]], sample_rate: float, delta: float) -> float:
+    """Epsilon at ``delta`` of ``steps`` Poisson-subsampled Gaussian steps at noise multiplier sigma for every
+    ``(sigma, steps)`` of ``compositions`` (validated, every sigma > 0): RDP adds up over steps, whatever each
+    step's sigma (Mironov 2017, Proposition 1)."""
     orders = np.asarray(RDP_ORDERS)
-    return rdp_to_epsilon(
-        orders, steps * rdp_subsampled_gaussian(noise_multiplier, sample_rate, orders), delta
-    )
+    total = sum(steps * rdp_subsampled_gaussian(sigma, sample_rate, orders) for sigma, steps in compositions)
+    return rdp_to_epsilon(orders, total, delta)
 
 
 def rdp_subsampled_gaussian(noise_multiplier: float, sample_rate: float, orders: np.ndarray) -> np.ndarray:
