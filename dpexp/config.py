@@ -187,6 +187,9 @@ class OptimSchema:
     weight_decay: float = 0.0
     betas: list[float] | None = None
     eps: float | None = None
+    tolerance: float | None = None  # ADADP
+    alpha_min: float | None = None  # ADADP
+    alpha_max: float | None = None  # ADADP
 
 
 @dataclass

@@ -137,6 +137,7 @@ class _Run:
         self.device: torch.device | None = None
         self.plan: RunPlan | None = None
         self.budget: PrivacyBudget | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0  # logical steps done
         self.steps_accounted = 0  # steps whose privacy is spent: step, plus steps redone with fresh noise
         self.examples = 0
@@ -346,7 +347,7 @@ class _Run:
             "epoch": self.step * self.plan.sample_rate,
             "epsilon": self.budget.epsilon(self.plan, self._accounted(), self.cfg.accountant.name),
             "train_loss": self.train_loss,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.scheduler.get_last_lr()[0] * self.optimizer.param_groups[0].get("lr_scale", 1.0),
             "examples_seen": self.examples,
             "train_time_s": self.train_time,
         }
@@ -452,12 +453,16 @@ class _Run:
         if self.budget is not None:
             self.budget.close()
 
-    def _counts(self) -> dict[str, int]:
-        return {
+    def _counts(self) -> dict[str, Any]:
+        counts: dict[str, Any] = {
             "steps_done": self.step,
             "steps_accounted": self.steps_accounted,
             "examples_seen": self.examples,
         }
+        group = self.optimizer.param_groups[0] if self.optimizer is not None else {}
+        if "lr_scale" in group:  # ADADP: its iterations (two steps each), accepted ones, step-size scale
+            counts["adadp"] = {k: group[k] for k in ("iterations", "accepted", "lr_scale")}
+        return counts
 
     def _progress(self) -> dict[str, Any]:
         """What the run did and measured so far (the latest training loss includes the open window)."""

@@ -16,6 +16,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from dpexp.config import ConfigError
+from dpexp.training.adadp import ADADP
 
 
 def _adam_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -33,13 +34,20 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     ),
     "adam": lambda params, cfg: torch.optim.Adam(params, **_adam_options(cfg)),
     "adamw": lambda params, cfg: torch.optim.AdamW(params, **_adam_options(cfg)),
+    "adadp": lambda params, cfg: ADADP(
+        params,
+        lr=cfg["lr"],
+        tolerance=cfg["tolerance"],
+        alpha_min=cfg.get("alpha_min", 0.9),
+        alpha_max=cfg.get("alpha_max", 1.1),
+    ),
 }
 
 
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], optim_cfg: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """The torch optimizer named ``optim_cfg["name"]`` (sgd | adam | adamw) over ``params``."""
+    """The torch optimizer named ``optim_cfg["name"]`` (sgd | adam | adamw | adadp) over ``params``."""
     name = optim_cfg["name"]
     if name not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer {name!r}; valid choices: {', '.join(OPTIMIZERS)}.")
@@ -57,6 +65,12 @@ def check_optim_values(optim_cfg: Mapping[str, Any]) -> None:
         value = optim_cfg.get(key)
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"optim.{key} must be a finite number >= 0, got {value}.")
+    if optim_cfg["name"] == "adadp":
+        tolerance, low, high = (optim_cfg.get(k) for k in ("tolerance", "alpha_min", "alpha_max"))
+        if tolerance is None or not (math.isfinite(tolerance) and tolerance > 0):
+            raise ConfigError(f"optim.tolerance (tau of ADADP) must be a finite number > 0, got {tolerance}.")
+        if not (low is not None and high is not None and 0 < low < 1 < high < math.inf):
+            raise ConfigError(f"ADADP needs 0 < optim.alpha_min < 1 < optim.alpha_max, got {low} and {high}.")
     betas = optim_cfg.get("betas")
     if betas is not None and (len(betas) != 2 or not all(0 <= beta < 1 for beta in betas)):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(betas)}.")
