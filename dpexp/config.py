@@ -121,10 +121,13 @@ ConfigStore.instance().store(name="dpexp_schema", node=Schema)
 # ---------------------------------------------------------------------------------------------- groups
 @dataclass
 class AdaptiveSchema:
-    target_quantile: float
-    quantile_lr: float
-    budget_fraction: float
-    rescale_to_global: bool
+    target_quantile: float = 0.5
+    quantile_lr: float = 0.3
+    budget_fraction: float = 0.01
+    rescale_to_global: bool = False
+    method: str = "quantile"
+    norm_factor: float = 1.0
+    bound_factor: float = 2.0
 
 
 @dataclass

@@ -96,7 +96,7 @@ def _centred_counts_after(model, x, y, thresholds):
         adaptive={"budget_fraction": 0.5},
     )
     engine.backward(model(x, y))
-    counts = engine.centred_counts
+    counts = engine.adaptive_statistics
     engine.detach()
     return counts
 

@@ -1,4 +1,6 @@
-"""Private quantile estimation of clipping thresholds (Andrew et al. 2021; He et al. 2023, Algorithm 1).
+"""Adaptive clipping thresholds from privately released statistics of the per-example group norms.
+
+``method="quantile"``: private quantile estimation (Andrew et al. 2021; He et al. 2023, Algorithm 1).
 
 Each group k counts the examples it did not clip, ``b_{i,k} = 1[||g_{i,k}|| <= C_k]``. What is released is
 the *centred* count ``s_k = sum_i (b_{i,k} - 1/2)``, whose sensitivity under adding or removing one example
@@ -9,6 +11,14 @@ fraction of unclipped examples is then estimated as ``b~_k = (s_k + z_k) / B + 1
 batch size B (public), and the threshold follows the geometric update ``C_k <- C_k * exp(-eta (b~_k - q))``
 (lines 15-17), so that a fraction ``q`` of per-example group norms ends up below ``C_k``. The budget split
 between gradients and counts is Proposition 3.1 (:func:`split_noise_multiplier`).
+
+``method="norm"``: norm-based adaptive clipping (van der Veen et al. 2018; Monir et al. 2024, section 3.2.1).
+Each group releases the sum of its per-example norms clipped at ``L_k = beta C_k``,
+``n_k = sum_i min(||g_{i,k}||, L_k)`` (sensitivity L_k), with noise of std ``sigma_b L_k``
+(:func:`clipped_norm_sums`, :func:`release_norm_sums`); the next threshold is ``C_k <- alpha (n_k + z_k) / B``
+with the expected batch size B (van der Veen et al. divide by the batch's own size, which is private under
+Poisson sampling), floored at a tenth of the previous threshold when the noise makes the sum small or
+negative (post-processing). The budget split is Proposition 3.1 with sensitivity 1 in units of L_k.
 """
 
 from __future__ import annotations
@@ -21,18 +31,33 @@ import torch
 
 from dpexp.privacy.noise import standard_normal
 
+ADAPTIVE_METHODS = ("quantile", "norm")
+SENSITIVITY = {"quantile": 0.5, "norm": 1.0}  # of one released statistic, in its units (count, L_k)
+
 
 @dataclass
 class AdaptiveConfig:
-    """``target_quantile`` q, ``quantile_lr`` eta, ``budget_fraction`` r; ``rescale_to_global`` keeps
+    """``method`` (quantile | norm); quantile: ``target_quantile`` q, ``quantile_lr`` eta; norm:
+    ``norm_factor`` alpha and ``bound_factor`` beta; ``budget_fraction`` r; ``rescale_to_global`` keeps
     ``sqrt(sum_k C_k^2)`` equal to the configured C (used in He et al.'s CIFAR-10 runs)."""
 
     target_quantile: float = 0.5
     quantile_lr: float = 0.3
     budget_fraction: float = 0.01
     rescale_to_global: bool = False
+    method: str = "quantile"
+    norm_factor: float = 1.0
+    bound_factor: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.method not in ADAPTIVE_METHODS:
+            raise ValueError(
+                f"adaptive.method must be one of {', '.join(ADAPTIVE_METHODS)}, got {self.method!r}"
+            )
+        for key in ("norm_factor", "bound_factor"):
+            value = getattr(self, key)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"adaptive.{key} must be a finite number > 0, got {value}")
         if not 0.0 < self.target_quantile < 1.0:
             raise ValueError(f"adaptive.target_quantile must be in (0, 1), got {self.target_quantile}")
         if self.quantile_lr <= 0:
@@ -45,6 +70,43 @@ def centred_counts(norms: torch.Tensor, threshold: float) -> torch.Tensor:
     """``sum_i (1[||g_i|| <= C] - 1/2)`` over a (micro-)batch of per-example norms, shape (b,) -> (); each
     example moves it by exactly 1/2."""
     return (norms <= threshold).double().sum() - 0.5 * norms.shape[0]
+
+
+def clipped_norm_sums(norms: torch.Tensor, bound: float) -> torch.Tensor:
+    """``sum_i min(||g_i||, L)`` over a (micro-)batch of per-example norms, shape (b,) -> (); each example
+    moves it by at most L (a norm that is not finite counts as L)."""
+    clipped = torch.where(torch.isfinite(norms), norms.clamp(max=bound), bound)
+    return clipped.double().sum()
+
+
+def release_norm_sums(
+    sums: torch.Tensor,
+    bounds: torch.Tensor,
+    sigma_b: float,
+    generator: torch.Generator | None = None,
+    secure: bool = False,
+) -> torch.Tensor:
+    """The Gaussian mechanism on the K clipped norm sums: ``n_k + z_k``, ``z_k ~ N(0, (sigma_b L_k)^2)``."""
+    noise = standard_normal(sums.shape, generator, secure) * sigma_b * bounds.double().cpu()
+    return sums.double().cpu() + noise
+
+
+def update_thresholds_from_norms(
+    thresholds: torch.Tensor,
+    released_sums: torch.Tensor,
+    batch_size: int,
+    config: AdaptiveConfig,
+    global_norm: float,
+) -> torch.Tensor:
+    """``C_k <- max(alpha (n_k + z_k) / B, C_k / 10)`` for all K groups (van der Veen et al. 2018), B the
+    expected batch size; shapes (K,)."""
+    mean = config.norm_factor * released_sums.double() / batch_size
+    updated = torch.maximum(mean, thresholds.double() / 10)
+    if config.rescale_to_global:
+        updated = updated * (global_norm / updated.pow(2).sum().sqrt())
+    if not math.isfinite(float(updated.sum())):
+        raise FloatingPointError("adaptive clipping thresholds became non-finite")
+    return updated.to(thresholds.dtype)
 
 
 def release_centred_counts(
@@ -78,7 +140,7 @@ def update_thresholds(
 
 
 def split_noise_multiplier(
-    noise_multiplier: float, num_groups: int, budget_fraction: float
+    noise_multiplier: float, num_groups: int, budget_fraction: float, sensitivity: float = 0.5
 ) -> tuple[float, float]:
     """(sigma_new, sigma_b) from sigma, K groups and budget fraction r (He et al. 2023, Prop. 3.1, Rem. 3.1).
 
@@ -87,7 +149,9 @@ def split_noise_multiplier(
     mechanism with 1/sigma^2 = 1/sigma_new^2 + K/(2 sigma_b)^2 (appendix D), so the accounting done for sigma
     (any accountant) still holds. The counts take r = K sigma^2 / (4 sigma_b^2) of it: sigma_b =
     sigma sqrt(K / (4 r)) and sigma_new = (sigma^-2 - K/(2 sigma_b)^2)^(-1/2) = sigma / sqrt(1 - r).
-    ``budget_fraction`` r = 0 means no quantile estimation: returns (sigma, inf).
+    ``budget_fraction`` r = 0 means no quantile estimation: returns (sigma, inf). For statistics of another
+    ``sensitivity`` s (in the units their noise is measured in: 1 for norm sums in units of L_k), the counts'
+    share is K s^2 sigma^2 / sigma_b^2 = r, so sigma_b = sigma s sqrt(K / r).
     """
     if not noise_multiplier >= 0:
         raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
@@ -100,5 +164,5 @@ def split_noise_multiplier(
         )
     if budget_fraction == 0:
         return float(noise_multiplier), math.inf
-    sigma_b = noise_multiplier * math.sqrt(num_groups / (4 * budget_fraction))
+    sigma_b = noise_multiplier * sensitivity * math.sqrt(num_groups / budget_fraction)
     return noise_multiplier / math.sqrt(1 - budget_fraction), sigma_b

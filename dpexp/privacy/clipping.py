@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dpexp.privacy.adaptive import centred_counts
+from dpexp.privacy.adaptive import centred_counts, clipped_norm_sums
 from dpexp.privacy.capture import Forward, Use
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
 
@@ -162,7 +162,9 @@ def clipping_factors(
 class Clipper:
     """Clipping of one logical step: per-example group norms accumulated use by use (with the cross terms of
     tied parameters), clipping factors once a group's last use has arrived, clipped sums accumulated across
-    micro-batches, and the centred clip counts of adaptive thresholds (:mod:`dpexp.privacy.adaptive`).
+    micro-batches, and the statistic adaptive thresholds release (:mod:`dpexp.privacy.adaptive`): the centred
+    clip counts (``statistic="count"``) or the norms clipped at ``bound_factor`` times the threshold
+    (``"norm"``).
 
     ``groups`` partition the trainable parameters (:mod:`dpexp.privacy.grouping`), ``thresholds`` has shape
     (K,), ``shared`` names the parameters used by more than one layer.
@@ -178,8 +180,11 @@ class Clipper:
         norm_mode: NormMode,
         function: ClipFunction = "standard",
         stability: float = 0.01,
+        statistic: str = "count",
+        bound_factor: float = 1.0,
     ) -> None:
         self.groups, self.params, self.shared = groups, params, shared
+        self.statistic, self.bound_factor = statistic, bound_factor
         self.function, self.stability = function, stability
         self.group_of = {name: k for k, group in enumerate(groups) for name in group}
         self.thresholds = thresholds
@@ -187,8 +192,8 @@ class Clipper:
         self.n_trainable = sum(p.numel() for p in params.values())
         self.sums: dict[str, torch.Tensor] = {}
         device = next(iter(params.values())).device
-        # sum_i (1[unclipped] - 1/2) per group, on the device (no host sync per group)
-        self.centred_counts = torch.zeros(len(groups), dtype=torch.float64, device=device)
+        # per group, on the device (no host sync): sum_i (1[unclipped] - 1/2) or sum_i min(||g_i||, L)
+        self.statistics = torch.zeros(len(groups), dtype=torch.float64, device=device)
         self.coef: dict[int, torch.Tensor] = {}  # clipping factors of the current micro-batch, by group
         self.all_finite: dict[int, bool] = {}  # whether every norm of the group was finite
         self._pass: _Pass | None = None
@@ -258,7 +263,7 @@ class Clipper:
 
     def end_step(self) -> None:
         self.sums.clear()
-        self.centred_counts.zero_()
+        self.statistics.zero_()
 
     # ------------------------------------------------------------------ internals
     def _add_norm_contribution(self, name: str, grad: PerExampleGrad) -> None:
@@ -274,7 +279,7 @@ class Clipper:
 
     def _clipping_factors(self, k: int, norm_sq: torch.Tensor | None, batch_size: int) -> torch.Tensor:
         """:func:`clipping_factors` from squared group norms (None: all zero), shape (b,); counts the
-        unclipped examples for adaptive thresholds.
+        unclipped examples (or sums their clipped norms) for adaptive thresholds.
 
         A norm that is not finite (a gradient that overflowed, or ``inf * 0`` in a ghost norm of an example
         with huge activations) gives ``c_i = 0``, and :meth:`_clipped_sum` leaves the example out of the sum
@@ -285,7 +290,10 @@ class Clipper:
             norm_sq = torch.zeros(batch_size, dtype=torch.float64, device=device)
         norm = norm_sq.clamp_min(0).sqrt()
         threshold = float(self.thresholds[k])
-        self.centred_counts[k] += centred_counts(norm, threshold)
+        if self.statistic == "norm":
+            self.statistics[k] += clipped_norm_sums(norm, self.bound_factor * threshold)
+        else:
+            self.statistics[k] += centred_counts(norm, threshold)
         finite = torch.isfinite(norm)
         self.all_finite[k] = bool(finite.all())  # a host sync per group; False only on the rare path
         return torch.where(finite, clipping_factors(norm, threshold, self.function, self.stability), 0.0)

@@ -28,10 +28,13 @@ from torch import nn
 
 from dpexp.privacy import accounting
 from dpexp.privacy.adaptive import (
+    SENSITIVITY,
     AdaptiveConfig,
     release_centred_counts,
+    release_norm_sums,
     split_noise_multiplier,
     update_thresholds,
+    update_thresholds_from_norms,
 )
 from dpexp.privacy.capture import Capture, Use, discover_layers
 from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, StrategyName, make_strategy
@@ -60,7 +63,9 @@ class PrivacyEngine:
             name, accepted for one release.
         thresholds: initial per-group thresholds C_k.
         adaptive: ``{"target_quantile", "quantile_lr", "budget_fraction", "rescale_to_global"}`` to adapt
-            the thresholds by private quantile estimation (He et al. Algorithm 1).
+            the thresholds by private quantile estimation (He et al. Algorithm 1), or ``{"method": "norm",
+            "norm_factor", "bound_factor", "budget_fraction"}`` to set them from the privately released
+            mean clipped norm (van der Veen et al. 2018): :class:`dpexp.privacy.adaptive.AdaptiveConfig`.
         noise_allocation: "global", "equal_budget" or "weighted" (He et al. section 3.3).
         norm_mode: "auto" (ghost or instantiated norm per layer by cost), "ghost" or "instantiate".
         generic_fallback: give modules without a rule exact per-example gradients through ``torch.func``
@@ -154,6 +159,8 @@ class PrivacyEngine:
         self.strategy = make_strategy(strategy, sum(layout.numel.values()))
         self.norm_mode: NormMode = "instantiate" if self.strategy.name == "instantiate" else norm_mode
         shared = {name for name, owned_by in owners.items() if len(owned_by) > 1}  # tied weights
+        self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, Mapping) else adaptive
+        norm_based = self.adaptive is not None and self.adaptive.method == "norm"
         self._clipper = Clipper(
             self.groups,
             self._params,
@@ -163,9 +170,9 @@ class PrivacyEngine:
             self.norm_mode,
             clip_function,
             automatic_stability,
+            statistic="norm" if norm_based else "count",
+            bound_factor=self.adaptive.bound_factor if norm_based else 1.0,
         )
-
-        self.adaptive = AdaptiveConfig(**adaptive) if isinstance(adaptive, Mapping) else adaptive
 
         self._verifier = Verifier(model, self._params, owners, verify_every_step)
         self._capture = Capture(
@@ -196,10 +203,11 @@ class PrivacyEngine:
         self._clipper.thresholds = value
 
     @property
-    def centred_counts(self) -> torch.Tensor:
-        """This step's ``sum_i (1[||g_{i,k}|| <= C_k] - 1/2)`` per group so far, before noise (the statistic
-        adaptive thresholds release; sensitivity 1/2), shape (K,)."""
-        return self._clipper.centred_counts.clone()
+    def adaptive_statistics(self) -> torch.Tensor:
+        """This step's statistic per group so far, before noise, shape (K,): what adaptive thresholds release,
+        ``sum_i (1[||g_{i,k}|| <= C_k] - 1/2)`` (quantile; sensitivity 1/2) or ``sum_i min(||g_{i,k}||,
+        beta C_k)`` (norm; sensitivity beta C_k)."""
+        return self._clipper.statistics.clone()
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters the engine clips, noises and updates, by name (their requires_grad is off)."""
@@ -356,7 +364,9 @@ class PrivacyEngine:
         sigma = self.noise_multiplier
         if self.adaptive is None or sigma == 0:
             return sigma, 0.0
-        return split_noise_multiplier(sigma, len(self.groups), self.adaptive.budget_fraction)
+        return split_noise_multiplier(
+            sigma, len(self.groups), self.adaptive.budget_fraction, SENSITIVITY[self.adaptive.method]
+        )
 
     def _privatize(self) -> None:
         """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step."""
@@ -374,9 +384,20 @@ class PrivacyEngine:
                 self._params[name].grad = grad.div_(self.batch_size)
 
     def _end_step(self) -> None:
-        if self.adaptive is not None:
+        if self.adaptive is not None and self.adaptive.method == "norm":
+            released = release_norm_sums(
+                self._clipper.statistics,
+                self.adaptive.bound_factor * self.thresholds,
+                self.count_noise_multiplier,
+                self.generator,
+                self.secure_mode,
+            )
+            self.thresholds = update_thresholds_from_norms(
+                self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm
+            )
+        elif self.adaptive is not None:
             released = release_centred_counts(
-                self._clipper.centred_counts, self.count_noise_multiplier, self.generator, self.secure_mode
+                self._clipper.statistics, self.count_noise_multiplier, self.generator, self.secure_mode
             )
             self.thresholds = update_thresholds(
                 self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm
