@@ -6,7 +6,8 @@ With ``noise_multiplier = 0`` the engine releases the statistics themselves. Per
   (B the expected batch size, public and fixed), read in an optimizer step post-hook;
 * ``s_k(D) = sum_{i in D} (1[||g_{i,k}|| <= C_k] - 1/2)``, the centred count behind adaptive thresholds,
   read back from the public threshold update ``C_k' = C_k exp(-eta (s_k / B + 1/2 - q))``:
-  ``s_k = B (q - 1/2 - log(C_k' / C_k) / eta)``;
+  ``s_k = B (q - 1/2 - log(C_k' / C_k) / eta)`` (with the ``automatic`` clip function, AUTO-S, no count
+  is released: its thresholds are fixed, and clip_k(g) = C_k g / (||g|| + gamma));
 * the model's buffers, which the engine never noises.
 
 For add/remove neighbours D ~ D' (what the Poisson-subsampled accountant assumes), the Gaussian mechanism
@@ -52,6 +53,7 @@ CLIPPINGS = (("flat", None), ("per_layer", None), ("groups", 2))
 HUGE = 1e6
 SLACK = 1e-6  # relative slack on every bound (float64)
 QUANTILE, QUANTILE_LR = 0.5, 0.3
+GAMMA = 0.01  # stability constant of the automatic clip function
 REFUSALS = (ValueError, RuntimeError, TypeError)
 
 
@@ -130,6 +132,7 @@ class Setting:
     groups: list[list[str]] = field(default_factory=list)
     thresholds: list[float] = field(default_factory=list)
     dims: list[int] = field(default_factory=list)  # d_k, number of coordinates of group k
+    clip_function: str = "standard"  # standard (with adaptive thresholds) | automatic (AUTO-S, fixed ones)
 
 
 def _engine(model, setting: Setting, size: int, thresholds: list[float] | None = None) -> PrivacyEngine:
@@ -143,8 +146,14 @@ def _engine(model, setting: Setting, size: int, thresholds: list[float] | None =
         groups=setting.groups_arg,
         backend=setting.backend,
         thresholds=thresholds,
-        adaptive={"target_quantile": QUANTILE, "quantile_lr": QUANTILE_LR},
+        adaptive=None if automatic(setting) else {"target_quantile": QUANTILE, "quantile_lr": QUANTILE_LR},
+        clip_function=setting.clip_function,
+        automatic_stability=GAMMA,
     )
+
+
+def automatic(setting: Setting) -> bool:
+    return setting.clip_function == "automatic"
 
 
 def release(case: SensitivityCase, setting: Setting, batch: Batch, micro_batches: list[list[int]]) -> Release:
@@ -165,6 +174,8 @@ def release(case: SensitivityCase, setting: Setting, batch: Batch, micro_batches
     optimizer.step()
     ratio = engine.thresholds.double() / before.double()
     counts = case.size * (QUANTILE - 0.5 - torch.log(ratio) / QUANTILE_LR)
+    if automatic(setting):  # nothing released besides the sums: the thresholds must not have moved
+        counts = torch.where(ratio == 1, 0.0, math.inf)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     engine.detach()
     return Release(seen, counts, buffers)
@@ -176,11 +187,12 @@ def configure(
     backend: str,
     clipping: str,
     groups: int | None,
+    clip_function: str = "standard",
 ) -> Setting:
     """The engine's groups for this clipping, and thresholds C_k between the two middle per-example group
     norms of D (``grads``: the oracle's; about half the examples clipped in every group, none exactly at
     its threshold)."""
-    setting = Setting(backend, clipping, groups)
+    setting = Setting(backend, clipping, groups, clip_function=clip_function)
     probe = _engine(copy.deepcopy(case.model), setting, case.size)
     setting.groups = [list(g) for g in probe.groups]
     params = probe.trainable_parameters()
@@ -211,6 +223,10 @@ def oracle_release(grads: list[dict[str, torch.Tensor]], setting: Setting) -> Re
     for g in grads:
         for k, (group, threshold) in enumerate(zip(setting.groups, setting.thresholds, strict=True)):
             norm = float(_norm([g[n] for n in group]))
+            if automatic(setting):
+                for n in group:
+                    sums[n] += g[n] * threshold / (norm + GAMMA)
+                continue
             counts[k] += (norm <= threshold) - 0.5
             for n in group:
                 sums[n] += g[n] * min(1.0, threshold / norm) if norm > 0 else g[n]
@@ -313,6 +329,7 @@ def check_case(
     groups: int | None = None,
     kinds: list[Kind] | None = None,
     j: int = 1,
+    clip_function: str = "standard",
 ) -> Outcome:
     """Release D, D split in two micro-batches, D_{-j} and D_x for every adversarial kind; compare each
     pair that was released (see the module docstring) and D against the oracle.
@@ -323,7 +340,10 @@ def check_case(
     outcome = Outcome()
     grads = oracle_grads(case)
     setting = _attempt(
-        case, outcome, "configuration", lambda: configure(case, grads, backend, clipping, groups)
+        case,
+        outcome,
+        "configuration",
+        lambda: configure(case, grads, backend, clipping, groups, clip_function),
     )
     if setting is None:
         return outcome

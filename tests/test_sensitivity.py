@@ -65,6 +65,23 @@ def test_released_statistics_have_their_sensitivity_everywhere(name, backend, cl
     _check(name, backend, clipping, groups)
 
 
+AUTOMATIC_CASES = ["mlp", "gpt2", "wrn_block", "vit", "roberta"]
+AUTOMATIC = [
+    _param(name, *SETTINGS[i % len(SETTINGS)], *([] if i < 3 else [pytest.mark.slow]))
+    for i, name in enumerate(AUTOMATIC_CASES)
+]
+
+
+@pytest.mark.parametrize("name,backend,clipping,groups", AUTOMATIC)
+def test_automatic_clipping_has_its_sensitivity(name, backend, clipping, groups):
+    """AUTO-S (clip_k(g) = C_k g / (||g|| + gamma)): every example's contribution has norm below C_k, so the
+    same bounds hold, and the released sums are the oracle's with the automatic factors."""
+    case = make_sensitivity_case(name)
+    outcome = check_case(case, backend, clipping, groups, clip_function="automatic")
+    assert not outcome.refused
+    assert_refuses_or_private(outcome, case)
+
+
 def test_default_slice_covers_every_setting_and_neighbour_kind():
     """Every model once, every backend and clipping mode (each of the 9 settings) at least once, and every
     kind of neighbour for some model."""
@@ -105,6 +122,23 @@ def test_harness_detects_an_uncentred_count(monkeypatch):
         v for v in outcome.violations if v.pair == "D-j vs D_x (zero)" and "centred count" in v.statistic
     ]
     assert len(added) == 1 and added[0].moved == pytest.approx(2.0)  # 1 = two halves
+
+
+def test_harness_detects_automatic_clipping_without_its_stability_term(monkeypatch):
+    """AUTO-S written as C / ||g|| + gamma' (the stability constant added after the division, a plausible
+    slip) lets the zero-gradient example through unbounded and the others above C: caught."""
+    real = clipping_module.clipping_factors
+
+    def slipped(norm, threshold, function="standard", stability=0.01):
+        if function != "automatic":
+            return real(norm, threshold, function, stability)
+        return threshold / norm.clamp_min(1e-12) + 10 * stability
+
+    monkeypatch.setattr(clipping_module, "clipping_factors", slipped)
+    case = make_sensitivity_case("mlp")
+    outcome = check_case(case, "bk", "flat", clip_function="automatic")
+    with pytest.raises(AssertionError, match="sensitivity violations"):
+        assert_refuses_or_private(outcome, case)
 
 
 def test_harness_counts_a_non_finite_release_as_a_violation():
