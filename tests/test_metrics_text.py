@@ -65,3 +65,64 @@ def test_errors_are_clear(hyps: list, refs: list, message: str) -> None:
         corpus_bleu(hyps, refs)
     with pytest.raises(ValueError, match=message):
         rouge(hyps, refs)
+
+
+# ---------------------------------------------------------------------------------------------- E2E metrics
+E2E_HYPOTHESES = ["The Mill is a pub near the river.", "there is a cheap family restaurant in the centre"]
+E2E_REFERENCES = [
+    ["The Mill is a pub by the river.", "The Mill pub is near the river."],
+    ["A cheap family restaurant is in the city centre.", "There is a cheap restaurant for families."],
+]
+
+
+def test_e2e_metrics_has_the_five_columns_on_their_scales():
+    from dpexp.metrics.text import E2E_METRICS, e2e_metrics, java_available
+
+    scores = e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+    want = E2E_METRICS if java_available() else tuple(m for m in E2E_METRICS if m != "meteor")
+    assert tuple(scores) == want
+    assert 0 < scores["bleu"] < 100 and 0 < scores["rougeL"] < 100
+    assert scores["nist"] > 0 and scores["cider"] > 0
+    if "meteor" in scores:
+        assert 0 < scores["meteor"] < 1
+
+
+def test_e2e_metrics_score_a_copy_of_any_reference_as_perfect():
+    """Each hypothesis is scored against all of its references: copying the second one is perfect."""
+    from dpexp.metrics.text import e2e_metrics
+
+    copies = [refs[1] for refs in E2E_REFERENCES]
+    scores = e2e_metrics(copies, E2E_REFERENCES)
+    assert scores["bleu"] == pytest.approx(100.0) and scores["rougeL"] == pytest.approx(100.0)
+    if "meteor" in scores:
+        assert scores["meteor"] > 0.99
+    worse = e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+    assert all(worse[name] < scores[name] for name in worse)
+
+
+def test_nist_rewards_informative_ngrams_and_matches_nltk():
+    from nltk.translate.nist_score import corpus_nist
+
+    from dpexp.metrics.text import nist
+
+    refs = [["the cat sat on the mat", "a cat was sitting on the mat"]]
+    assert nist(["the cat sat on the mat"], refs) > nist(["the the the the the the"], refs)
+    tokens = [[r.split() for r in refs[0]]]
+    assert nist(["The cat sat on the mat"], refs) == pytest.approx(corpus_nist(tokens, [tokens[0][0]], n=5))
+
+
+def test_meteor_is_left_out_without_java(monkeypatch):
+    from dpexp.metrics import text
+
+    monkeypatch.setattr(text.shutil, "which", lambda name: None)
+    assert "meteor" not in text.e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+
+
+def test_nist_of_short_or_empty_generations_is_defined():
+    """An untrained model's generations may be empty or shorter than 5 tokens: orders no hypothesis reaches
+    add nothing (mteval's convention), and all-empty output scores 0."""
+    from dpexp.metrics.text import nist
+
+    refs = [["the cat sat on the mat"], ["a dog"]]
+    assert nist(["", ""], refs) == 0.0
+    assert nist(["the cat", "dog"], refs) > 0

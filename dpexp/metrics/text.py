@@ -1,6 +1,6 @@
-"""Corpus BLEU (sacrebleu) and ROUGE (rouge-score) against grouped references.
+"""Corpus BLEU (sacrebleu), ROUGE (rouge-score) and the E2E challenge's five metrics, grouped references.
 
-Both metrics are called directly from their packages (``evaluate.load`` would fetch metric scripts from the
+The metrics are called directly from their packages (``evaluate.load`` would fetch metric scripts from the
 hub at run time and fails offline). Every hypothesis is scored against *all* references of its input: the
 E2E and DART test sets list several human references per table, one per row or annotation, and the tasks
 group them by input before scoring.
@@ -18,15 +18,24 @@ How these numbers differ from the papers' official pipelines (Li et al. 2022, ap
 - SAMSum (He et al. 2023, Table 6): ROUGE-1/2/L F1 from rouge-score as here; whether the paper used
   stemming is not stated (we stem, the common choice for SAMSum).
 
-All scores are on a 0-100 scale, as the papers report them.
+All scores are on a 0-100 scale, as the papers report them, except in :func:`e2e_metrics`, which follows Li
+et al. (2022), Tables 2 and 7: BLEU and ROUGE-L in 0-100, NIST, METEOR (0-1) and CIDEr on their own scales.
+The E2E challenge's script scores NIST with mteval and METEOR, ROUGE-L and CIDEr with the MS-COCO caption
+code (pycocoevalcap); here NIST is NLTK's implementation of the same formula (n = 5) on sacrebleu's 13a
+tokens, and METEOR, ROUGE-L (beta = 1.2) and CIDEr are pycocoevalcap's own, on lower-cased 13a tokens.
+METEOR runs Meteor 1.5 in a Java process: without a Java runtime it is left out, and the caller says so.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 
 import sacrebleu
 from rouge_score import rouge_scorer
+from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+E2E_METRICS = ("bleu", "nist", "meteor", "rougeL", "cider")  # Li et al. (2022), Table 7's columns
 
 
 def _check_aligned(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> None:
@@ -77,3 +86,50 @@ def rouge(
         for name in rouge_types:
             totals[name] += scores[name].fmeasure
     return {name: 100.0 * total / len(hypotheses) for name, total in totals.items()}
+
+
+def _tokens(text: str) -> str:
+    """Lower-cased 13a tokens, space-separated (the tokenisation of :func:`e2e_metrics`)."""
+    return Tokenizer13a()(text.lower().strip())
+
+
+def nist(hypotheses: Sequence[str], references: Sequence[Sequence[str]], n: int = 5) -> float:
+    """Corpus NIST (Doddington 2002; n-grams up to ``n`` = 5, as mteval) of every hypothesis against all of
+    its references, on lower-cased 13a tokens (NLTK's ``corpus_nist``)."""
+    from nltk.translate.nist_score import corpus_nist
+
+    _check_aligned(hypotheses, references)
+    refs = [[_tokens(r).split() for r in group] for group in references]
+    hyps = [_tokens(h).split() for h in hypotheses]
+    # n-gram orders no hypothesis reaches add 0, as in mteval (NLTK would divide by zero for them)
+    longest = min(n, max(len(h) for h in hyps))
+    return float(corpus_nist(refs, hyps, n=longest)) if longest else 0.0
+
+
+def java_available() -> bool:
+    """Whether a Java runtime is on the PATH (METEOR needs one)."""
+    return shutil.which("java") is not None
+
+
+def e2e_metrics(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
+    """BLEU, NIST, METEOR, ROUGE-L and CIDEr (the E2E challenge's metrics, Li et al. 2022 Table 7), every
+    hypothesis against all references of its input; METEOR only where Java runs (module docstring)."""
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+
+    _check_aligned(hypotheses, references)
+    gts = {i: [_tokens(r) for r in group] for i, group in enumerate(references)}
+    res = {i: [_tokens(h)] for i, h in enumerate(hypotheses)}
+    scores = {
+        "bleu": corpus_bleu(hypotheses, references),
+        "nist": nist(hypotheses, references),
+        "rougeL": 100.0 * float(Rouge().compute_score(gts, res)[0]),
+        "cider": float(Cider().compute_score(gts, res)[0]),
+    }
+    if java_available():
+        from pycocoevalcap.meteor.meteor import Meteor
+
+        scorer = Meteor()  # a Java process, ended when the scorer is collected
+        scores["meteor"] = float(scorer.compute_score(gts, res)[0])
+        del scorer
+    return {name: scores[name] for name in E2E_METRICS if name in scores}

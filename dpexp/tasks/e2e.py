@@ -2,9 +2,10 @@
 
 Each training example is one (MR, reference) row; an MR has several references, one per row. The MR
 ``name[The Mill], eatType[pub], priceRange[moderate]`` is linearised as in Li & Liang (2021), whose data Li
-et al. use (their Table 11 shows it): ``name : The Mill | Type : pub | price : moderate``. Metrics: BLEU
-and ROUGE-L against all references of the MR (Li et al. 2022, Table 2; He et al. 2023, Table 5), plus the
-test-set per-token NLL.
+et al. use (their Table 11 shows it): ``name : The Mill | Type : pub | price : moderate``. Metrics: the E2E
+challenge's BLEU, NIST, METEOR, ROUGE-L and CIDEr against all references of the MR (Li et al. 2022, Tables 2
+and 7; :func:`dpexp.metrics.text.e2e_metrics`; METEOR needs a Java runtime, and is left out with a warning
+without one), plus the test-set per-token NLL.
 
 Local files (``data_root/e2e/``): the original release's ``trainset.csv``, ``devset.csv`` and
 ``testset_w_refs.csv`` (CSV with header ``mr,ref``). Offline copies hold only the dev and test files: then,
@@ -15,13 +16,17 @@ Hub: ``tuetschek/e2e_nlg`` (columns ``meaning_representation``, ``human_referenc
 from __future__ import annotations
 
 import csv
+import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from dpexp.metrics.text import e2e_metrics, java_available
 from dpexp.tasks.files import text_file
 from dpexp.tasks.generation import GenerationTask
+
+log = logging.getLogger(__name__)
 
 _ATTRIBUTE = re.compile(r"\s*([^,\[\]]+?)\s*\[([^\]]*)\]\s*(?:,|$)")
 _FIELD_NAMES = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
@@ -58,6 +63,12 @@ class E2ETask(GenerationTask):
 
     def __init__(self, *, hub_name: str = "tuetschek/e2e_nlg", **kwargs: Any) -> None:
         super().__init__(hub_name=hub_name, **kwargs)
+
+    def score(self, hypotheses: list[str], references: list[tuple[str, ...]]) -> dict[str, float]:
+        """The E2E challenge's five metrics (Li et al. 2022, Table 7)."""
+        if not java_available():
+            log.warning("METEOR needs a Java runtime (java on the PATH): this evaluation leaves it out")
+        return e2e_metrics(hypotheses, references)
 
     def read_local(self, path: Path) -> list[tuple[str, str]]:
         """(linearised MR, reference) rows of an E2E release CSV; a truncated or malformed file (an
