@@ -199,7 +199,9 @@ class SharedTensor(torch.Tensor):
     """A batch-free descendant of a shared layer's output. Operations on it return SharedTensors, except where
     it meets the batch: a broadcasting operation whose result has it broadcast over dim 0, and either the
     result's dim 0 is not 1 or another operand needs a gradient (a per-example activation). There it is
-    expanded (:meth:`SharedOutput.meet`) and the result is a plain tensor."""
+    expanded (:meth:`SharedOutput.meet`) and the result is a plain tensor. Any other operation combining it
+    with a tensor that needs a gradient is recorded as not split and returns a plain tensor: the parts then
+    miss that use, and :meth:`SharedOutput._total` refuses."""
 
     _source: SharedOutput
 
@@ -219,8 +221,9 @@ class SharedTensor(torch.Tensor):
                 return func(*args, **kwargs)
             args, kwargs = tree_unflatten(flat, spec)
             out = func(*args, **kwargs)
-        if any(t.requires_grad for t in others):
+        if any(t.requires_grad for t in others):  # combined with activations without a split: not shared
             source.unsplit.append(_op_name(func))
+            return out
         return tree_map(lambda t: _wrap(t, source) if torch.is_tensor(t) else t, out)
 
 
