@@ -58,6 +58,14 @@ def test_classification_task_is_refused():
         tiny_factory().build(TaskInfo("sst2", "classification", num_labels=2, vocab_size=30522))
 
 
+def test_lora_requested_by_the_task_is_refused():
+    info = TaskInfo(
+        "samsum", "generation", vocab_size=30522, pad_token_id=0, eos_token_id=102, lora={"rank": 32}
+    )
+    with pytest.raises(ValueError, match=r"task samsum asks for LoRA .* task.lora=null"):
+        tiny_factory().build(info)
+
+
 def test_encoder_decoder_batches_and_loss(e2e_task):
     """Sources (with eos) go to the encoder, targets (with eos, -100 padding) are the labels; the per-example
     loss is the sum of the target tokens' cross-entropies, as the model's own mean loss says per example."""

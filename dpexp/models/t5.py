@@ -94,6 +94,11 @@ class T5Factory(ModelFactory):
                 f"T5 is an encoder-decoder for generation tasks (e2e, dart, samsum), but task {info.name} is "
                 f"a {info.kind} task; use {models_for(info)}"
             )
+        if info.lora:
+            raise ValueError(
+                f"task {info.name} asks for LoRA adapters (task.lora, GPT-2's c_attn in He et al. 2023), "
+                "which the T5 factory does not provide; set task.lora=null to fine-tune T5 fully"
+            )
         if info.vocab_size is None or info.pad_token_id is None or info.eos_token_id is None:
             raise ValueError(
                 "the task info lacks vocab_size, pad_token_id or eos_token_id; "
