@@ -182,3 +182,5 @@ def test_deberta_v2_relative_embeddings_are_refused_with_their_cause():
     model = DebertaV2ForSequenceClassification(config)
     with pytest.raises(ValueError, match=r"'deberta.encoder' \(DebertaV2Encoder, relative_attention=True\)"):
         PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
+    model.deberta.requires_grad_(False)  # only the classifier trains: nothing shared reaches it
+    PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)

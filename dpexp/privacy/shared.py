@@ -72,10 +72,14 @@ def shared_modules(model: nn.Module) -> set[int]:
 
 
 def check_uncovered(name: str, module: nn.Module) -> None:
-    """Refuse shared tensors that are known to meet the batch in a way this module does not split."""
+    """Refuse shared tensors that are known to meet the batch in a way this module does not split, where
+    they reach trainable parameters."""
     kind = _qualified_name(type(module))
-    if kind == "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder" and getattr(
-        module, "relative_attention", False
+    trainable = any(p.requires_grad for p in module.parameters())
+    if (
+        kind == "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder"
+        and getattr(module, "relative_attention", False)
+        and trainable
     ):
         raise ValueError(
             f"module {name!r} (DebertaV2Encoder, relative_attention=True): its relative position embeddings "
