@@ -17,8 +17,12 @@ runs unchanged on its input expanded to the batch: ``dW_i = rule(x, dS_i)``.
 
 How S and its batch-free descendants are followed: the layer's output is returned as a :class:`SharedTensor`
 (a tensor subclass whose ``__torch_function__`` wraps the results of operations on it), for the training
-forwards the engine records only. Nothing here decides the batch dimension from a size. Whether dim 0 of
-the expanded tensors is the example index is established by the engine's verification: the probe (row i of
+forwards the engine records only. S meets the batch at a broadcasting operation where X (its shape padded
+with leading 1s) has size 1 in dim 0 and the result does not, or another operand needs a gradient (an
+activation; with a micro-batch of one the expansion is to size 1); other operations on X alone, or with
+constants (a causal mask), keep it a SharedTensor. The batch size is never compared with anything here:
+whether dim 0 of the expanded tensors is the example index is established by the engine's verification:
+the size check of every use, the probe (row i of
 every output gradient scales by its example's weight ``v_i``) and check 2 (``sum_i v_i g_i`` of every
 parameter against autograd). On every backward, the per-example parts must also add up to the gradient
 autograd delivers to S, so a use of S that this module did not see (an operation it does not split) is
