@@ -145,9 +145,11 @@ def test_fallback_on_a_tensor_shared_by_all_examples_is_refused(length):
         _step(SharedPositions(length), _cross_entropy, _sequence_batch(4, length))
 
 
-@pytest.mark.parametrize("length", [4, 7])
-def test_t5_relative_attention_bias_is_refused(length):
-    """T5's relative_attention_bias is an Embedding on (q, k) buckets, broadcast over the batch later."""
+@pytest.mark.parametrize("length", [4, 7])  # 4 = the micro-batch size
+def test_t5_relative_attention_bias_gets_per_example_gradients(length):
+    """T5's relative_attention_bias is an Embedding on (q, k) buckets, broadcast over the batch later: it was
+    refused; its per-example gradient is now taken where the bias meets the batch (dpexp.privacy.shared),
+    and the clipped step equals the brute-force oracle's."""
     from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(0)
@@ -158,8 +160,15 @@ def test_t5_relative_attention_bias_is_refused(length):
     def loss(m, b):
         return m(input_ids=b["ids"]).last_hidden_state.pow(2).sum((1, 2))
 
-    with pytest.raises(VerificationError, match="relative_attention_bias"):
-        _step(model, loss, batch)
+    grads = per_example_grads(model, loss, batch)
+    names = list(grads[0])
+    threshold = float(group_norms(grads, [names]).median())
+    expected = clipped_mean(grads, [names], [threshold], batch_size=4)
+    delta = _step(copy.deepcopy(model), loss, batch, max_grad_norm=threshold)
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert expected[bias].norm() > 0
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
 
 
 class HandTied(nn.Module):

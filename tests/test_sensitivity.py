@@ -7,9 +7,11 @@ scaled by 1e6, the label of largest loss, padding-only text); ``tests/sensitivit
 
 The default run covers every model once, cycling through the 9 backend x clipping settings (so each
 setting appears at least twice), with every neighbour kind the model admits; the full cross product is
-marked slow. Cases that were silent privacy violations before the engine verified its assumptions (T5 and
-time-major layers at T = B, shared tensors in the fallback, hand-tied and F.linear-only weights, running
-statistics) now pass by a refusal naming the module or parameter.
+marked slow. Cases that were silent privacy violations before the engine verified its assumptions
+(time-major layers at T = B, shared tensors in the fallback, hand-tied and F.linear-only weights, running
+statistics) now pass by a refusal naming the module or parameter; T5's relative attention bias, refused
+too at first, now passes privately (its per-example gradient is taken where it meets the batch,
+dpexp.privacy.shared).
 """
 
 from __future__ import annotations

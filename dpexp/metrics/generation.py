@@ -1,9 +1,11 @@
-"""Beam-search decoding of token-id prompts with a causal language model (transformers' ``generate``).
+"""Beam-search decoding of token-id prompts with a causal language model or an encoder-decoder
+(transformers' ``generate``).
 
 Li et al. (2022, app. K) decode E2E and DART with beam size 5; He et al. (2023, app. C.2) decode SAMSum with
 beam size 4. Prompts are left-padded per batch (a causal LM continues from the last position, so padding
 goes in front and is masked out); batches are formed from prompts of similar length and the original order
-is restored, which does not change any output.
+is restored, which does not change any output. An encoder-decoder (``model.config.is_encoder_decoder``)
+reads the prompt with its encoder and returns only the decoder's tokens, after its start token.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def beam_search(
                 pad_token_id=pad_token_id,
                 eos_token_id=eos_token_id,
             )
+            start = 1 if getattr(model.config, "is_encoder_decoder", False) else width
             for r, i in enumerate(rows):
-                outputs[i] = _strip_after_eos(generated[r, width:].tolist(), eos_token_id)
+                outputs[i] = _strip_after_eos(generated[r, start:].tolist(), eos_token_id)
     finally:
         model.train(was_training)
     return outputs

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from torch import nn
 
@@ -40,12 +40,19 @@ def models_for(info: TaskInfo) -> str:
     if info.input_shape is not None:
         return "an image model: model=small_cnn (any image size and channels), wrn16_4 or vit_small"
     if info.kind == "generation":
-        return "a language model: model=gpt2_tiny, gpt2, gpt2_medium, gpt2_large, gpt2_xl or gpt2_lora"
+        return (
+            "a language model: model=gpt2_tiny, gpt2, gpt2_medium, gpt2_large, gpt2_xl, gpt2_lora, "
+            "t5_tiny, t5_small or flan_t5_small"
+        )
     return "a text encoder: model=roberta_base, roberta_large, minilm or roberta_tiny"
 
 
 class ModelFactory(ABC):
     """Builds a model, and provides the tokenizer that text tasks must use with it."""
+
+    # generation models: True for an encoder-decoder (source to the encoder, target to the decoder), False
+    # for a causal LM (source, separator and target in one sequence)
+    encoder_decoder: ClassVar[bool] = False
 
     def tokenizer(self, corpus: Sequence[str] | None = None) -> Any | None:
         """The tokenizer this model expects (None for models without one). ``corpus``: texts a factory

@@ -26,6 +26,7 @@ from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.rules import LayerRule, rule_for, supported_types
 from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
+from dpexp.privacy.shared import check_uncovered, share, shared_modules
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Layer:
     module: nn.Module
     rule: LayerRule | None
     params: dict[str, str]  # attribute name in the module ('weight') -> model parameter name
+    shared: bool = False  # its output is shared by all examples (dpexp.privacy.shared)
 
 
 def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Layer], dict[str, nn.Parameter]]:
@@ -45,8 +47,10 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     without a rule when ``generic_fallback`` is off.
     """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    shared = shared_modules(model)
     layers: list[Layer] = []
     for mod_name, module in model.named_modules():
+        check_uncovered(mod_name, module)
         if isinstance(module, _BatchNorm):
             raise ValueError(
                 f"module {mod_name!r} ({type(module).__name__}) mixes examples in a batch, which breaks "
@@ -72,7 +76,13 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
             )
         if rule is not None and rule.check is not None:
             rule.check(module)
-        layers.append(Layer(mod_name, module, rule, own))
+        if id(module) in shared and (rule is None or rule.tap is not None):
+            raise ValueError(
+                f"module {mod_name!r} ({type(module).__name__}) produces a tensor shared by all examples; "
+                "the privacy engine splits its gradient per example only for a module with a rule on its own "
+                "output. Freeze its parameters or register a rule for it."
+            )
+        layers.append(Layer(mod_name, module, rule, own, id(module) in shared))
     params = {n: p for n, p in model.named_parameters() if id(p) in names}
     if not params:
         raise ValueError("the model has no trainable parameters")
@@ -166,7 +176,11 @@ class Capture:
         self._deliver, self._on_model_call, self._after_model_call = deliver, on_model_call, after_model_call
         self._recomputing = False
         self._anchor = torch.zeros((), requires_grad=True)
-        expanded = [ly.module for ly in layers if ly.rule is not None and ly.rule.expand_broadcast_input]
+        expanded = [
+            ly.module
+            for ly in layers
+            if ly.rule is not None and ly.rule.expand_broadcast_input and not ly.shared
+        ]
         self._handles: list[Any] = [
             BroadcastExpander(model, expanded, active=lambda: not self._recomputing),
             model.register_forward_pre_hook(self._model_called, with_kwargs=True),
@@ -209,9 +223,17 @@ class Capture:
                 "register a rule for it."
             )
         use = Use(layer, args, kwargs, _versions(args, kwargs))
+        if layer.shared:
+            self.forward.uses.append(use)
+            return share(layer.name, self._anchored(output), args[0], partial(self._deliver_shared, use))
         if layer.rule is None:
             use.output = output
         return self._record(use, output)
+
+    def _deliver_shared(self, use: Use, x: torch.Tensor, dy: torch.Tensor) -> None:
+        """A shared layer's per-example output gradients (B, ...), with its input expanded to the batch."""
+        use.args = (x, *use.args[1:])
+        self._deliver(use, dy)
 
     def _tapped(self, layer: Layer, tap: nn.Module, args: tuple) -> Any:
         """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
@@ -223,10 +245,12 @@ class Capture:
     def _record(self, use: Use, tensor: torch.Tensor) -> torch.Tensor:
         """Record a use and hook the gradient of ``tensor`` (anchored if it needs none)."""
         self.forward.uses.append(use)
-        if not tensor.requires_grad:
-            tensor = _Anchor.apply(tensor, self._anchor)
+        tensor = self._anchored(tensor)
         tensor.register_hook(partial(self._deliver, use))
         return tensor
+
+    def _anchored(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.requires_grad else _Anchor.apply(tensor, self._anchor)
 
     def take(self) -> Forward:
         """The forwards recorded since the last call; recording starts afresh."""

@@ -1,4 +1,5 @@
-"""Shared base for conditional generation with a decoder-only LM (table-to-text, summarisation).
+"""Shared base for conditional generation with a decoder-only LM or an encoder-decoder (table-to-text,
+summarisation).
 
 Every training example is one (source, target) pair, fed to the model as
 ``source + separator + " " + target + eos`` (the format of the code released with Li et al. 2022, after
@@ -7,6 +8,12 @@ SAMSum, He et al. 2023, app. C.2). The loss is the
 next-token cross-entropy on the target tokens and the final eos only; per example it is the SUM over those
 tokens (not the mean), the per-example loss whose gradient Li et al. clip. Source, separator and padding
 positions carry label ``IGNORE`` (-100); padding is on the right and masked by ``attention_mask``.
+
+With an encoder-decoder (a factory with ``encoder_decoder``, e.g. T5) the source plus eos goes to the encoder
+and the target plus eos is the decoder's label sequence (padded with ``IGNORE``; the model shifts it right
+behind its decoder start token); the per-example loss is again the sum of the target tokens'
+cross-entropies, and generation continues from the decoder start token. Source and target together must
+fit in ``max_length`` (the source is truncated first), as for a decoder-only LM.
 
 Evaluation on the held-out split (``evaluate``):
 
@@ -74,13 +81,17 @@ def in_dev_eval_part(source: str, fraction: float) -> bool:
     return bucket < round(fraction * 10_000)
 
 
-def target_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def target_token_losses(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
     """Next-token cross-entropy per position, zero where the label is ``IGNORE``.
 
-    ``logits`` (B, T, V) predict position t+1 from position t; ``labels`` (B, T). Returns (B, T-1), float32.
+    ``logits`` (B, T, V) predict position t+1 from position t; ``labels`` (B, T). Returns (B, T-1), in float32
+    or wider.
+    ``shift=False`` (an encoder-decoder, whose decoder input is already shifted): position t predicts label
+    t; returns (B, T).
     """
-    shifted_logits = logits[:, :-1].float()
-    shifted_labels = labels[:, 1:]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision: in float32
+    shifted_logits = logits[:, :-1] if shift else logits
+    shifted_labels = labels[:, 1:] if shift else labels
     losses = F.cross_entropy(
         shifted_logits.reshape(-1, shifted_logits.shape[-1]),
         shifted_labels.reshape(-1),
@@ -91,7 +102,8 @@ def target_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 
 class TokenizedExamples(Dataset):
-    """Tokenised training pairs: ``input_ids`` (source + separator + target + eos) and the prompt length."""
+    """Tokenised training pairs: ``input_ids`` (source + separator + target + eos) and the prompt length
+    (source + separator; for an encoder-decoder: source + eos, the encoder's part)."""
 
     def __init__(self, input_ids: list[list[int]], prompt_lengths: list[int]) -> None:
         self.input_ids = input_ids
@@ -150,6 +162,7 @@ class GenerationTask(Task):
         self.max_eval_batch_size = max_eval_batch_size
         self.lora = dict(lora) if lora else None
         self._info: TaskInfo | None = None
+        self._encoder_decoder = False  # set by setup from the factory
         self._tok: Any = None
         self._train: TokenizedExamples | None = None
 
@@ -285,8 +298,13 @@ class GenerationTask(Task):
             if overflow > cut:
                 targets[i] = targets[i][: len(targets[i]) - (overflow - cut)]
 
+    def _sources(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of sources; an encoder-decoder's end in eos (its separator is empty)."""
+        eos = [self._tok.eos_token_id] if self._encoder_decoder else []
+        return [[*ids, *eos] for ids in self._encode(texts)]
+
     def _tokenize_pairs(self, what: str, pairs: list[tuple[str, str]]) -> TokenizedExamples:
-        sources = self._encode([source for source, _ in pairs])
+        sources = self._sources([source for source, _ in pairs])
         targets = [[*ids, self._tok.eos_token_id] for ids in self._encode([" " + t for _, t in pairs])]
         self._fit(what, sources, targets, self._max_len)
         return TokenizedExamples(
@@ -307,7 +325,8 @@ class GenerationTask(Task):
         train_pairs = self._load_pairs(train_split)
         eval_groups = self._select_eval_groups(group_pairs(self._load_pairs(eval_split)))
         self._tok = self._tokenizer(factory, [text for pair in train_pairs for text in pair])
-        self._sep = self.separator_ids(self._tok)
+        self._encoder_decoder = factory.encoder_decoder
+        self._sep = [] if self._encoder_decoder else self.separator_ids(self._tok)
         model_limit = int(self._tok.model_max_length)
         if self.max_length is not None and self.max_length > model_limit:
             raise ValueError(
@@ -323,7 +342,7 @@ class GenerationTask(Task):
         self._train = self._tokenize_pairs(f"{train_split} (training)", train_pairs)
         eval_pairs = [(g.source, ref) for g in eval_groups for ref in g.references]
         self._eval_pairs = self._tokenize_pairs(f"{eval_split} (nll)", eval_pairs)
-        prompts = self._encode([g.source for g in eval_groups])
+        prompts = self._sources([g.source for g in eval_groups])
         prompt_limit = self._max_len - self.max_new_tokens
         self._fit(f"{eval_split} (prompt)", prompts, [[] for _ in prompts], prompt_limit)
         self._eval_prompts = [p + self._sep for p in prompts]
@@ -375,8 +394,11 @@ class GenerationTask(Task):
         return len(example["input_ids"])
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Right-pad to the longest example: ``input_ids``, ``attention_mask``, ``labels``, each (B, T)."""
+        """Right-pad to the longest example: ``input_ids``, ``attention_mask``, ``labels``, each (B, T); for
+        an encoder-decoder the sources (B, S) and the target labels (B, T)."""
         self._require_setup()
+        if self._encoder_decoder:
+            return self._collate_encoder_decoder(examples)
         width = max(len(e["input_ids"]) for e in examples)
         input_ids = torch.full((len(examples), width), self._tok.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -388,12 +410,34 @@ class GenerationTask(Task):
             labels[row, example["prompt_length"] : len(ids)] = ids[example["prompt_length"] :]
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
+    def _collate_encoder_decoder(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        sources = [e["input_ids"][: e["prompt_length"]] for e in examples]
+        targets = [e["input_ids"][e["prompt_length"] :] for e in examples]
+        input_ids = torch.full((len(examples), max(map(len, sources))), self._tok.pad_token_id)
+        attention_mask = torch.zeros_like(input_ids)
+        labels = torch.full((len(examples), max(map(len, targets))), IGNORE)
+        for row, (source, target) in enumerate(zip(sources, targets, strict=True)):
+            input_ids[row, : len(source)] = torch.tensor(source)
+            attention_mask[row, : len(source)] = 1
+            labels[row, : len(target)] = torch.tensor(target)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
     def per_example_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of the target tokens' cross-entropy per example, shape (B,) (Li et al. 2022).
 
         No ``position_ids`` are passed: the model derives them (broadcast over the batch), which the privacy
-        engine handles.
+        engine handles. An encoder-decoder gets its decoder input from the labels
+        (``prepare_decoder_input_ids_from_labels``: shifted right behind the start token, -100 as padding).
         """
+        if self._encoder_decoder:
+            decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+            output = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                decoder_input_ids=decoder_input_ids,
+                use_cache=False,
+            )
+            return target_token_losses(output.logits, batch["labels"], shift=False).sum(dim=1)
         output = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         logits = output.logits
         return target_token_losses(logits, batch["labels"]).sum(dim=1)
@@ -407,7 +451,8 @@ class GenerationTask(Task):
             batch = self.collate([self._eval_pairs[i] for i in range(start, min(start + batch_size, n))])
             batch = {k: v.to(device) for k, v in batch.items()}
             total += float(self.per_example_loss(model, batch).sum())
-            count += int((batch["labels"][:, 1:] != IGNORE).sum())
+            labels = batch["labels"] if self._encoder_decoder else batch["labels"][:, 1:]
+            count += int((labels != IGNORE).sum())
         return total / count
 
     def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
