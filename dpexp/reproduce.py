@@ -11,8 +11,8 @@ skipped; an interrupted, failed or killed one of the same config and code is con
 the rest are launched. Runs go to ``<runs>/<experiment>/<scale>/<values>-<config hash>-<code hash>/``.
 Then the store is re-indexed (``<out>/index.jsonl``) and the table rendered (``<out>/tables/<experiment>_
 <scale>.md`` and ``.tex``, ``<out>/figures/<experiment>_<scale>_epsilon.png``). The second form (``make
-tables``) re-indexes and renders the table of every experiment and scale that has a runs folder, from the
-records alone. Launchers: ``basic`` (Hydra's, one run after another), ``local`` (hydra-joblib-launcher,
+tables``) re-indexes and renders the table of every experiment at scale offline and at every scale that has
+a runs folder, from the records alone. Launchers: ``basic`` (Hydra's, one run after another), ``local`` (hydra-joblib-launcher,
 parallel processes: ``conf/hydra/launcher/local.yaml``), ``slurm`` (hydra-submitit-launcher:
 ``conf/hydra/launcher/slurm.yaml``). Bad input is refused in one line naming the valid values (exit 2); exit
 1 when some run of the grid did not complete.
@@ -210,12 +210,13 @@ def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
 
 
 def regenerate(options: Mapping[str, str]) -> int:
-    """``make tables``: re-index and render every experiment and scale that has a runs folder."""
+    """``make tables``: re-index and render every experiment at every scale that has a runs folder, and
+    at scale offline always (its published numbers beside what the store holds, if anything)."""
     runs, out = Path(options["runs"]), Path(options["out"])
     entries, source = index(runs, out), code_version()
     for name in experiments.experiment_names():
         for scale in experiments.load_experiment(name).scales:
-            if (runs / name / scale).is_dir():
+            if scale == "offline" or (runs / name / scale).is_dir():
                 for path in render(name, scale, entries, out, source):
                     print(f"wrote {path}")
     print(f"indexed {len(entries)} run records into {out / store.INDEX_FILE}")
