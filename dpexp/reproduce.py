@@ -12,10 +12,10 @@ the rest are launched. Runs go to ``<runs>/<experiment>/<scale>/<values>-<config
 Then the store is re-indexed (``<out>/index.jsonl``) and the table rendered (``<out>/tables/<experiment>_
 <scale>.md`` and ``.tex``, ``<out>/figures/<experiment>_<scale>_epsilon.png``). The second form (``make
 tables``) re-indexes and renders the table of every experiment at scale offline and at every scale that has
-a runs folder, from the records alone. Launchers: ``basic`` (Hydra's, one run after another), ``local`` (hydra-joblib-launcher,
-parallel processes: ``conf/hydra/launcher/local.yaml``), ``slurm`` (hydra-submitit-launcher:
-``conf/hydra/launcher/slurm.yaml``). Bad input is refused in one line naming the valid values (exit 2); exit
-1 when some run of the grid did not complete.
+a runs folder, from the records alone. Launchers: ``basic`` (Hydra's, one run after another), ``local``
+(hydra-joblib-launcher, parallel processes: ``conf/hydra/launcher/local.yaml``), ``slurm``
+(hydra-submitit-launcher: ``conf/hydra/launcher/slurm.yaml``). Bad input is refused in one line naming the
+valid values (exit 2); exit 1 when some run of the grid did not complete.
 """
 
 from __future__ import annotations
