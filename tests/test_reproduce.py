@@ -3,6 +3,7 @@ and its table rendered from the store."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,19 @@ def test_reproduce_runs_the_grid_once_then_skips_it(tiny_experiment: Path, capsy
     assert reproduce.main(arguments) == 0
     assert "2 runs: 2 complete (skipped), 0 to resume, 0 to launch" in capsys.readouterr().out
     assert len(store.read_index(out / store.INDEX_FILE)) == 2
+
+
+@pytest.mark.slow
+def test_reproduce_resumes_an_unfinished_run_in_its_own_directory(tiny_experiment: Path, capsys) -> None:
+    runs, out = tiny_experiment / "runs", tiny_experiment / "results"
+    arguments = ["experiment=tiny", "scale=offline", f"runs={runs}", f"out={out}"]
+    assert reproduce.main(arguments) == 0
+    record_path = next(runs.rglob("clip-bk*/metrics.json"))
+    record = json.loads(record_path.read_text())
+    record.update(status="interrupted", error="RunInterrupted: SIGTERM")  # as a preempted run leaves it
+    record_path.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert reproduce.main(arguments) == 0
+    assert "2 runs: 1 complete (skipped), 1 to resume, 0 to launch" in capsys.readouterr().out
+    assert json.loads(record_path.read_text())["status"] == "completed"
+    assert len(list(runs.rglob("metrics.json"))) == 2  # continued in place, no new run directory

@@ -101,7 +101,7 @@ def build_cells(
             done = {key: s for key, s in summaries.items() if s.n}
             best = max(done, key=lambda k: done[k].mean) if done else next(iter(summaries), None)
             varying = _varying([p.settings for p in chosen])
-            choice = {k: v for k, v in settings[best][0].settings.items() if k in varying} if best else {}
+            choice = {k: v for k, v in settings[best][0].settings.items() if k in varying} if done else {}
             path = spec.published.path.format(row=row.get("key", ""), column=column.get("key", ""))
             cells.append(
                 Cell(
@@ -138,7 +138,8 @@ def _ours_text(cell: Cell, digits: int) -> str:
     if cell.choice:
         text += " [" + ", ".join(f"{k}={v}" for k, v in cell.choice.items()) + "]"
     if cell.statuses:
-        text += " (" + ", ".join(f"{n} {status}" for status, n in sorted(cell.statuses.items())) + ")"
+        counts = sorted(cell.statuses.items())
+        text += " (" + ", ".join(f"{n} {status.replace('_', ' ')}" for status, n in counts) + ")"
     return text
 
 
