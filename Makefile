@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpexp-installed
 
-.PHONY: install test test-all lint bench bench-report tables audit
+.PHONY: install test test-all lint bench bench-report tables figures reproduce audit
 
 install: $(STAMP)
 
@@ -33,5 +33,21 @@ bench-report: install
 audit: install
 	$(PY) -m dpexp.audit audit.save_to=results/audit/digits_white_box.json
 
+# Every table and figure from the stored run records alone: the per-study tables of results/runs/<study>/
+# and, for each experiment run under results/runs/<experiment>/<scale>/, its table in the paper's layout
+# (results/tables/<experiment>_<scale>.{md,tex}) and figure (results/figures/); results/index.jsonl indexes
+# every record.
 tables: install
 	$(PY) scripts/make_tables.py
+	$(PY) -m dpexp.reproduce tables
+
+figures: tables
+
+# One published table: make reproduce EXPERIMENT=he2023_table11b SCALE=offline [LAUNCHER=basic|local|slurm]
+# runs the runs of conf/experiment/$(EXPERIMENT).yaml not yet complete for this code, resumes interrupted
+# ones, and renders the table (python -m dpexp.reproduce; an unknown name lists the valid ones).
+EXPERIMENT ?=
+SCALE ?= offline
+LAUNCHER ?= basic
+reproduce: install
+	$(PY) -m dpexp.reproduce experiment=$(EXPERIMENT) scale=$(SCALE) launcher=$(LAUNCHER)

@@ -1,10 +1,12 @@
-"""Small facts about the machine a run uses, shared by training and the benchmark: which device, and writing
-a JSON record so that a reader never sees half of it."""
+"""Small facts about the machine a run uses, shared by training and the benchmark: which device, writing
+a JSON record so that a reader never sees half of it, and which code version makes a run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import subprocess
 import traceback
 from pathlib import Path
 from typing import Any
@@ -58,3 +60,40 @@ def debug_requested(debug: bool) -> bool:
 def one_line(error: BaseException) -> str:
     """The message an entry point prints for a project error, with how to see its traceback."""
     return f"{type(error).__name__}: {error} (for the traceback: debug=true or {DEBUG_VARIABLE}=1)"
+
+
+# ------------------------------------------------------------------ the code a run is made by
+CODE_FILES = ("pyproject.toml",)  # beside the package's own *.py files
+READ_ONLY_CODE = ("results", "reproduce.py")  # read run records and never train: not part of a code version
+
+
+def code_version(package: Path | None = None) -> dict[str, Any]:
+    """The version of the code that makes a run: ``source_hash`` (sha256 of the package's ``*.py`` files and
+    ``pyproject.toml``, by relative path, first 16 hex digits: the identity two runs' code is compared by;
+    the modules that only read run records, :data:`READ_ONLY_CODE`, are left out),
+    and for people the git ``commit`` of the checkout and ``dirty`` (uncommitted changes to the package),
+    both None outside a git checkout. The configs are not part of it: a run's resolved config is keyed
+    separately (:mod:`dpexp.results.store`)."""
+    package = Path(package or Path(__file__).resolve().parent)
+    root = package.parent
+    digest = hashlib.sha256()
+    sources = [p for p in package.rglob("*.py") if p.relative_to(package).parts[0] not in READ_ONLY_CODE]
+    files = sorted(sources) + [root / name for name in CODE_FILES if (root / name).is_file()]
+    for path in files:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    commit = _git(root, "rev-parse", "HEAD")
+    status = _git(root, "status", "--porcelain", "--", package.name, *CODE_FILES)
+    return {
+        "source_hash": digest.hexdigest()[:16],
+        "commit": commit,
+        "dirty": None if commit is None or status is None else bool(status),
+    }
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """``git <args>`` in ``root`` (stripped stdout), or None when git or the checkout is missing."""
+    try:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None

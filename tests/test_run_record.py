@@ -177,3 +177,25 @@ def test_a_value_json_cannot_hold_still_leaves_a_failed_record(compose_config, t
     data = _read(tmp_path)
     assert data["status"] == "failed" and data["error"].startswith("TypeError")
     assert data["odd"].startswith("<object object") and data["steps_done"] == 3
+
+
+def test_record_keeps_the_code_version_that_started_it_and_each_other_that_resumed_it(
+    compose_config, tmp_path, monkeypatch
+):
+    from dpexp.runtime import code_version
+    from dpexp.training import loop
+
+    cfg = compose_config([*TINY_RUN, _target(MissingDataTask)])
+    with pytest.raises(FileNotFoundError):
+        run_training(cfg, tmp_path)
+    started = _read(tmp_path)["code_version"]
+    assert started == code_version() and len(started["source_hash"]) == 16
+    with pytest.raises(FileNotFoundError):  # resumed by the same code: nothing added
+        run_training(cfg, tmp_path, resume=True)
+    assert "resumed_by_code" not in _read(tmp_path)
+    other = {"source_hash": "0" * 16, "commit": None, "dirty": None}
+    monkeypatch.setattr(loop, "code_version", lambda: other)
+    with pytest.raises(FileNotFoundError):
+        run_training(cfg, tmp_path, resume=True)
+    data = _read(tmp_path)
+    assert data["code_version"] == started and data["resumed_by_code"] == [other]

@@ -39,7 +39,7 @@ from dpexp.backends import build_backend
 from dpexp.config import ConfigError, check_config
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
-from dpexp.runtime import resolve_device
+from dpexp.runtime import code_version, resolve_device
 from dpexp.tasks.base import Task
 from dpexp.training.budget import PrivacyBudget, accounting_limits
 from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
@@ -100,17 +100,21 @@ def run_training(
     (:class:`~dpexp.training.hooks.RunHooks`). ``resume``: continue the run recorded in ``output_dir``
     (``cfg`` is its config: :func:`dpexp.training.resume.load_run_config`) from its latest checkpoint, or from
     the start if it has none. A new run refuses a directory that holds another run's record. If the run fails,
-    diverges or is interrupted, the record says so and the exception is re-raised.
+    diverges or is interrupted, the record says so and the exception is re-raised. The record keeps the
+    ``code_version`` (:func:`dpexp.runtime.code_version`) that started the run; a resume by other code is
+    appended to ``resumed_by_code``.
     """
     started = time.perf_counter()
     with InterruptGuard() as guard:
+        code = code_version()
         if resume:
             record = RunRecord.reopen(output_dir)
+            if record.data.get("code_version", {}).get("source_hash") != code["source_hash"]:
+                record.update(resumed_by_code=[*record.data.get("resumed_by_code", []), code])
         else:
             resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-            record = RunRecord.create(
-                output_dir, {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "config": resolved}
-            )
+            fields = {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "code_version": code}
+            record = RunRecord.create(output_dir, {**fields, "config": resolved})
         run = _Run(cfg, record, dict(choices or {}), hooks or RunHooks(), started)
         try:
             run.run(guard, resume)

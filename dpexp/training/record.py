@@ -11,7 +11,9 @@ everything measured so far. Its ``status``:
 - ``diverged``: the training loss or the parameters became non-finite (NaN or infinity);
 - ``interrupted``: stopped by SIGTERM or SIGINT, after writing a checkpoint.
 
-Whatever the status, ``steps_done`` says how many steps ran and ``epsilon`` what they spent. Non-finite
+Whatever the status, ``steps_done`` says how many steps ran and ``epsilon`` what they spent; ``config`` is the
+resolved config and ``code_version`` the code that started the run (:func:`dpexp.runtime.code_version`), which
+the result store (:mod:`dpexp.results.store`) keys runs by. Non-finite
 numbers are stored as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (``float()`` reads them back),
 so the file is always strict JSON. Optional wandb mirroring (``logger=wandb``) logs the same evaluation
 entries; wandb is imported only when selected and runs offline unless configured otherwise.

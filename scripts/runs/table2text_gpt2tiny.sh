@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (E2E: python -m dpexp.reproduce experiment=li2022_table2 scale=offline replaces this script; it stays for DART.)
 # Offline table-to-text records with a small randomly initialised GPT-2 (gpt2_tiny: 4 layers, width 128, BPE
 # tokenizer trained on the training texts) -- the CPU stand-in for Li et al. 2022 sec. 5.2 / He et al. 2023
 # Table 5, which fine-tune pretrained GPT-2 on the full training sets.

@@ -1,0 +1,240 @@
+"""Entry point: reproduce one published table, or regenerate every table from the stored results.
+
+    python -m dpexp.reproduce experiment=he2023_table11b scale=offline [launcher=basic|local|slurm]
+        [runs=results/runs] [out=results] [dry_run=true] [hydra.launcher.<key>=<value> ...]
+    python -m dpexp.reproduce tables [runs=results/runs] [out=results]
+
+The first form runs the experiment's grid (``conf/experiment/<name>.yaml`` at ``scale``) as Hydra multiruns
+of ``python -m dpexp.train``: a run already completed (same resolved config hash, same code version) is
+skipped; an interrupted, failed or killed one of the same config and code is continued from its checkpoint
+(``resume=<run dir>``); a diverged one, or one another process is running, is reported and left alone;
+the rest are launched. Runs go to ``<runs>/<experiment>/<scale>/<values>-<config hash>-<code hash>/``.
+Then the store is re-indexed (``<out>/index.jsonl``) and the table rendered (``<out>/tables/<experiment>_
+<scale>.md`` and ``.tex``, ``<out>/figures/<experiment>_<scale>_epsilon.png``). The second form (``make
+tables``) re-indexes and renders the table of every experiment at scale offline and at every scale that has
+a runs folder, from the records alone. Launchers: ``basic`` (Hydra's, one run after another), ``local``
+(hydra-joblib-launcher, parallel processes: ``conf/hydra/launcher/local.yaml``), ``slurm``
+(hydra-submitit-launcher: ``conf/hydra/launcher/slurm.yaml``). Bad input is refused in one line naming the
+valid values (exit 2); exit 1 when some run of the grid did not complete.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpexp.config import ConfigError
+from dpexp.results import experiments, store, tables
+from dpexp.runtime import code_version
+from dpexp.training.record import COMPLETED, DIVERGED, FAILED, INTERRUPTED, RUNNING
+
+LAUNCHERS = ("basic", "local", "slurm")  # Hydra's basic launcher; conf/hydra/launcher/{local,slurm}.yaml
+OPTIONS = {"experiment": None, "scale": None, "launcher": "basic", "runs": "results/runs", "out": "results",
+           "dry_run": "false"}  # fmt: skip
+RESUMABLE = (INTERRUPTED, FAILED, RUNNING)  # RUNNING here: a record no process holds (a killed run)
+BLOCKING = (DIVERGED, "running_now")
+
+
+@dataclass
+class RunPlan:
+    """What a reproduce command does with each point of the grid."""
+
+    skip: list[experiments.Point] = field(default_factory=list)  # completed by this code version
+    resume: list[tuple[experiments.Point, str]] = field(default_factory=list)  # (point, run dir)
+    launch: list[experiments.Point] = field(default_factory=list)
+    blocked: list[tuple[experiments.Point, str]] = field(default_factory=list)  # (point, status)
+
+
+def plan_runs(
+    points: Sequence[experiments.Point],
+    run_keys: Mapping[experiments.Point, str],
+    entries: Sequence[Mapping[str, Any]],
+    source_hash: str,
+) -> RunPlan:
+    """Sort the points by the records of the same config and code version (pure)."""
+    plan = RunPlan()
+    for point in points:
+        runs = [e for e in store.find_runs(entries, run_keys[point]) if e["source_hash"] == source_hash]
+        statuses = {e["status"] for e in runs}
+        if COMPLETED in statuses:
+            plan.skip.append(point)
+        elif statuses & set(BLOCKING):
+            plan.blocked.append((point, sorted(statuses & set(BLOCKING))[0]))
+        elif runs:
+            resumable = sorted(e["run_dir"] for e in runs if e["status"] in RESUMABLE)
+            plan.resume.append((point, resumable[0]))
+        else:
+            plan.launch.append(point)
+    return plan
+
+
+def run_name(point: experiments.Point, run_key: str, source_hash: str) -> str:
+    """The run directory's name: the swept values, the config hash and the code hash."""
+    return f"{point.label}-{run_key[:8]}-{source_hash[:6]}"
+
+
+def parse_arguments(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """``key=value`` arguments -> (options, Hydra overrides passed to the multirun: ``hydra.*``)."""
+    options, passthrough = dict(OPTIONS), []
+    for argument in argv:
+        key, separator, value = argument.partition("=")
+        if not separator:
+            raise ConfigError(f"argument {argument!r} is not key=value; valid keys: {', '.join(OPTIONS)}.")
+        if key.startswith("hydra."):
+            passthrough.append(argument)
+        elif key in OPTIONS:
+            options[key] = value
+        else:
+            raise ConfigError(f"unknown key {key}; valid keys: {', '.join(OPTIONS)} (and hydra.* overrides).")
+    if options["launcher"] not in LAUNCHERS:
+        raise ConfigError(f"launcher={options['launcher']} is not a launcher; valid: {', '.join(LAUNCHERS)}.")
+    if options["dry_run"] not in ("true", "false"):
+        raise ConfigError(f"dry_run={options['dry_run']}: valid values: true, false.")
+    return options, passthrough
+
+
+def _multirun(overrides: Sequence[str]) -> int:
+    """``python -m dpexp.train -m <overrides>`` in this directory; its exit status."""
+    return subprocess.run([sys.executable, "-m", "dpexp.train", "-m", *overrides], check=False).returncode
+
+
+def execute(
+    plan: RunPlan,
+    configs: Mapping[experiments.Point, Any],
+    run_keys: Mapping[experiments.Point, str],
+    sweep_dir: Path,
+    source_hash: str,
+    launcher: str,
+    passthrough: Sequence[str],
+) -> None:
+    """Launch the plan's new runs (one multirun over ``+point=...`` configs written under ``sweep_dir/
+    .points``) and continue its resumable ones (one multirun over ``resume=...``)."""
+    launch = [f"hydra/launcher={launcher}", *passthrough] if launcher != "basic" else [*passthrough]
+    if plan.launch:
+        point_dir = sweep_dir / ".points" / "point"
+        point_dir.mkdir(parents=True, exist_ok=True)
+        names = []
+        for point in plan.launch:
+            name = run_name(point, run_keys[point], source_hash)
+            (point_dir / f"{name}.yaml").write_text(experiments.point_config(point, configs[point]))
+            names.append(name)
+        _multirun(
+            [
+                "+point=" + ",".join(names),
+                f"hydra.searchpath=[file://{point_dir.parent.resolve()}]",
+                f"hydra.sweep.dir={sweep_dir.resolve()}",
+                "hydra.sweep.subdir=${hydra:runtime.choices.point}",
+                *launch,
+            ]
+        )
+    if plan.resume:
+        dirs = ",".join(f"'{Path(run_dir).resolve()}'" for _, run_dir in plan.resume)
+        _multirun([f"resume={dirs}", f"hydra.sweep.dir={(sweep_dir / '.resume').resolve()}", *launch])
+
+
+def index(runs: Path, out: Path) -> list[dict[str, Any]]:
+    """Re-index every record under ``runs`` into ``out/index.jsonl``; the entries."""
+    entries = store.scan(runs) if runs.is_dir() else []
+    store.write_index(entries, out / store.INDEX_FILE)
+    return entries
+
+
+def render(
+    name: str, scale: str, entries: Sequence[Mapping[str, Any]], out: Path, source: Mapping[str, Any]
+) -> list[Path]:
+    """Write the experiment's table (Markdown, LaTeX) and figure at ``scale``; the files written."""
+    spec = experiments.load_experiment(name)
+    points = experiments.grid_points(name, spec, scale)
+    configs = experiments.compose_points(points)
+    setting_keys = {
+        p: store.config_key(experiments.resolved(c), with_seed=False)
+        for p, c in zip(points, configs, strict=True)
+    }
+    cells = tables.build_cells(spec, points, setting_keys, entries, source["source_hash"])
+    stem = f"{name}_{scale}"
+    written = [out / "tables" / f"{stem}.md", out / "tables" / f"{stem}.tex"]
+    written[0].parent.mkdir(parents=True, exist_ok=True)
+    written[0].write_text(tables.markdown(spec, scale, cells, source))
+    written[1].write_text(tables.latex(spec, scale, cells, source))
+    figure = out / "figures" / f"{stem}_epsilon.png"
+    if tables.epsilon_figure(spec, scale, cells, figure):
+        written.append(figure)
+    return written
+
+
+def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
+    """Run (or plan, with dry_run) one experiment at one scale and render its table; the exit status."""
+    name, scale = options["experiment"], options["scale"]
+    if name is None or scale is None:
+        raise ConfigError(
+            f"experiment=<name> scale=<scale> are required; experiments: "
+            f"{', '.join(experiments.experiment_names())}; scales: {', '.join(experiments.SCALES)}."
+        )
+    spec = experiments.load_experiment(name)
+    points = experiments.grid_points(name, spec, scale)
+    configs = dict(zip(points, experiments.compose_points(points), strict=True))
+    run_keys = {p: store.config_key(experiments.resolved(c)) for p, c in configs.items()}
+    runs, out = Path(options["runs"]), Path(options["out"])
+    source = code_version()
+    plan = plan_runs(points, run_keys, index(runs, out), source["source_hash"])
+    print(
+        f"{name} (scale={scale}): {len(points)} runs: {len(plan.skip)} complete (skipped), "
+        f"{len(plan.resume)} to resume, {len(plan.launch)} to launch, {len(plan.blocked)} left alone"
+    )
+    for point, status in plan.blocked:
+        print(f"  {point.label}: {status}; left alone", file=sys.stderr)
+    if options["dry_run"] == "true":
+        for point in plan.launch:
+            print("  launch: " + " ".join(point.overrides))
+        for _, run_dir in plan.resume:
+            print(f"  resume: {run_dir}")
+        return 0
+    execute(
+        plan, configs, run_keys, runs / name / scale, source["source_hash"], options["launcher"], passthrough
+    )
+    entries = index(runs, out)
+    for path in render(name, scale, entries, out, source):
+        print(f"wrote {path}")
+    after = plan_runs(points, run_keys, entries, source["source_hash"])
+    missing = len(points) - len(after.skip)
+    if missing:
+        print(
+            f"{missing} of {len(points)} runs did not complete (see {out / store.INDEX_FILE})",
+            file=sys.stderr,
+        )
+    return 1 if missing else 0
+
+
+def regenerate(options: Mapping[str, str]) -> int:
+    """``make tables``: re-index and render every experiment at every scale that has a runs folder, and
+    at scale offline always (its published numbers beside what the store holds, if anything)."""
+    runs, out = Path(options["runs"]), Path(options["out"])
+    entries, source = index(runs, out), code_version()
+    for name in experiments.experiment_names():
+        for scale in experiments.load_experiment(name).scales:
+            if scale == "offline" or (runs / name / scale).is_dir():
+                for path in render(name, scale, entries, out, source):
+                    print(f"wrote {path}")
+    print(f"indexed {len(entries)} run records into {out / store.INDEX_FILE}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["tables"]:
+            options, passthrough = parse_arguments(argv[1:])
+            return regenerate(options)
+        options, passthrough = parse_arguments(argv)
+        return reproduce(options, passthrough)
+    except ConfigError as error:
+        print(f"{error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

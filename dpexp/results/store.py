@@ -1,0 +1,203 @@
+"""The result store: one index of every run record, keyed by resolved config and code version.
+
+Every ``<run dir>/metrics.json`` under a runs folder (``results/runs``) becomes one line of a JSONL index
+(``results/index.jsonl``), rebuilt from the records alone. A run is identified by
+
+- ``run_key``: sha256 of its resolved config without the run-local keys (:data:`RUN_LOCAL_KEYS`: where it
+  writes, how it reports, how it resumes: nothing that changes what it computes), 16 hex digits;
+- ``setting_key``: the same without ``seed``: the runs that differ only by seed, averaged into mean +- std;
+- ``source_hash``: the code version that made it (:func:`dpexp.runtime.code_version`).
+
+:func:`summarize` averages a setting's completed runs made by one code version, one run per seed (a rerun
+of the same config and code counts once); runs by other code versions are counted apart (``stale``), never
+mixed in, and failed, diverged, interrupted or still running ones are counted by status, never averaged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dpexp.training.record import COMPLETED, LOCK_FILE, METRICS_FILE, RUNNING
+from dpexp.training.resume import RUNTIME_KEYS
+
+# Keys that do not change what a run computes: the runtime keys a resume may set, plus where the run writes
+# and reads its files and how often the progress bar reports.
+RUN_LOCAL_KEYS = (*RUNTIME_KEYS, "output", "data.root", "log_every")
+INDEX_FILE = "index.jsonl"
+UNKNOWN_CODE = "unknown"  # source_hash of a record written before records stored their code version
+
+
+def strip_keys(config: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """A copy of the nested ``config`` without the dotted ``keys`` (absent ones are ignored)."""
+    out = json.loads(json.dumps(dict(config)))
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+def config_key(config: Mapping[str, Any], *, with_seed: bool = True) -> str:
+    """sha256 (16 hex digits) of the resolved ``config`` without :data:`RUN_LOCAL_KEYS` (and ``seed`` unless
+    ``with_seed``), serialised with sorted keys: equal for configs that compute the same run."""
+    dropped = RUN_LOCAL_KEYS if with_seed else (*RUN_LOCAL_KEYS, "seed")
+    text = json.dumps(strip_keys(config, dropped), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_config(run_dir: Path, record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The resolved config of a run: the record's ``config``, else Hydra's ``.hydra/config.yaml``."""
+    if isinstance(record.get("config"), Mapping):
+        return dict(record["config"])
+    saved = run_dir / ".hydra" / "config.yaml"
+    return yaml.safe_load(saved.read_text()) if saved.is_file() else None
+
+
+def is_locked(run_dir: Path) -> bool:
+    """Whether a process holds the run directory's lock now (it is running that run)."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.is_file():
+        return False
+    descriptor = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(descriptor)  # closing releases a lock this call took
+    return False
+
+
+def _number(value: Any) -> float | None:
+    """A metric as a float (records store non-finite values as strings), None if it is not a number."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def index_entry(run_dir: Path, record: Mapping[str, Any], root: Path | None = None) -> dict[str, Any]:
+    """One index line: where the run is, its keys, code version, status, and its numbers."""
+    config = run_config(run_dir, record)
+    code = record.get("code_version") or {}
+    status = record.get("status", RUNNING)
+    if status == RUNNING and is_locked(run_dir):
+        status = "running_now"  # a process is running it; a stale 'running' record is a killed run
+    epsilon = record.get("epsilon") or {}
+    return {
+        "run_dir": str(run_dir.relative_to(root) if root else run_dir),
+        "status": status,
+        "error": record.get("error"),
+        "run_key": config_key(config) if config else None,
+        "setting_key": config_key(config, with_seed=False) if config else None,
+        "seed": record.get("seed", (config or {}).get("seed")),
+        "source_hash": code.get("source_hash", UNKNOWN_CODE),
+        "commit": code.get("commit"),
+        "dirty": code.get("dirty"),
+        "task": record.get("task"),
+        "model": record.get("model"),
+        "clip": record.get("clip"),
+        "target_epsilon": record.get("target_epsilon"),
+        "epsilon_rdp": epsilon.get("rdp"),
+        "steps": record.get("steps"),
+        "steps_done": record.get("steps_done"),
+        "epochs": record.get("epochs"),
+        "metrics": {name: _number(record.get(name)) for name in record.get("metric_names", [])},
+        "wall_time_s": record.get("wall_time_s"),
+        "throughput_examples_per_s": record.get("throughput_examples_per_s"),
+    }
+
+
+def scan(runs_root: Path, relative_to: Path | None = None) -> list[dict[str, Any]]:
+    """Index entries of every run record under ``runs_root``, sorted by run directory."""
+    entries = []
+    for path in sorted(Path(runs_root).rglob(METRICS_FILE)):
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError:  # a record being replaced right now cannot be half-written (atomic
+            continue  # rename), but a foreign file may be: not a run record
+        entries.append(index_entry(path.parent, record, relative_to))
+    return entries
+
+
+def write_index(entries: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """The index as JSONL, one run per line, sorted by run directory (a stable, diffable file)."""
+    lines = [json.dumps(entry, sort_keys=True) for entry in sorted(entries, key=lambda e: e["run_dir"])]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("".join(line + "\n" for line in lines))
+
+
+def read_index(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def find_runs(entries: Iterable[Mapping[str, Any]], run_key: str) -> list[Mapping[str, Any]]:
+    """The entries of one run config (any code version, any status)."""
+    return [entry for entry in entries if entry["run_key"] == run_key]
+
+
+@dataclass
+class Summary:
+    """A setting's runs: mean and sample std of ``metric`` over the seeds of its completed current-code runs
+    (``values``), the other runs counted by status, and completed runs of other code versions (``stale``)."""
+
+    values: list[float] = field(default_factory=list)
+    seeds: list[Any] = field(default_factory=list)
+    statuses: Counter = field(default_factory=Counter)  # runs not completed, by status (current code)
+    stale: list[float] = field(default_factory=list)  # completed runs made by other code versions
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.values) / self.n if self.values else None
+
+    @property
+    def std(self) -> float | None:
+        """Sample standard deviation (n - 1), as the papers' "over 3 seeds"; None below two seeds."""
+        if self.n < 2:
+            return None
+        mean = self.mean
+        return math.sqrt(sum((v - mean) ** 2 for v in self.values) / (self.n - 1))
+
+
+def summarize(
+    entries: Iterable[Mapping[str, Any]], setting_key: str, metric: str, source_hash: str
+) -> Summary:
+    """The :class:`Summary` of the runs of ``setting_key`` (all seeds) for ``metric`` under code version
+    ``source_hash``: one completed run per seed (the first by run directory; a rerun of the same config and
+    code is the same run), other statuses counted, other code versions' completed runs kept apart."""
+    summary = Summary()
+    taken: set[str] = set()
+    for entry in sorted(entries, key=lambda e: e["run_dir"]):
+        if entry["setting_key"] != setting_key:
+            continue
+        value = entry["metrics"].get(metric)
+        if entry["source_hash"] != source_hash:
+            if entry["status"] == COMPLETED and value is not None:
+                summary.stale.append(value)
+        elif entry["status"] != COMPLETED:
+            summary.statuses[entry["status"]] += 1
+        elif entry["run_key"] not in taken and value is not None and math.isfinite(value):
+            taken.add(entry["run_key"])
+            summary.values.append(value)
+            summary.seeds.append(entry["seed"])
+    return summary

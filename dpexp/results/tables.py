@@ -1,0 +1,261 @@
+"""An experiment's table in the paper's layout, from the result store alone, beside the published numbers.
+
+Each cell of ``rows`` x ``columns`` (``conf/experiment/<name>.yaml``) gathers the grid points that set the
+row's and the column's values (the row's win where both set a key; a row's ``ignore`` drops column keys,
+e.g. a non-private row across epsilon columns). Points differing only by seed are one setting; a cell with
+several settings (a tuned hyperparameter) shows the best mean, naming the chosen values, as the papers report
+tuned results. Each cell is printed as ours (mean +- sample std over seeds, n), the paper's value (from
+``conf/published``) and the difference; runs of other code versions are never mixed in (a cell with only
+those shows them marked †), runs that did not complete are counted by status.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from dpexp.results.experiments import Point, matches, published
+from dpexp.results.store import Summary, summarize
+
+
+@dataclass
+class Cell:
+    """One table cell: ``ours`` (the best setting's summary), the ``choice`` of tuned values that gave it,
+    the paper's ``reported`` (mean, std or None), and statuses of the cell's other runs."""
+
+    ours: Summary | None
+    choice: dict[str, str]
+    reported: tuple[float, float | None] | None
+    statuses: dict[str, int] = field(default_factory=dict)
+    points: int = 0  # grid points in the cell (0: the experiment does not run this cell at this scale)
+    scale: float = 1.0  # factor from the record's metric to the table's unit (100 for percent)
+
+    @property
+    def mean(self) -> float | None:
+        return None if self.ours is None or self.ours.mean is None else self.ours.mean * self.scale
+
+    @property
+    def std(self) -> float | None:
+        return None if self.ours is None or self.ours.std is None else self.ours.std * self.scale
+
+    @property
+    def stale(self) -> float | None:
+        """Mean of completed runs by other code versions, shown (marked) only when no current run exists."""
+        if self.ours is None or self.ours.n or not self.ours.stale:
+            return None
+        return sum(self.ours.stale) / len(self.ours.stale) * self.scale
+
+    @property
+    def difference(self) -> float | None:
+        if self.mean is None or self.reported is None:
+            return None
+        return self.mean - self.reported[0]
+
+
+def _reported(value: Any) -> tuple[float, float | None] | None:
+    """A published entry: a number, [mean, std], or null ("-" in the paper)."""
+    if value is None:
+        return None
+    if isinstance(value, ListConfig | list | tuple):
+        return float(value[0]), float(value[1]) if len(value) > 1 else None
+    return float(value), None
+
+
+def cell_points(row: DictConfig, column: DictConfig, points: Sequence[Point]) -> list[Point]:
+    """The points of a cell: the column's match (less the row's ``ignore``) updated by the row's."""
+    ignore = set(row.get("ignore") or [])
+    wanted = {k: v for k, v in (column.get("match") or {}).items() if k not in ignore}
+    wanted.update(row.get("match") or {})
+    return [point for point in points if matches(point.settings, wanted)]
+
+
+def build_cells(
+    spec: DictConfig,
+    points: Sequence[Point],
+    setting_keys: Mapping[Point, str],
+    entries: Sequence[Mapping[str, Any]],
+    source_hash: str,
+) -> list[list[Cell]]:
+    """The cells of the table, rows by columns."""
+    reference = published(spec)
+    factor = 100.0 if spec.get("percent") else 1.0
+    table = []
+    for row in spec.rows:
+        cells = []
+        for column in spec.columns:
+            metric = row.get("metric") or column.get("metric") or spec.metric
+            chosen = cell_points(row, column, points)
+            settings: dict[str, list[Point]] = {}
+            for point in chosen:
+                settings.setdefault(setting_keys[point], []).append(point)
+            summaries = {key: summarize(entries, key, metric, source_hash) for key in settings}
+            statuses: dict[str, int] = {}
+            for summary in summaries.values():
+                for status, count in summary.statuses.items():
+                    statuses[status] = statuses.get(status, 0) + count
+            done = {key: s for key, s in summaries.items() if s.n}
+            best = max(done, key=lambda k: done[k].mean) if done else next(iter(summaries), None)
+            varying = _varying([p.settings for p in chosen])
+            choice = {k: v for k, v in settings[best][0].settings.items() if k in varying} if done else {}
+            path = spec.published.path.format(row=row.get("key", ""), column=column.get("key", ""))
+            cells.append(
+                Cell(
+                    ours=summaries.get(best) if best else None,
+                    choice=choice if len(settings) > 1 else {},
+                    reported=_reported(OmegaConf.select(reference, path, default=None)),
+                    statuses=statuses,
+                    points=len(chosen),
+                    scale=factor,
+                )
+            )
+        table.append(cells)
+    return table
+
+
+def _varying(settings: Sequence[Mapping[str, str]]) -> set[str]:
+    """Keys whose value differs among the settings (seed excluded: seeds are averaged)."""
+    keys = {key for s in settings for key in s} - {"seed"}
+    return {key for key in keys if len({s.get(key) for s in settings}) > 1}
+
+
+# ------------------------------------------------------------------------------------- rendering
+def _ours_text(cell: Cell, digits: int) -> str:
+    if cell.points == 0:
+        return "n/a"
+    if cell.mean is not None:
+        text = f"{cell.mean:.{digits}f}"
+        text += f" ± {cell.std:.{digits}f}" if cell.std is not None else ""
+        text += f" (n={cell.ours.n})"
+    elif cell.stale is not None:
+        text = f"{cell.stale:.{digits}f}†"
+    else:
+        text = "not run"
+    if cell.choice:
+        text += " [" + ", ".join(f"{k}={v}" for k, v in cell.choice.items()) + "]"
+    if cell.statuses:
+        counts = sorted(cell.statuses.items())
+        text += " (" + ", ".join(f"{n} {status.replace('_', ' ')}" for status, n in counts) + ")"
+    return text
+
+
+def _paper_text(cell: Cell, digits: int) -> str:
+    if cell.reported is None:
+        return "-"
+    mean, std = cell.reported
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+
+
+def _diff_text(cell: Cell, digits: int) -> str:
+    return "-" if cell.difference is None else f"{cell.difference:+.{digits}f}"
+
+
+def cell_texts(cell: Cell, digits: int = 1) -> tuple[str, str, str]:
+    """(ours, paper, difference) as printed."""
+    return _ours_text(cell, digits), _paper_text(cell, digits), _diff_text(cell, digits)
+
+
+def footer(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mapping[str, Any]) -> list[str]:
+    """The lines under a table: the scale and its setup, how cells read, the code version."""
+    stale = any(cell.stale is not None for row in cells for cell in row)
+    dirty = " (uncommitted changes)" if source.get("dirty") else ""
+    lines = [
+        f"Scale: {scale}. {spec.scales[scale].get('note', '')}".strip(),
+        "",
+        "Cells: ours as mean ± sample std over seeds (n runs) of completed runs of the current code, "
+        "the paper's value and ours minus the paper's. Several settings in a cell (a tuned hyperparameter): "
+        "the best mean, its values in brackets. Runs that did not complete are counted by status, never "
+        "averaged. n/a: the experiment has no such run at this scale.",
+        f"Code version: source {source.get('source_hash')}, commit {str(source.get('commit'))[:10]}{dirty}.",
+    ]
+    if stale:
+        lines.append("†: only runs of older code versions exist for this cell (not mixed with current runs).")
+    return lines
+
+
+def markdown(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mapping[str, Any]) -> str:
+    """The table in Markdown: one column group (ours, paper, Δ) per paper column."""
+    header = ["Method"]
+    for column in spec.columns:
+        header += [f"{column.label} ours", f"{column.label} paper", f"{column.label} Δ"]
+    lines = [f"# {spec.title} ({scale})", "", f"{spec.paper}.", ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row, row_cells in zip(spec.rows, cells, strict=True):
+        texts = [text for cell in row_cells for text in cell_texts(cell, spec.get("digits", 1))]
+        lines.append("| " + " | ".join([row.label, *texts]) + " |")
+    return "\n".join([*lines, "", *footer(spec, scale, cells, source)]) + "\n"
+
+
+LATEX_REPLACEMENTS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#",
+                      "ε": r"$\varepsilon$", "±": r"$\pm$", "†": r"$^\dagger$", "Δ": r"$\Delta$"}  # fmt: skip
+
+
+def _latex(text: str) -> str:
+    return "".join(LATEX_REPLACEMENTS.get(char, char) for char in str(text))
+
+
+def latex(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mapping[str, Any]) -> str:
+    """The table as a LaTeX ``table`` (booktabs), the scale and setup in its caption."""
+    width = len(spec.columns)
+    lines = [
+        r"\begin{table}[t]",
+        r"\centering",
+        r"\begin{tabular}{l" + "rrr" * width + "}",
+        r"\toprule",
+        "Method & "
+        + " & ".join(rf"\multicolumn{{3}}{{c}}{{{_latex(c.label)}}}" for c in spec.columns)
+        + r" \\",
+        " & " + " & ".join(["ours & paper & $\\Delta$"] * width) + r" \\",
+        r"\midrule",
+    ]
+    for row, row_cells in zip(spec.rows, cells, strict=True):
+        texts = [_latex(text) for cell in row_cells for text in cell_texts(cell, spec.get("digits", 1))]
+        lines.append(" & ".join([_latex(row.label), *texts]) + r" \\")
+    caption = " ".join(line for line in footer(spec, scale, cells, source) if line)
+    lines += [
+        r"\bottomrule",
+        r"\end{tabular}",
+        rf"\caption{{{_latex(spec.title)} ({scale}). {_latex(caption)}}}",
+        r"\end{table}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def epsilon_figure(spec: DictConfig, scale: str, cells: list[list[Cell]], path: Path) -> bool:
+    """Metric against epsilon, one line per row (ours with std bars, the paper's dashed); a row without
+    epsilon columns (non-private) as a horizontal line. False (nothing written) when the columns are not
+    epsilons or no cell has a result."""
+    epsilons = [(column.get("match") or {}).get("privacy.epsilon") for column in spec.columns]
+    if any(eps is None for eps in epsilons) or not any(c.mean is not None for row in cells for c in row):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(5.5, 4))
+    xs = [float(eps) for eps in epsilons]
+    for index, (row, row_cells) in enumerate(zip(spec.rows, cells, strict=True)):
+        color = f"C{index}"
+        means = [c.mean if c.mean is not None else math.nan for c in row_cells]
+        stds = [c.std or 0.0 for c in row_cells]
+        if "privacy.epsilon" in (row.get("ignore") or []):  # the same runs in every column
+            if not math.isnan(means[0]):
+                axes.axhline(means[0], color=color, linestyle=":", label=f"{row.label} (ours)")
+            continue
+        axes.errorbar(xs, means, yerr=stds, color=color, marker="o", capsize=3, label=f"{row.label} (ours)")
+        reported = [c.reported[0] if c.reported else math.nan for c in row_cells]
+        if not all(math.isnan(r) for r in reported):
+            axes.plot(xs, reported, color=color, linestyle="--", marker="x", alpha=0.6)
+    metric = spec.metric + (" (%)" if spec.get("percent") else "")
+    axes.set(xlabel="ε", ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})", xticks=xs)
+    axes.legend(fontsize=7, title="dashed: paper", title_fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True

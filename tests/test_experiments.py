@@ -1,0 +1,174 @@
+"""conf/experiment/*.yaml: every run of every experiment at every scale composes into a config the trainer
+accepts, as a +point config too; the tables' published numbers exist; launchers compose; bad names refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dpexp import reproduce
+from dpexp.config import ConfigError, check_config
+from dpexp.results import experiments, store
+from dpexp.results.tables import cell_points
+from tests.conftest import CONF_DIR
+
+CASES = [
+    (name, scale)
+    for name in experiments.experiment_names()
+    for scale in experiments.load_experiment(name).scales
+]
+
+
+def test_every_paper_table_of_the_first_round_has_an_offline_and_a_paper_scale() -> None:
+    for name in ("he2023_table11a", "he2023_table11b", "li2022_table2"):
+        assert set(experiments.load_experiment(name).scales) == {"offline", "paper"}
+
+
+def covering(points: list[experiments.Point]) -> list[experiments.Point]:
+    """A few points that between them set every value every sweep sets (each group option, each number)."""
+    chosen, seen = [], set()
+    for point in points:
+        new = set(point.values) - seen
+        if new:
+            chosen.append(point)
+            seen |= new
+    return chosen
+
+
+@pytest.mark.parametrize("name,scale", CASES)
+def test_every_value_of_every_grid_composes_and_is_accepted(name: str, scale: str) -> None:
+    spec = experiments.load_experiment(name)
+    _check_runs(spec, scale, covering(experiments.grid_points(name, spec, scale)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,scale", CASES)
+def test_every_run_composes_and_is_accepted(name: str, scale: str) -> None:
+    spec = experiments.load_experiment(name)
+    _check_runs(spec, scale, experiments.grid_points(name, spec, scale))
+
+
+def test_a_seed_set_on_the_composed_setting_is_the_seed_composed() -> None:
+    spec = experiments.load_experiment("he2023_table11b")
+    points = experiments.grid_points("he2023_table11b", spec, "offline")[:2]  # seeds 0 and 1
+    derived = experiments.compose_points(points)[1]
+    direct = experiments.compose_points(points[1:])[0]
+    assert direct.seed == derived.seed == 1
+    assert experiments.resolved(direct) == experiments.resolved(derived)
+
+
+def _check_runs(spec, scale: str, points: list[experiments.Point]) -> None:
+    configs = experiments.compose_points(points)
+    keys = set()
+    for point, cfg in zip(points, configs, strict=True):
+        check_config(cfg)  # every key exists in the schema / the task and model constructors
+        for key, value in point.settings.items():
+            if not (CONF_DIR / key).is_dir():  # group choices are checked by composing
+                assert OmegaConf.select(cfg, key, throw_on_missing=True) is not None or value == "null"
+        keys.add(store.config_key(experiments.resolved(cfg)))
+    assert len(keys) == len(points)  # no two runs of the grid are the same run
+
+
+@pytest.mark.parametrize("name,scale", CASES)
+def test_every_cell_has_runs_and_the_published_numbers_exist(name: str, scale: str) -> None:
+    spec = experiments.load_experiment(name)
+    points = experiments.grid_points(name, spec, scale)
+    for row in spec.rows:
+        for column in spec.columns:
+            assert cell_points(row, column, points), f"{row.label} / {column.label} has no run at {scale}"
+    reference = experiments.published(spec)
+    paths = {
+        (r.key, c.key): spec.published.path.format(row=r.key, column=c.key)
+        for r in spec.rows
+        for c in spec.columns
+    }
+    found = {cell for cell, path in paths.items() if OmegaConf.select(reference, path, default="-") != "-"}
+    private = {(r.key, c.key) for r in spec.rows for c in spec.columns if r.key != "non_private"}
+    assert private <= found | {("flat_adaptive", "eps3"), ("flat_adaptive", "eps8")}  # CIFAR's "-" cells
+
+
+@pytest.mark.parametrize("name,scale", CASES)
+def test_every_offline_table_has_a_non_private_row_with_its_own_learning_rates(name: str, scale: str) -> None:
+    if scale != "offline":
+        pytest.skip("the rule is for the offline tables")
+    spec = experiments.load_experiment(name)
+    points = experiments.grid_points(name, spec, scale)
+    nonprivate = [p for p in points if p.settings.get("clip") == "nonprivate"]
+    assert len({p.settings.get("optim.lr") for p in nonprivate}) >= 3
+
+
+def test_a_point_config_composes_to_the_same_run(tmp_path: Path) -> None:
+    """+point=<name> (how a multirun launches a subset of the grid) == the overrides composed directly,
+    also for quoted values and lists (He et al.'s delta rule and betas)."""
+    spec = experiments.load_experiment("he2023_table11b")
+    points = experiments.grid_points("he2023_table11b", spec, "offline")
+    chosen = [p for p in points if p.settings["clip"] in ("adaptive_perlayer", "nonprivate")][:2]
+    for index, (point, cfg) in enumerate(zip(chosen, experiments.compose_points(chosen), strict=True)):
+        (tmp_path / "point").mkdir(exist_ok=True)
+        (tmp_path / "point" / f"p{index}.yaml").write_text(experiments.point_config(point, cfg))
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            via_point = compose(
+                config_name="config", overrides=[f"+point=p{index}", f"hydra.searchpath=[file://{tmp_path}]"]
+            )
+        assert experiments.resolved(via_point) == experiments.resolved(cfg)
+        assert via_point.privacy.delta_rule == "1/n^1.1" and list(via_point.optim.betas) == [0.9, 0.98]
+
+
+def test_grid_is_the_product_of_each_sweep_in_hydra_order() -> None:
+    spec = experiments.load_experiment("he2023_table11a")
+    points = experiments.grid_points("he2023_table11a", spec, "offline")
+    assert len(points) == 4 * 2 * 3 + 3 * 3
+    assert [p.label for p in points[:3]] == [
+        "clip-bk_privacy.epsilon-3_seed-0",
+        "clip-bk_privacy.epsilon-3_seed-1",
+        "clip-bk_privacy.epsilon-3_seed-2",
+    ]
+
+
+@pytest.mark.parametrize(
+    "launcher,target,key,value",
+    [
+        ("local", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher", "n_jobs", 2),
+        (
+            "slurm",
+            "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+            "gpus_per_node",
+            1,
+        ),
+    ],
+)
+def test_launchers_compose(launcher: str, target: str, key: str, value) -> None:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(
+            config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True
+        )
+    assert cfg.hydra.launcher._target_ == target and cfg.hydra.launcher[key] == value
+
+
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        (
+            ["experiment=he2023_table99", "scale=offline"],
+            "valid experiments: he2023_table11a, he2023_table11b",
+        ),
+        (["experiment=he2023_table11a", "scale=huge"], "valid scales: offline, paper"),
+        (["experiment=he2023_table11a", "scale=offline", "launcher=k8s"], "valid: basic, local, slurm"),
+        (["experiment=he2023_table11a", "scale=offline", "epochs=3"], "unknown key epochs; valid keys"),
+        (["scale=offline"], "experiment=<name> scale=<scale> are required"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line(arguments, message, capsys) -> None:
+    assert reproduce.main(arguments) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
+
+
+def test_unknown_keys_of_an_experiment_file_are_refused(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "bad.yaml").write_text("title: t\nrows: []\ncolumns: []\nscales: {}\nmetrik: accuracy\n")
+    monkeypatch.setattr(experiments, "EXPERIMENT_DIR", tmp_path)
+    with pytest.raises(ConfigError, match=r"unknown keys \['metrik'\]"):
+        experiments.load_experiment("bad")

@@ -1,0 +1,77 @@
+"""python -m dpexp.reproduce: the grid of an experiment, run through Hydra, skipped when already complete,
+and its table rendered from the store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dpexp import reproduce
+from dpexp.results import experiments, store
+
+TINY_EXPERIMENT = """
+title: "Tiny: flat vs non-private on digits"
+paper: "A test"
+metric: accuracy
+percent: true
+published: {file: cifar10, path: "setups.he2023.table11.{row}.{column}"}
+rows:
+  - {label: "Flat clipping, fixed", key: flat_fixed, match: {clip: bk}}
+  - {label: "Non-private", key: non_private, match: {clip: nonprivate}, ignore: [privacy.epsilon]}
+columns:
+  - {label: "ε = 3", key: eps3, match: {privacy.epsilon: 3}}
+scales:
+  offline:
+    note: "three steps of the digits default"
+    overrides: [task=digits, model=small_cnn, steps=3, batch_size=32, physical_batch_size=16,
+                eval_every=null, progress=false]
+    sweeps:
+      - params: {clip: bk, privacy.epsilon: 3}
+      - params: {clip: nonprivate}
+"""
+
+
+@pytest.fixture
+def tiny_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "experiment"
+    folder.mkdir()
+    (folder / "tiny.yaml").write_text(TINY_EXPERIMENT)
+    monkeypatch.setattr(experiments, "EXPERIMENT_DIR", folder)
+    return tmp_path
+
+
+def test_reproduce_runs_the_grid_once_then_skips_it(tiny_experiment: Path, capsys) -> None:
+    runs, out = tiny_experiment / "runs", tiny_experiment / "results"
+    arguments = ["experiment=tiny", "scale=offline", f"runs={runs}", f"out={out}", "launcher=basic"]
+    assert reproduce.main(arguments) == 0
+    first = capsys.readouterr().out
+    assert "2 runs: 0 complete (skipped), 0 to resume, 2 to launch" in first
+    entries = store.read_index(out / store.INDEX_FILE)
+    assert sorted(e["clip"] for e in entries) == ["bk", "nonprivate"]
+    assert {e["status"] for e in entries} == {"completed"}
+    table = (out / "tables" / "tiny_offline.md").read_text()
+    assert "| Flat clipping, fixed |" in table and "63.1 ± 0.2" in table and "(n=1)" in table
+    assert "Scale: offline." in table
+    assert (out / "tables" / "tiny_offline.tex").read_text().startswith("\\begin{table}")
+
+    assert reproduce.main(arguments) == 0
+    assert "2 runs: 2 complete (skipped), 0 to resume, 0 to launch" in capsys.readouterr().out
+    assert len(store.read_index(out / store.INDEX_FILE)) == 2
+
+
+@pytest.mark.slow
+def test_reproduce_resumes_an_unfinished_run_in_its_own_directory(tiny_experiment: Path, capsys) -> None:
+    runs, out = tiny_experiment / "runs", tiny_experiment / "results"
+    arguments = ["experiment=tiny", "scale=offline", f"runs={runs}", f"out={out}"]
+    assert reproduce.main(arguments) == 0
+    record_path = next(runs.rglob("clip-bk*/metrics.json"))
+    record = json.loads(record_path.read_text())
+    record.update(status="interrupted", error="RunInterrupted: SIGTERM")  # as a preempted run leaves it
+    record_path.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert reproduce.main(arguments) == 0
+    assert "2 runs: 1 complete (skipped), 1 to resume, 0 to launch" in capsys.readouterr().out
+    assert json.loads(record_path.read_text())["status"] == "completed"
+    assert len(list(runs.rglob("metrics.json"))) == 2  # continued in place, no new run directory

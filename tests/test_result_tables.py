@@ -1,0 +1,84 @@
+"""Tables in the paper's layout from store entries: ours beside the published value and the difference,
+tuned cells showing the chosen values, older code flagged, unfinished runs counted; LaTeX and the figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from dpexp.results import tables
+from dpexp.results.experiments import Point
+from tests.test_reproduce import TINY_EXPERIMENT
+
+SPEC = OmegaConf.create(TINY_EXPERIMENT)
+SOURCE = {"source_hash": "new", "commit": "0123456789abc", "dirty": False}
+
+
+def _point(**settings: str) -> Point:
+    return Point("tiny", "offline", tuple(f"{k}={v}" for k, v in settings.items()), tuple(settings.items()))
+
+
+POINTS = [
+    _point(clip="bk", **{"privacy.epsilon": "3"}, seed="0"),
+    _point(clip="bk", **{"privacy.epsilon": "3"}, seed="1"),
+    _point(clip="nonprivate", **{"optim.lr": "0.1"}, seed="0"),
+    _point(clip="nonprivate", **{"optim.lr": "0.5"}, seed="0"),
+]
+KEYS = {POINTS[0]: "dp", POINTS[1]: "dp", POINTS[2]: "np_small", POINTS[3]: "np_large"}
+
+
+def _entry(setting: str, seed: int, accuracy: float | None, status: str = "completed", code: str = "new"):
+    return {
+        "run_dir": f"runs/{setting}-{seed}-{code}-{status}",
+        "run_key": f"{setting}-{seed}",
+        "setting_key": setting,
+        "seed": seed,
+        "status": status,
+        "source_hash": code,
+        "metrics": {"accuracy": accuracy},
+    }
+
+
+def test_cells_average_seeds_pick_the_tuned_setting_and_print_beside_the_paper(tmp_path: Path) -> None:
+    entries = [
+        _entry("dp", 0, 0.60),
+        _entry("dp", 1, 0.64),
+        _entry("dp", 1, None, status="failed"),
+        _entry("np_small", 0, 0.70),
+        _entry("np_large", 0, 0.80),
+    ]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    flat, nonprivate = cells[0][0], cells[1][0]
+    assert flat.mean == pytest.approx(62.0) and flat.std == pytest.approx(8**0.5)
+    assert flat.reported == (63.1, 0.22)
+    assert tables.cell_texts(flat) == ("62.0 ± 2.8 (n=2) (1 failed)", "63.1 ± 0.2", "-1.1")
+    assert nonprivate.choice == {"optim.lr": "0.5"} and nonprivate.mean == pytest.approx(80.0)
+    assert tables.cell_texts(nonprivate) == ("80.0 (n=1) [optim.lr=0.5]", "-", "-")
+    text = tables.markdown(SPEC, "offline", cells, SOURCE)
+    assert "| Method | ε = 3 ours | ε = 3 paper | ε = 3 Δ |" in text
+    assert "| Flat clipping, fixed | 62.0 ± 2.8 (n=2) (1 failed) | 63.1 ± 0.2 | -1.1 |" in text
+    assert "Scale: offline. three steps of the digits default" in text and "†" not in text
+    latex = tables.latex(SPEC, "offline", cells, SOURCE)
+    assert r"\multicolumn{3}{c}{$\varepsilon$ = 3}" in latex and r"62.0 $\pm$ 2.8" in latex
+    assert tables.epsilon_figure(SPEC, "offline", cells, tmp_path / "f.png")
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_of_older_code_are_flagged_never_mixed() -> None:
+    entries = [
+        _entry("dp", 0, 0.50, code="old"),
+        _entry("np_large", 0, 0.8),
+        _entry("np_large", 0, 0.1, code="old"),
+    ]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    assert cells[0][0].mean is None and tables.cell_texts(cells[0][0])[0] == "50.0†"
+    assert cells[1][0].mean == pytest.approx(80.0)  # the old run of the same setting is not averaged in
+    assert "†: only runs of older code versions" in tables.markdown(SPEC, "offline", cells, SOURCE)
+
+
+def test_a_cell_without_runs_says_so_and_no_figure_is_drawn(tmp_path: Path) -> None:
+    cells = tables.build_cells(SPEC, POINTS, KEYS, [], "new")
+    assert tables.cell_texts(cells[0][0]) == ("not run", "63.1 ± 0.2", "-")
+    assert not tables.epsilon_figure(SPEC, "offline", cells, tmp_path / "f.png")
