@@ -24,7 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.per_example import PerExampleGrad
-from dpexp.privacy.rules import LayerRule, rule_for, supported_types
+from dpexp.privacy.rules import CallLayout, LayerRule, rule_for, supported_types
 from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
 
 
@@ -46,16 +46,26 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     layers: list[Layer] = []
+    claimed: set[int] = set()  # submodules whose parameters a parent's rule covers (LayerRule.claims)
     for mod_name, module in model.named_modules():
         if isinstance(module, _BatchNorm):
             raise ValueError(
                 f"module {mod_name!r} ({type(module).__name__}) mixes examples in a batch, which breaks "
                 "per-example privacy; replace it with GroupNorm or LayerNorm."
             )
-        own = {attr: names[id(p)] for attr, p in module.named_parameters(recurse=False) if id(p) in names}
-        if not own:
+        if id(module) in claimed:
             continue
         rule = rule_for(module)
+        parts = {"": module, **{sub: module.get_submodule(sub) for sub in (rule.claims if rule else ())}}
+        claimed.update(id(part) for sub, part in parts.items() if sub)
+        own = {
+            f"{sub}.{attr}" if sub else attr: names[id(p)]
+            for sub, part in parts.items()
+            for attr, p in part.named_parameters(recurse=False)
+            if id(p) in names
+        }
+        if not own:
+            continue
         if rule is None and generic_fallback:
             check_deterministic(mod_name, module)
             warnings.warn(
@@ -145,6 +155,32 @@ class _Anchor(torch.autograd.Function):
         return None, None
 
 
+class _Outputs(torch.autograd.Function):
+    """Passes a layer's tensor outputs through; its backward receives the gradients of all of them at once
+    (zeros for an output that does not reach the loss) and hands them to ``on_grads``. The anchor makes the
+    outputs require a gradient when nothing else does (as :class:`_Anchor`)."""
+
+    @staticmethod
+    def forward(ctx: Any, on_grads: Callable, anchor: torch.Tensor, *outputs: torch.Tensor) -> tuple:
+        ctx.on_grads = on_grads
+        return tuple(o.clone() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.on_grads(grads)
+        return (None, None, *grads)
+
+
+def _leaves(value: Any) -> list:
+    """The leaves of nested tuples, in order (``(out, (h, c))`` -> ``[out, h, c]``)."""
+    return [leaf for v in value for leaf in _leaves(v)] if isinstance(value, tuple) else [value]
+
+
+def _rebuild(value: Any, leaves: Any) -> Any:
+    """``value``'s nesting filled with the next items of the iterator ``leaves``."""
+    return tuple(_rebuild(v, leaves) for v in value) if isinstance(value, tuple) else next(leaves)
+
+
 class Capture:
     """Hooks on a model that record every call of its layers in a training forward and hand each call's
     output gradient to ``deliver(use, dy)`` in backward.
@@ -202,6 +238,8 @@ class Capture:
     ) -> Any:
         if not self._recording():
             return None
+        if layer.rule is not None and layer.rule.call is not None:
+            return self._called_with_layout(layer, layer.rule.call, args, kwargs, output)
         if not torch.is_tensor(output):
             raise TypeError(
                 f"layer {layer.name!r} ({type(module).__name__}) returned {type(output).__name__}, but the "
@@ -212,6 +250,32 @@ class Capture:
         if layer.rule is None:
             use.output = output
         return self._record(use, output)
+
+    def _called_with_layout(
+        self, layer: Layer, layout: CallLayout, args: tuple, kwargs: dict, output: Any
+    ) -> Any:
+        """A call of a layer with several inputs and outputs: its inputs as the layout presents them, and
+        every tensor output passed through one :class:`_Outputs`, whose backward hands all their gradients,
+        packed batch-first by the layout, to the engine at once."""
+        try:
+            inputs = layout.inputs(layer.module, args, kwargs)
+        except ValueError as error:
+            raise ValueError(f"layer {layer.name!r} ({type(layer.module).__name__}): {error}") from None
+        use = Use(layer, inputs, {}, _versions(inputs, {}))
+        self.forward.uses.append(use)
+        leaves = _leaves(output)
+        slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.is_floating_point()]
+
+        def on_grads(grads: tuple[torch.Tensor, ...]) -> None:
+            aligned: list[torch.Tensor | None] = [None] * len(leaves)
+            for i, g in zip(slots, grads, strict=True):
+                aligned[i] = g
+            self._deliver(use, layout.output_grad(layer.module, aligned))
+
+        passed = _Outputs.apply(on_grads, self._anchor, *(leaves[i] for i in slots))
+        for i, tensor in zip(slots, passed, strict=True):
+            leaves[i] = tensor
+        return _rebuild(output, iter(leaves))
 
     def _tapped(self, layer: Layer, tap: nn.Module, args: tuple) -> Any:
         """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
@@ -238,7 +302,8 @@ class Capture:
         layer's rule or, without one, the exact fallback (which recomputes the layer, unrecorded)."""
         layer = use.layer
         if layer.rule is not None:
-            grads = layer.rule.per_example_grads(layer.module, use.args[0], dy)
+            x = use.args if layer.rule.call is not None else use.args[0]
+            grads = layer.rule.per_example_grads(layer.module, x, dy)
             missing = set(layer.params) - set(grads)
             if missing:  # never leave a trainable parameter without its per-example gradient
                 raise RuntimeError(
