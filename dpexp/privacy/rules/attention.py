@@ -144,7 +144,7 @@ def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -
         out = F.linear(context, module.out_proj.weight.detach(), _detached(module.out_proj.bias)) + zo
         results = [out] + ([attn.mean(1) if average else attn] if need_weights else [])
         sizes = [r[0].numel() for r in results]
-        dys = [g.view_as(r) for g, r in zip(dy.split(sizes, 1), results, strict=True)]
+        dys = [g.view_as(r).to(r.dtype) for g, r in zip(dy.split(sizes, 1), results, strict=True)]
         leaves = [zq, zk, zv, zo, *extra.values()]
         dq, dk, dv, do, *dextra = torch.autograd.grad(results, leaves, dys, allow_unused=True)
     dq, dk, dv, do = (

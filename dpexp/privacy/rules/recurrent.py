@@ -158,7 +158,7 @@ def recurrent_grads(module: Recurrent, x: tuple, dy: torch.Tensor) -> dict[str, 
             inp = torch.cat(outputs, -1)
         results = [inp, torch.stack(h_n, 1)] + ([torch.stack(c_n, 1)] if lstm else [])
         sizes = [r[0].numel() for r in results]
-        dys = [g.view_as(r) for g, r in zip(dy.split(sizes, 1), results, strict=True)]
+        dys = [g.view_as(r).to(r.dtype) for g, r in zip(dy.split(sizes, 1), results, strict=True)]
         names = list(zeros)
         dzs = torch.autograd.grad(results, [zeros[n] for n in names], dys, allow_unused=True)
     grads: dict[str, PerExampleGrad] = {}
