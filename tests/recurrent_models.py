@@ -1,7 +1,8 @@
 """Small float64 models around ``nn.LSTM``/``GRU``/``RNN`` and ``nn.MultiheadAttention`` for the oracle and
 sensitivity tests: time-major and batch-first layouts, bidirectional and stacked layers, a projected LSTM
 with given initial states, self- and cross-attention with padding and attention masks, and
-``nn.TransformerEncoderLayer``. Padded positions (id 0) never enter a loss."""
+``nn.TransformerEncoderLayer``. Padded positions (id 0) never enter a loss; a padding-only example has a
+finite one."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from torch import nn
 
 Batch = dict[str, torch.Tensor]
 VOCAB, CLASSES = 11, 3
+
+
+def _padding_mask(ids: torch.Tensor) -> torch.Tensor:
+    """True at padded positions (id 0), except position 0, which is always attended: a padding-only example
+    (an adversarial neighbour in the sensitivity tests) still has a key to attend to."""
+    pad = ids == 0
+    pad[:, 0] = False
+    return pad
 
 
 class RecurrentNet(nn.Module):
@@ -46,7 +55,7 @@ class RecurrentNet(nn.Module):
         out, h_n = self.rnn(x if self.batch_first else x.transpose(0, 1), hx)
         h_n = h_n[0] if isinstance(h_n, tuple) else h_n
         out = out if self.batch_first else out.transpose(0, 1)
-        pooled = (out * keep).sum(1) / keep.sum(1)
+        pooled = (out * keep).sum(1) / keep.sum(1).clamp_min(1)
         return self.head(pooled) + self.state_head(h_n[-1])
 
 
@@ -69,8 +78,8 @@ class AttentionNet(nn.Module):
         self.head = nn.Linear(8, CLASSES)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x, pad = self.embed(ids), ids == 0
-        keep = (~pad).unsqueeze(-1).to(torch.float64)
+        x, pad = self.embed(ids), _padding_mask(ids)
+        keep = (ids != 0).unsqueeze(-1).to(torch.float64)
         layout = (lambda t: t) if self.batch_first else (lambda t: t.transpose(0, 1))
         if self.cross:
             memory_ids = torch.cat([ids[:, :2], ids.flip(1)], 1)  # 2 real keys first: no empty row
@@ -78,22 +87,27 @@ class AttentionNet(nn.Module):
             length, source = ids.shape[1], memory_ids.shape[1]
             mask = torch.ones(length, source, dtype=torch.bool).triu(3)  # True: not attended
             out, _ = self.attn(
-                layout(x), layout(memory), layout(memory), attn_mask=mask, key_padding_mask=memory_ids == 0
+                layout(x),
+                layout(memory),
+                layout(memory),
+                attn_mask=mask,
+                key_padding_mask=_padding_mask(memory_ids),
             )
             weights_term = 0.0
         else:
             out, weights = self.attn(layout(x), layout(x), layout(x), key_padding_mask=pad)
             weights_term = weights.square().sum((1, 2))[:, None]
-        pooled = (layout(out) * keep).sum(1) / keep.sum(1)
+        pooled = (layout(out) * keep).sum(1) / keep.sum(1).clamp_min(1)
         return self.head(torch.tanh(pooled)) + weights_term
 
 
 class EncoderNet(nn.Module):
-    """Embedding -> ``nn.TransformerEncoderLayer`` (dropout 0, padding mask) -> mean of unpadded -> head."""
+    """Embedding -> ``nn.TransformerEncoderLayer`` (dropout 0, padding mask; ``causal``: a causal mask and
+    ``is_causal`` hint) -> mean of unpadded -> head."""
 
-    def __init__(self, batch_first: bool = True, norm_first: bool = False) -> None:
+    def __init__(self, batch_first: bool = True, norm_first: bool = False, causal: bool = False) -> None:
         super().__init__()
-        self.batch_first = batch_first
+        self.batch_first, self.causal = batch_first, causal
         self.embed = nn.Embedding(VOCAB, 8, padding_idx=0)
         self.encoder = nn.TransformerEncoderLayer(
             8, 2, dim_feedforward=12, dropout=0.0, batch_first=batch_first, norm_first=norm_first
@@ -101,11 +115,16 @@ class EncoderNet(nn.Module):
         self.head = nn.Linear(8, CLASSES)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x, pad = self.embed(ids), ids == 0
-        keep = (~pad).unsqueeze(-1).to(torch.float64)
-        h = self.encoder(x if self.batch_first else x.transpose(0, 1), src_key_padding_mask=pad)
+        x, pad = self.embed(ids), _padding_mask(ids)
+        keep = (ids != 0).unsqueeze(-1).to(torch.float64)
+        mask = (
+            nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=x.dtype)
+            if self.causal
+            else None
+        )
+        h = self.encoder(x if self.batch_first else x.transpose(0, 1), mask, pad, is_causal=self.causal)
         h = h if self.batch_first else h.transpose(0, 1)
-        return self.head((h * keep).sum(1) / keep.sum(1))
+        return self.head((h * keep).sum(1) / keep.sum(1).clamp_min(1))
 
 
 def classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -129,7 +148,7 @@ MODELS = {
     ),
     "mha_cross_packed_no_bias": lambda: AttentionNet(True, cross=True, packed=True, bias=False),
     "transformer_encoder": lambda: EncoderNet(True),
-    "transformer_encoder_norm_first": lambda: EncoderNet(True, norm_first=True),
+    "transformer_encoder_norm_first_causal": lambda: EncoderNet(True, norm_first=True, causal=True),
 }
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from dpexp.privacy import PrivacyEngine, rules
+from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.per_example import Dense
 from dpexp.privacy.verification import VerificationError
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
@@ -78,8 +79,9 @@ def test_time_major_with_length_equal_to_batch_is_exact(name):
 
 def test_multihead_attention_covers_its_out_proj():
     """``out_proj`` is never called by its parent: its parameters are the attention rule's, no layer of their
-    own (which would be refused as never used)."""
+    own (which would be refused as never used), and no module is left to the fallback."""
     model, _, _ = make_recurrent_case("transformer_encoder")
+    assert unsupported_modules(model) == {}
     engine = _engine(model, clipping="per_layer")
     groups = {tuple(g) for g in engine.groups}
     assert ("encoder.self_attn.in_proj_weight", "encoder.self_attn.in_proj_bias",

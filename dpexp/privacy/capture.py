@@ -93,9 +93,14 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
     """Module types owning trainable parameters that no rule covers (they take the fallback, or are refused
     without it): ``{qualified type name: sorted parameter attribute names}``, every offending type at once."""
     found: dict[str, set[str]] = {}
+    claimed = {
+        id(module.get_submodule(sub))
+        for module in model.modules()
+        for sub in getattr(rule_for(module), "claims", ())
+    }
     for module in model.modules():
         own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
-        if own and rule_for(module) is None:
+        if own and rule_for(module) is None and id(module) not in claimed:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             found.setdefault(kind, set()).update(own)
     return {kind: sorted(names) for kind, names in sorted(found.items())}
