@@ -4,7 +4,9 @@ A *layer* is a module that owns trainable parameters, with the rule that turns o
 per-example gradients (:mod:`dpexp.privacy.rules`; None: the exact ``torch.func`` fallback). :class:`Capture`
 hooks the model: each call of a layer in a forward with gradients enabled becomes a :class:`Use` (its input,
 and the versions of its input tensors, so that an in-place change is caught), and in backward the gradient
-of the loss with respect to the layer's output is handed, with the use, to the engine. What the engine
+of the loss with respect to the layer's output is handed, with the use, to the engine (for a layer with
+several inputs and outputs, such as ``nn.LSTM``, as its rule's :class:`~dpexp.privacy.rules.CallLayout`
+presents them: the gradients of all its outputs at once, batch-first). What the engine
 assumes of these tensors (dim 0 is the example, every use is seen) is established by
 :mod:`dpexp.privacy.verification`.
 """
@@ -42,7 +44,8 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     """Every module that owns trainable parameters, with its rule; the trainable parameters by name.
 
     Refuses BatchNorm anywhere (its batch statistics mix examples, even with frozen parameters) and a module
-    without a rule when ``generic_fallback`` is off.
+    without a rule when ``generic_fallback`` is off. The parameters of submodules a rule claims
+    (``LayerRule.claims``) are its layer's, under ``"submodule.attr"``; those submodules are no layers.
     """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     layers: list[Layer] = []
