@@ -1,5 +1,6 @@
 """Data sets for the sensitivity tests: every model of ``tests/engine_models.CASES`` plus small models that
-stress what the engine assumes about a network (float64, deterministic forward).
+stress what the engine assumes about a network (float64, deterministic forward), and the recurrent and
+attention models of ``tests/recurrent_models`` (two in the default run, the others in ``SLOW_CASES``).
 
 A :class:`SensitivityCase` is a model, a per-example loss, a data set D of ``b`` examples (one micro-batch)
 and what is needed to build adversarial examples: which inputs are floating point (to scale them), the
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests import engine_models
+from tests import engine_models, recurrent_models
 from tests.oracle import Batch, LossFn
 
 Expect = Literal["private", "refuse_or_private"]
@@ -308,8 +309,12 @@ NEW_CASES = [
     "functional_linear",
     "instance_norm_running_stats",
     "instance_norm_affine_running_stats",
+    "gru_time_major_initial_state",
+    "mha_cross_kdim_bias_kv_zero_attn",
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
+# checked in the slow cross product only: the other recurrent and attention models
+SLOW_CASES = [name for name in recurrent_models.MODELS if name not in NEW_CASES]
 
 
 def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, LossFn, Batch, dict]:
@@ -370,6 +375,9 @@ def make_sensitivity_case(name: str, size: int = 5, seed: int = 0) -> Sensitivit
     if name in engine_models.CASES:
         model, loss_fn, batch = engine_models.make_case(name, batch_size=size, seed=seed)
         info = _ENGINE_CASE_INPUTS[name]
+    elif name in recurrent_models.MODELS:
+        model, loss_fn, batch = recurrent_models.make_recurrent_case(name, batch_size=size, seed=seed)
+        info = {"class_label": ("y", recurrent_models.CLASSES), "padding": {"ids": 0}}
     else:
         torch.manual_seed(seed)
         model, loss_fn, batch, info = _new_case(name, size, torch.Generator().manual_seed(seed))

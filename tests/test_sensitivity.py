@@ -1,17 +1,18 @@
 """The DP guarantee itself: one example moves each released statistic by at most its sensitivity.
 
-For every model (``tests/engine_models.CASES`` and ``tests/sensitivity_models.NEW_CASES``), backend and
-clipping mode, one logical step is released on a data set D, on D in two micro-batches, on D without
-example j and on D with j replaced by adversarial examples (huge reversed gradient, zero gradient, inputs
-scaled by 1e6, the label of largest loss, padding-only text); ``tests/sensitivity.py`` states the bounds.
+For every model (``tests/engine_models.CASES``, ``tests/sensitivity_models.NEW_CASES`` and ``SLOW_CASES``),
+backend and clipping mode, one logical step is released on a data set D, on D in two micro-batches, on D
+without example j and on D with j replaced by adversarial examples (huge reversed gradient, zero gradient,
+inputs scaled by 1e6, the label of largest loss, padding-only text); ``tests/sensitivity.py`` states the
+bounds.
 
-The default run covers every model once, cycling through the 9 backend x clipping settings (so each
-setting appears at least twice), with every neighbour kind the model admits; the full cross product is
-marked slow. Cases that were silent privacy violations before the engine verified its assumptions
-(time-major layers at T = B, shared tensors in the fallback, hand-tied and F.linear-only weights, running
-statistics) now pass by a refusal naming the module or parameter; T5's relative attention bias, refused
-too at first, now passes privately (its per-example gradient is taken where it meets the batch,
-dpexp.privacy.shared).
+The default run covers every model but ``SLOW_CASES`` once, cycling through the 9 backend x clipping
+settings (so each setting appears at least twice), with every neighbour kind the model admits; the full
+cross product is marked slow. Cases that were silent privacy violations before the engine verified its
+assumptions (time-major layers at T = B, shared tensors in the fallback, hand-tied and F.linear-only
+weights, running statistics) now pass by a refusal naming the module or parameter; T5's relative attention
+bias, refused too at first, now passes privately (its per-example gradient is taken where it meets the
+batch, dpexp.privacy.shared).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tests.sensitivity import (
     release,
     without,
 )
-from tests.sensitivity_models import ALL_CASES, make_sensitivity_case
+from tests.sensitivity_models import ALL_CASES, SLOW_CASES, make_sensitivity_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
 
@@ -49,7 +50,9 @@ def _param(name: str, backend: str, clipping: str, groups: int | None, *marks) -
 
 
 DEFAULT_SLICE = [_param(name, *SETTINGS[i % len(SETTINGS)]) for i, name in enumerate(ALL_CASES)]
-CROSS_PRODUCT = [_param(name, *setting, pytest.mark.slow) for name in ALL_CASES for setting in SETTINGS]
+CROSS_PRODUCT = [
+    _param(name, *setting, pytest.mark.slow) for name in [*ALL_CASES, *SLOW_CASES] for setting in SETTINGS
+]
 
 
 def _check(name: str, backend: str, clipping: str, groups: int | None) -> None:

@@ -4,7 +4,9 @@ A *layer* is a module that owns trainable parameters, with the rule that turns o
 per-example gradients (:mod:`dpexp.privacy.rules`; None: the exact ``torch.func`` fallback). :class:`Capture`
 hooks the model: each call of a layer in a forward with gradients enabled becomes a :class:`Use` (its input,
 and the versions of its input tensors, so that an in-place change is caught), and in backward the gradient
-of the loss with respect to the layer's output is handed, with the use, to the engine. What the engine
+of the loss with respect to the layer's output is handed, with the use, to the engine (for a layer with
+several inputs and outputs, such as ``nn.LSTM``, as its rule's :class:`~dpexp.privacy.rules.CallLayout`
+presents them: the gradients of all its outputs at once, batch-first). What the engine
 assumes of these tensors (dim 0 is the example, every use is seen) is established by
 :mod:`dpexp.privacy.verification`.
 """
@@ -24,7 +26,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.per_example import PerExampleGrad
-from dpexp.privacy.rules import LayerRule, rule_for, supported_types
+from dpexp.privacy.rules import CallLayout, LayerRule, rule_for, supported_types
 from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
 from dpexp.privacy.shared import check_uncovered, share, shared_modules
 
@@ -44,11 +46,13 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     """Every module that owns trainable parameters, with its rule; the trainable parameters by name.
 
     Refuses BatchNorm anywhere (its batch statistics mix examples, even with frozen parameters) and a module
-    without a rule when ``generic_fallback`` is off.
+    without a rule when ``generic_fallback`` is off. The parameters of submodules a rule claims
+    (``LayerRule.claims``) are its layer's, under ``"submodule.attr"``; those submodules are no layers.
     """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     shared = shared_modules(model)
     layers: list[Layer] = []
+    claimed: set[int] = set()  # submodules whose parameters a parent's rule covers (LayerRule.claims)
     for mod_name, module in model.named_modules():
         check_uncovered(mod_name, module)
         if isinstance(module, _BatchNorm):
@@ -56,10 +60,19 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
                 f"module {mod_name!r} ({type(module).__name__}) mixes examples in a batch, which breaks "
                 "per-example privacy; replace it with GroupNorm or LayerNorm."
             )
-        own = {attr: names[id(p)] for attr, p in module.named_parameters(recurse=False) if id(p) in names}
-        if not own:
+        if id(module) in claimed:
             continue
         rule = rule_for(module)
+        parts = {"": module, **{sub: module.get_submodule(sub) for sub in (rule.claims if rule else ())}}
+        claimed.update(id(part) for sub, part in parts.items() if sub)
+        own = {
+            f"{sub}.{attr}" if sub else attr: names[id(p)]
+            for sub, part in parts.items()
+            for attr, p in part.named_parameters(recurse=False)
+            if id(p) in names
+        }
+        if not own:
+            continue
         if rule is None and generic_fallback:
             check_deterministic(mod_name, module)
             warnings.warn(
@@ -93,9 +106,14 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
     """Module types owning trainable parameters that no rule covers (they take the fallback, or are refused
     without it): ``{qualified type name: sorted parameter attribute names}``, every offending type at once."""
     found: dict[str, set[str]] = {}
+    claimed = {
+        id(module.get_submodule(sub))
+        for module in model.modules()
+        for sub in getattr(rule_for(module), "claims", ())
+    }
     for module in model.modules():
         own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
-        if own and rule_for(module) is None:
+        if own and rule_for(module) is None and id(module) not in claimed:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             found.setdefault(kind, set()).update(own)
     return {kind: sorted(names) for kind, names in sorted(found.items())}
@@ -153,6 +171,32 @@ class _Anchor(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
         return None, None
+
+
+class _Outputs(torch.autograd.Function):
+    """Passes a layer's tensor outputs through; its backward receives the gradients of all of them at once
+    (zeros for an output that does not reach the loss) and hands them to ``on_grads``. The anchor makes the
+    outputs require a gradient when nothing else does (as :class:`_Anchor`)."""
+
+    @staticmethod
+    def forward(ctx: Any, on_grads: Callable, anchor: torch.Tensor, *outputs: torch.Tensor) -> tuple:
+        ctx.on_grads = on_grads
+        return tuple(o.clone() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.on_grads(grads)
+        return (None, None, *grads)
+
+
+def _leaves(value: Any) -> list:
+    """The leaves of nested tuples, in order (``(out, (h, c))`` -> ``[out, h, c]``)."""
+    return [leaf for v in value for leaf in _leaves(v)] if isinstance(value, tuple) else [value]
+
+
+def _rebuild(value: Any, leaves: Any) -> Any:
+    """``value``'s nesting filled with the next items of the iterator ``leaves``."""
+    return tuple(_rebuild(v, leaves) for v in value) if isinstance(value, tuple) else next(leaves)
 
 
 class Capture:
@@ -216,6 +260,8 @@ class Capture:
     ) -> Any:
         if not self._recording():
             return None
+        if layer.rule is not None and layer.rule.call is not None:
+            return self._called_with_layout(layer, layer.rule.call, args, kwargs, output)
         if not torch.is_tensor(output):
             raise TypeError(
                 f"layer {layer.name!r} ({type(module).__name__}) returned {type(output).__name__}, but the "
@@ -234,6 +280,32 @@ class Capture:
         """A shared layer's per-example output gradients (B, ...), with its input expanded to the batch."""
         use.args = (x, *use.args[1:])
         self._deliver(use, dy)
+
+    def _called_with_layout(
+        self, layer: Layer, layout: CallLayout, args: tuple, kwargs: dict, output: Any
+    ) -> Any:
+        """A call of a layer with several inputs and outputs: its inputs as the layout presents them, and
+        every tensor output passed through one :class:`_Outputs`, whose backward hands all their gradients,
+        packed batch-first by the layout, to the engine at once."""
+        try:
+            inputs = layout.inputs(layer.module, args, kwargs)
+        except ValueError as error:
+            raise ValueError(f"layer {layer.name!r} ({type(layer.module).__name__}): {error}") from None
+        use = Use(layer, inputs, {}, _versions(inputs, {}))
+        self.forward.uses.append(use)
+        leaves = _leaves(output)
+        slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.is_floating_point()]
+
+        def on_grads(grads: tuple[torch.Tensor, ...]) -> None:
+            aligned: list[torch.Tensor | None] = [None] * len(leaves)
+            for i, g in zip(slots, grads, strict=True):
+                aligned[i] = g
+            self._deliver(use, layout.output_grad(layer.module, aligned))
+
+        passed = _Outputs.apply(on_grads, self._anchor, *(leaves[i] for i in slots))
+        for i, tensor in zip(slots, passed, strict=True):
+            leaves[i] = tensor
+        return _rebuild(output, iter(leaves))
 
     def _tapped(self, layer: Layer, tap: nn.Module, args: tuple) -> Any:
         """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
@@ -264,7 +336,7 @@ class Capture:
         (position-wise) rule."""
         layer = use.layer
         if layer.rule is not None:
-            x = use.args[0]
+            x = use.args if layer.rule.call is not None else use.args[0]
             if fold > 1:
                 x = x.unflatten(0, (dy.shape[0], fold))
             grads = layer.rule.per_example_grads(layer.module, x, dy)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,13 +27,37 @@ CheckFn = Callable[[nn.Module], None]
 
 
 @dataclass(frozen=True)
+class CallLayout:
+    """How the capture records a call of a module that takes several tensors and returns several
+    (``nn.LSTM``: ``(output, (h_n, c_n))``; ``nn.MultiheadAttention``: ``(attn_output, attn_weights)``).
+
+    ``inputs(module, args, kwargs)`` refuses (``ValueError``) a call the rule cannot recompute exactly and
+    returns the call as a tuple whose entry 0 is the main input: tensors as batch-first views, and whatever
+    else the rule needs. Which dimension is the batch comes from the module's configuration (its
+    ``batch_first``), never from sizes; the probe establishes it (:mod:`dpexp.privacy.verification`). The
+    rule's ``per_example_grads`` receives this tuple as ``x``.
+
+    ``output_grad(module, grads)`` packs the gradients of all the module's outputs into one batch-first
+    tensor (B, N), the ``dy`` the engine checks and the rule receives. ``grads`` follows the outputs
+    flattened in order (nested tuples unpacked): a tensor output that does not reach the loss has gradient
+    zero, an output that is not a tensor (``attn_weights=None``) None.
+    """
+
+    inputs: Callable[[nn.Module, tuple, dict[str, Any]], tuple]
+    output_grad: Callable[[nn.Module, list[torch.Tensor | None]], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class LayerRule:
     """``per_example_grads(module, x, dy) -> {param_name: PerExampleGrad}`` plus a construction-time check.
 
     ``x`` is the module's input and ``dy`` the gradient of the loss with respect to its output. A rule with a
     ``tap`` instead reads the input of the submodule of that name and the gradient with respect to that input:
     for parameters that enter the computation inside a larger module's forward (a Vision Transformer's class
-    token and position embedding are added just before its ``pos_drop``).
+    token and position embedding are added just before its ``pos_drop``). A rule with a ``call`` layout
+    covers modules with several inputs and outputs (:class:`CallLayout`). ``claims`` names submodules whose
+    parameters the rule covers as its own (keys ``"out_proj.weight"``): ``nn.MultiheadAttention`` reads its
+    ``out_proj``'s weight and bias without calling it.
 
     A ``position_wise`` rule treats every axis between the example axis and the feature axis as a position
     (:func:`as_sequence`): the layer acts on each position alone, so an input flattened to (B*T, ..., F) with
@@ -45,6 +70,8 @@ class LayerRule:
     expand_broadcast_input: bool = False  # inputs of batch size 1 are expanded to the batch (position ids)
     tap: str | None = None
     position_wise: bool = False  # a flattened (B*T, ...) input may be folded to (B, T, ...)
+    call: CallLayout | None = None
+    claims: tuple[str, ...] = ()
 
 
 _RULES: dict[str, LayerRule] = {}
@@ -60,6 +87,8 @@ def register_rule(
     expand_broadcast_input: bool = False,
     tap: str | None = None,
     position_wise: bool = False,
+    call: CallLayout | None = None,
+    claims: tuple[str, ...] = (),
 ) -> Callable[[GradFn], GradFn]:
     """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
     qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`."""
@@ -67,7 +96,7 @@ def register_rule(
     def decorate(fn: GradFn) -> GradFn:
         for module_type in module_types:
             key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
-            _RULES[key] = LayerRule(fn, check, expand_broadcast_input, tap, position_wise)
+            _RULES[key] = LayerRule(fn, check, expand_broadcast_input, tap, position_wise, call, claims)
         return fn
 
     return decorate
@@ -90,10 +119,12 @@ def as_sequence(x: torch.Tensor) -> torch.Tensor:
 # Importing the rule modules registers them.
 from dpexp.privacy.rules import (  # noqa: E402,F401
     activation,
+    attention,
     conv,
     embedding,
     linear,
     norm,
+    recurrent,
     rms_norm,
     vision_tokens,
     ws_conv,

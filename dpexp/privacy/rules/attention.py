@@ -1,0 +1,193 @@
+"""``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer`` / ``DecoderLayer``, which call it).
+
+Its parameters enter through linear maps applied at every position: the projections
+``q_t = W_q x^q_t + b_q`` (query positions t), ``k_s = W_k x^k_s + b_k``, ``v_s = W_v x^v_s + b_v`` (key
+positions s), the learned extra key and value ``bias_k``, ``bias_v`` (``add_bias_kv``) appended as one more
+key position, and the output projection ``y_t = W_o ctx_t + b_o`` of the attention context ``ctx_t``. Example
+i's gradients are therefore sums over its positions (Bu et al. 2023, eq. 2, once per map):
+
+    dW_q = sum_t dq_t (x) x^q_t,   dW_k = sum_s dk_s (x) x^k_s,   dW_v = sum_s dv_s (x) x^v_s,
+    db_{q,k,v} = sums of dq, dk, dv,   dbias_k = dk_{S+1},   dbias_v = dv_{S+1},
+    dW_o = sum_t dy_t (x) ctx_t,   db_o = sum_t dy_t,
+
+in the factored :class:`~dpexp.privacy.per_example.Outer` / ``Dense`` forms. With one packed
+``in_proj_weight`` (3E, E) its per-example gradient is the three row blocks stacked: in self-attention
+(query, key and value one tensor) ``sum_t [dq_t; dk_t; dv_t] (x) x_t``, otherwise an ``Outer`` over the
+concatenated positions of query, key and value whose left factor is zero outside each block. The
+``dq, dk, dv, dy`` of every example and position come from one recomputation of the attention from the
+captured inputs (parameters detached, a zero added to each map's output, masks applied as PyTorch's
+``multi_head_attention_forward`` does) and one autograd backward of ``<outputs, d outputs>`` to those zeros.
+The output projection ``out_proj`` is a submodule that the forward never calls: the rule claims its
+parameters. Opacus replaces the module by its own ``DPMultiheadAttention``; here the user's module runs
+unchanged.
+
+The engine sees the call batch-first, from the module's ``batch_first`` (``key_padding_mask`` and
+``attn_weights`` have the batch in dim 0 either way; a 3-D ``attn_mask`` of shape (B * heads, L, S) is viewed
+as (B, heads, L, S)); the probe establishes it. Supported: ``kdim``/``vdim``, ``add_bias_kv``,
+``add_zero_attn``, ``bias=False``, boolean or additive ``key_padding_mask`` and ``attn_mask``, ``is_causal``
+(a hint: the mask is then given), ``need_weights`` with or without head averaging. Refused at the call,
+with the fix: unbatched (2-D) inputs and attention dropout in training (the fused kernels' mask cannot be
+replayed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
+from dpexp.privacy.rules import CallLayout, register_rule
+
+_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+
+
+def attention_inputs(module: nn.MultiheadAttention, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(query, key, value, key_padding_mask, attn_mask, need_weights, average_attn_weights,
+    self_attention)`` with query (B, L, E), key and value (B, S, kdim / vdim), attn_mask (L, S) or
+    (B, heads, L, S)."""
+    call = _SIGNATURE.bind(module, *args, **kwargs)
+    call.apply_defaults()
+    q, k, v = call.arguments["query"], call.arguments["key"], call.arguments["value"]
+    if q.dim() != 3:
+        raise ValueError(
+            f"got an unbatched query of shape {tuple(q.shape)}; the privacy engine needs the batch in the "
+            "inputs: pass (B, L, E) with batch_first=True, or (L, B, E)"
+        )
+    if module.training and module.dropout > 0:
+        raise ValueError(
+            f"applies attention dropout (p={module.dropout}) in training, whose mask the per-example "
+            "gradient rule cannot replay; set dropout=0 (e.g. nn.TransformerEncoderLayer(dropout=0))"
+        )
+    self_attention = q is k and k is v
+    if not module.batch_first:
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    mask = call.arguments["attn_mask"]
+    if mask is not None and mask.dim() == 3:
+        mask = mask.view(q.shape[0], module.num_heads, *mask.shape[1:])
+    return (
+        q,
+        k,
+        v,
+        call.arguments["key_padding_mask"],
+        mask,
+        bool(call.arguments["need_weights"]),
+        bool(call.arguments["average_attn_weights"]),
+        self_attention,
+    )
+
+
+def attention_output_grad(module: nn.MultiheadAttention, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """Gradients of ``(attn_output, attn_weights)`` packed batch-first: (B, L * E [+ weights' size])."""
+    out, weights = grads
+    out = out if module.batch_first else out.transpose(0, 1)
+    parts = [out] + ([] if weights is None else [weights])
+    return torch.cat([p.reshape(p.shape[0], -1) for p in parts], 1)
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask (True: not attended) as -inf / 0, an additive one as it is."""
+    if mask is None or mask.is_floating_point():
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+
+
+def _projections(module: nn.MultiheadAttention) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of the q, k and v maps, detached."""
+    if module._qkv_same_embed_dim:
+        weights = module.in_proj_weight.detach().chunk(3)
+    else:
+        weights = [
+            module.q_proj_weight.detach(),
+            module.k_proj_weight.detach(),
+            module.v_proj_weight.detach(),
+        ]
+    biases = module.in_proj_bias.detach().chunk(3) if module.in_proj_bias is not None else [None] * 3
+    return list(zip(weights, biases, strict=True))
+
+
+def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of every parameter of ``module`` (``out_proj.*`` included), see the docstring."""
+    query, key, value, padding, mask, need_weights, average, self_attention = x
+    query, key, value = query.detach(), key.detach(), value.detach()
+    batch, length, embed = query.shape
+    heads = module.num_heads
+    with torch.enable_grad():
+        zq, zk, zv = (t.new_zeros(*t.shape[:2], embed, requires_grad=True) for t in (query, key, value))
+        (wq, bq), (wk, bk), (wv, bv) = _projections(module)
+        q = F.linear(query, wq, bq) + zq
+        k = F.linear(key, wk, bk) + zk
+        v = F.linear(value, wv, bv) + zv
+        padding, mask = _additive(padding, q.dtype), _additive(mask, q.dtype)
+        extra = {}
+        if module.bias_k is not None:
+            extra = {n: q.new_zeros(batch, 1, embed, requires_grad=True) for n in ("bias_k", "bias_v")}
+            k = torch.cat([k, module.bias_k.detach().expand(batch, 1, embed) + extra["bias_k"]], 1)
+            v = torch.cat([v, module.bias_v.detach().expand(batch, 1, embed) + extra["bias_v"]], 1)
+            padding, mask = (None if m is None else F.pad(m, (0, 1)) for m in (padding, mask))
+        if module.add_zero_attn:
+            k, v = (torch.cat([t, t.new_zeros(batch, 1, embed)], 1) for t in (k, v))
+            padding, mask = (None if m is None else F.pad(m, (0, 1)) for m in (padding, mask))
+        qh, kh, vh = (t.view(batch, t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
+        scores = qh @ kh.transpose(-1, -2) / math.sqrt(embed // heads)
+        if mask is not None:
+            scores = scores + mask
+        if padding is not None:
+            scores = scores + padding[:, None, None, :]
+        attn = torch.softmax(scores, -1)
+        context = (attn @ vh).transpose(1, 2).reshape(batch, length, embed)
+        zo = q.new_zeros(batch, length, embed, requires_grad=True)
+        out = F.linear(context, module.out_proj.weight.detach(), _detached(module.out_proj.bias)) + zo
+        results = [out] + ([attn.mean(1) if average else attn] if need_weights else [])
+        sizes = [r[0].numel() for r in results]
+        dys = [g.view_as(r).to(r.dtype) for g, r in zip(dy.split(sizes, 1), results, strict=True)]
+        leaves = [zq, zk, zv, zo, *extra.values()]
+        dq, dk, dv, do, *dextra = torch.autograd.grad(results, leaves, dys, allow_unused=True)
+    dq, dk, dv, do = (
+        torch.zeros_like(z) if g is None else g for g, z in zip((dq, dk, dv, do), leaves[:4], strict=True)
+    )
+    grads: dict[str, PerExampleGrad] = {"out_proj.weight": Outer(do, context.detach(), (embed, embed), embed)}
+    if module.out_proj.bias is not None:
+        grads["out_proj.bias"] = Dense(do.sum(1))
+    if module._qkv_same_embed_dim:
+        grads["in_proj_weight"] = _stacked(dq, dk, dv, query, key, value, self_attention)
+    else:
+        for name, d, a in (("q", dq, query), ("k", dk, key), ("v", dv, value)):
+            grads[f"{name}_proj_weight"] = Outer(d, a, (embed, a.shape[-1]), embed)
+    if module.in_proj_bias is not None:
+        grads["in_proj_bias"] = Dense(torch.cat([dq.sum(1), dk.sum(1), dv.sum(1)], -1))
+    for name, g, z in zip(extra, dextra, extra.values(), strict=True):
+        grads[name] = Dense((torch.zeros_like(z) if g is None else g).view(batch, 1, 1, embed))
+    return grads
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def _stacked(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    self_attention: bool,
+) -> Outer:
+    """``in_proj_weight``'s per-example gradient ``[dW_q; dW_k; dW_v]`` (3E, E) as one ``Outer``."""
+    embed = query.shape[-1]
+    if self_attention:
+        return Outer(torch.cat([dq, dk, dv], -1), query, (3 * embed, embed), 3 * embed)
+    blocks = [F.pad(d, (i * embed, (2 - i) * embed)) for i, d in enumerate((dq, dk, dv))]
+    return Outer(torch.cat(blocks, 1), torch.cat([query, key, value], 1), (3 * embed, embed), 3 * embed)
+
+
+register_rule(
+    nn.MultiheadAttention,
+    call=CallLayout(attention_inputs, attention_output_grad),
+    claims=("out_proj",),
+)(attention_grads)

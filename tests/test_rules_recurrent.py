@@ -1,0 +1,204 @@
+"""``nn.LSTM``/``GRU``/``RNN`` and ``nn.MultiheadAttention`` (``nn.TransformerEncoderLayer``) rules against
+the brute-force oracle in every strategy x clipping mode, and what they refuse: layouts the probe must reject,
+unbatched and packed inputs, dropout the recomputation cannot replay, a wrong rule (check 2)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from dpexp.privacy import PrivacyEngine, rules
+from dpexp.privacy.capture import unsupported_modules
+from dpexp.privacy.per_example import Dense
+from dpexp.privacy.verification import VerificationError
+from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+from tests.recurrent_models import MODELS, EncoderNet, RecurrentNet, make_recurrent_case
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+
+SETTINGS = [
+    (strategy, clipping, groups)
+    for strategy in ("bk", "ghost", "instantiate")
+    for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))
+]
+# every model in one setting by default (cycling through the 9), the full product marked slow
+DEFAULT = [pytest.param(name, *SETTINGS[i % len(SETTINGS)], id=name) for i, name in enumerate(MODELS)]
+EVERYWHERE = [
+    pytest.param(name, *setting, marks=pytest.mark.slow, id=f"{name}-{'-'.join(map(str, setting))}")
+    for name in MODELS
+    for setting in SETTINGS
+]
+
+
+def _engine(model, **kwargs) -> PrivacyEngine:
+    return PrivacyEngine(
+        model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0, **kwargs
+    )
+
+
+def _check_against_oracle(model, loss_fn, batch, strategy="bk", clipping="flat", groups=None, micro=None):
+    size = batch["ids"].shape[0]
+    grads = per_example_grads(model, loss_fn, batch)
+    engine = _engine(copy.deepcopy(model), clipping=clipping, groups=groups)
+    partition = engine.groups
+    engine.detach()
+    norms = group_norms(grads, partition)
+    thresholds = norms.median(0).values.tolist()  # about half of the examples clipped in every group
+    clipped = norms > torch.tensor(thresholds)
+    assert clipped.any() and (~clipped).any()
+    expected = clipped_mean(grads, partition, thresholds, batch_size=size)
+    delta, _ = engine_update(
+        model, loss_fn, batch, micro or [[0, 1, 2], [3, 4, 5]], batch_size=size, strategy=strategy,
+        clipping=clipping, groups=groups, thresholds=thresholds, max_grad_norm=1.0,
+    )  # fmt: skip
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-7, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("name,strategy,clipping,groups", DEFAULT)
+def test_rule_matches_oracle(name, strategy, clipping, groups, recwarn):
+    _check_against_oracle(*make_recurrent_case(name), strategy, clipping, groups)
+    assert not [w for w in recwarn if "fallback" in str(w.message)]
+
+
+@pytest.mark.parametrize("name,strategy,clipping,groups", EVERYWHERE)
+def test_rule_matches_oracle_everywhere(name, strategy, clipping, groups):
+    _check_against_oracle(*make_recurrent_case(name), strategy, clipping, groups)
+
+
+@pytest.mark.parametrize("name", ["lstm_time_major_bidirectional_2_layers", "mha_time_major_self"])
+def test_time_major_with_length_equal_to_batch_is_exact(name):
+    """The batch dimension comes from ``batch_first``, not from sizes: T == B changes nothing."""
+    _check_against_oracle(*make_recurrent_case(name, length=6), micro=[[0, 1, 2, 3, 4, 5]])
+
+
+def test_multihead_attention_covers_its_out_proj():
+    """``out_proj`` is never called by its parent: its parameters are the attention rule's, no layer of their
+    own (which would be refused as never used), and no module is left to the fallback."""
+    model, _, _ = make_recurrent_case("transformer_encoder")
+    assert unsupported_modules(model) == {}
+    engine = _engine(model, clipping="per_layer")
+    groups = {tuple(g) for g in engine.groups}
+    assert ("encoder.self_attn.in_proj_weight", "encoder.self_attn.in_proj_bias",
+            "encoder.self_attn.out_proj.weight", "encoder.self_attn.out_proj.bias") in groups  # fmt: skip
+
+
+class WrongLayout(nn.Module):
+    """A time-major LSTM (batch_first=False) fed a batch-first tensor: it recurs over the examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0].mean(1))
+
+
+class WrongLayoutAttention(nn.Module):
+    """A time-major attention (batch_first=False) fed batch-first tensors: it attends across examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(4, 2), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def _float_loss(model, batch):
+    return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+@pytest.mark.parametrize("module", [WrongLayout, WrongLayoutAttention])
+@pytest.mark.parametrize("length,match", [(6, "depends on other examples"), (5, "dim 0")])
+def test_wrong_layout_is_refused(module, length, match):
+    """At T == B only the probe can tell (row i of the output gradient mixes examples), else the sizes."""
+    torch.manual_seed(0)
+    model = module().double()
+    engine = _engine(model)
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    batch = {"x": torch.randn(6, length, 4, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
+    with pytest.raises(VerificationError, match=match):
+        engine.backward(_float_loss(model, batch))
+    del optimizer
+
+
+def test_a_wrong_rule_is_caught_by_the_parameter_sums(monkeypatch):
+    """Check 2 covers these rules: a rule that drops the recurrent map's gradient is refused on the first
+    micro-batch, naming the parameter."""
+    rule = rules.rule_for(nn.GRU(1, 1))
+
+    def broken(module, x, dy):
+        grads = rule.per_example_grads(module, x, dy)
+        grads["weight_hh_l0"] = Dense(torch.zeros(dy.shape[0], *module.weight_hh_l0.shape, dtype=dy.dtype))
+        return grads
+
+    key = f"{nn.GRU.__module__}.{nn.GRU.__qualname__}"
+    monkeypatch.setitem(rules._RULES, key, dataclasses.replace(rule, per_example_grads=broken))
+    model, loss_fn, batch = make_recurrent_case("gru_bidirectional_2_layers")
+    with pytest.raises(VerificationError, match=r"rnn\.weight_hh_l0"):
+        engine_update(model, loss_fn, batch, [[0, 1, 2]], batch_size=6, max_grad_norm=1.0)
+
+
+class Calls(nn.Module):
+    """Calls ``layer`` through ``call(layer, x)`` and sums its first output into 3 logits."""
+
+    def __init__(self, layer: nn.Module, call) -> None:
+        super().__init__()
+        self.layer, self.call, self.head = layer, call, nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.call(self.layer, x)[0].flatten(0, -2)[: x.shape[0]])
+
+
+def _packed(layer, x):
+    return layer(pack_padded_sequence(x, torch.full((x.shape[0],), x.shape[1]), batch_first=True))[1]
+
+
+REFUSED = {
+    "packed_sequence": (nn.LSTM(4, 4, batch_first=True), _packed, "PackedSequence.*padded"),
+    "unbatched_lstm": (nn.LSTM(4, 4), lambda m, x: m(x[0]), "unbatched input.*batch_first=True"),
+    "unbatched_attention": (
+        nn.MultiheadAttention(4, 2),
+        lambda m, x: m(x[0], x[0], x[0]),
+        "unbatched query.*batch_first=True",
+    ),
+    "lstm_dropout": (nn.GRU(4, 4, 2, dropout=0.1, batch_first=True), lambda m, x: m(x), "set dropout=0"),
+    "attention_dropout": (
+        nn.MultiheadAttention(4, 2, dropout=0.1, batch_first=True),
+        lambda m, x: m(x, x, x),
+        "set dropout=0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_calls_are_refused_naming_the_layer_and_the_fix(case):
+    layer, call, match = REFUSED[case]
+    model = Calls(layer, call).double().train()
+    engine = _engine(model)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"layer 'layer' \({type(layer).__name__}\): .*{match}"):
+        engine.backward(model(x).sum(1))
+
+
+def test_dropout_is_accepted_in_eval_mode():
+    """Dropout between layers only acts in training: in eval mode the rule is exact."""
+    model = RecurrentNet("LSTM", True, num_layers=2, dropout=0.5).double().eval()
+    _, loss_fn, batch = make_recurrent_case("gru_bidirectional_2_layers")
+    _check_against_oracle(model, loss_fn, batch)
+
+
+def test_time_major_transformer_layer_is_refused_at_its_position_wise_layers():
+    """The attention rule reads ``batch_first``; the linear and normalisation layers of a time-major
+    ``nn.TransformerEncoderLayer`` see (T, B, d) tensors, which the engine refuses, naming them."""
+    model = EncoderNet(batch_first=False).double().train()
+    _, loss_fn, batch = make_recurrent_case("transformer_encoder")
+    with pytest.raises(VerificationError, match=r"encoder\.(linear|norm)"):
+        engine_update(model, loss_fn, batch, [[0, 1, 2, 3, 4, 5]], batch_size=6, max_grad_norm=1.0)
