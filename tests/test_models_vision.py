@@ -9,7 +9,7 @@ from torch import nn
 from dpexp.layers import WSConv2d
 from dpexp.models.base import TaskInfo
 from dpexp.models.image_input import ImageInput
-from dpexp.models.timm_vit import TimmImageFactory
+from dpexp.models.timm_image import TimmImageFactory
 from dpexp.models.wrn import CIFAR10_MEAN, WideResNet, WideResNetFactory
 
 CIFAR_INFO = TaskInfo("cifar10", "classification", num_labels=10, input_shape=(3, 32, 32))
