@@ -83,7 +83,10 @@ def train_byte_level_bpe(
 def hub_tokenizer(name: str, local_files_only: bool = False) -> Any:
     """The fixed tokenizer ``name`` (hub id, folder or ``package:<name>``) with the special tokens a causal LM
     task needs: eos (else ``[SEP]``), bos (else ``[CLS]``, else eos) and pad (else eos)."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_location(name), local_files_only=local_files_only)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_location(name), local_files_only=local_files_only)
+    except ValueError as err:  # transformers' error for a folder without a usable tokenizer
+        raise OSError(str(err)) from err
     if tokenizer.eos_token is None and tokenizer.sep_token is not None:
         tokenizer.eos_token = tokenizer.sep_token
     if tokenizer.eos_token is None:
@@ -200,7 +203,10 @@ class CausalLMFactory(ModelFactory):
     def _make_tokenizer(self, corpus: Sequence[str] | None) -> Any:
         tokenizer = None
         if self.tokenizer_source == "hub":
-            tokenizer = hub_tokenizer(self.tokenizer_name)
+            try:
+                tokenizer = hub_tokenizer(self.tokenizer_name)
+            except OSError as err:
+                raise OSError(self._load_hint("tokenizer", self.tokenizer_name, err)) from err
         elif self.tokenizer_source == "auto":
             try:
                 tokenizer = hub_tokenizer(self.tokenizer_name, local_files_only=True)
@@ -250,7 +256,10 @@ class CausalLMFactory(ModelFactory):
             overrides = {key: self.dropout for key in DROPOUT_FIELDS if hasattr(defaults, key)}
         if self.pretrained is not None:
             location = resolve_location(self.pretrained)
-            model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **overrides)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **overrides)
+            except (OSError, ValueError) as err:  # ValueError: a folder without a known config
+                raise OSError(self._load_hint("weights", location, err)) from err
             if info.vocab_size > model.config.vocab_size:
                 raise ValueError(
                     f"the task's tokenizer has {info.vocab_size} tokens but {self.pretrained} only "
@@ -277,6 +286,13 @@ class CausalLMFactory(ModelFactory):
         model.generation_config.eos_token_id = eos
         lora = self._lora(info)
         return apply_lora(model, **lora) if lora else model
+
+    def _load_hint(self, what: str, location: str, err: Exception) -> str:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return (
+            f"could not load the {what} of {self.name} from {location!r} ({first}); without internet use a "
+            "random offline model (model=llama_tiny or gpt2_tiny) or a local copy in model.pretrained"
+        )
 
     def _tokenizer_bos(self, eos: int) -> int:
         bos = getattr(self._tokenizer, "bos_token_id", None)
