@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests import engine_models, recurrent_models
+from tests import engine_models, recurrent_models, timm_cnn_models
 from tests.oracle import Batch, LossFn
 
 Expect = Literal["private", "refuse_or_private"]
@@ -311,6 +311,8 @@ NEW_CASES = [
     "instance_norm_affine_running_stats",
     "gru_time_major_initial_state",
     "mha_cross_kdim_bias_kv_zero_attn",
+    "convnext",
+    "efficientnet_gn",
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -363,6 +365,10 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "functional_linear":
         batch = {"x": _floats(gen, size, 6), "y": _labels(gen, size, 3)}
         return FunctionalLinearNet().double(), engine_models.classification_loss, batch, float_info
+    if name in ("convnext", "efficientnet_gn"):  # timm CNNs: layer scale, LayerNorm2d, GroupNormAct rules
+        builder = timm_cnn_models.convnext if name == "convnext" else timm_cnn_models.efficientnet
+        batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
+        return builder(), engine_models.classification_loss, batch, float_info
     if name.startswith("instance_norm"):
         batch = {"x": _floats(gen, size, 3, 6, 6), "y": _labels(gen, size, 3)}
         model = InstanceNormNet(affine="affine" in name).double().train()

@@ -233,3 +233,28 @@ def test_gpt2_loss_is_the_sum_of_next_token_cross_entropies() -> None:
     ids = batch["input_ids"]
     expected = torch.stack([F.cross_entropy(logits[i, :-1], ids[i, 1:], reduction="sum") for i in range(3)])
     torch.testing.assert_close(bench_model.per_example_loss(model, batch), expected)
+
+
+@pytest.mark.parametrize("lora", [None, {"rank": 2, "alpha": 2}])
+def test_llama_bench_model_loss_and_lora(lora) -> None:
+    from dpexp.bench.models import LlamaLM
+
+    bench_model = LlamaLM(
+        lora=lora, vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = bench_model.build()
+    assert model.training and bench_model.family == "llama"
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if lora:
+        assert trainable and all("lora_" in n and ("q_proj" in n or "v_proj" in n) for n in trainable)
+    else:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.eval()
+    batch = bench_model.make_batch(3, 7, torch.Generator().manual_seed(0))
+    assert batch["input_ids"].max() < 64 and batch["position_ids"].shape == (3, 7)
+    logits = model(input_ids=batch["input_ids"]).logits
+    ids = batch["input_ids"]
+    expected = torch.stack([F.cross_entropy(logits[i, :-1], ids[i, 1:], reduction="sum") for i in range(3)])
+    torch.testing.assert_close(bench_model.per_example_loss(model, batch), expected)

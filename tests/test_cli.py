@@ -70,6 +70,18 @@ def test_misspelt_keys_are_refused_from_the_command_line(monkeypatch, capsys, tm
         (("model=minilm",), "task digits is an image task; use an image model: model=small_cnn"),
         (("model=wrn16_4",), "task digits has 1-channel images: set one value per channel"),
         (("model=gpt2_tiny",), "task digits is an image classification task; use an image model"),
+        (("model=llama_tiny",), "random llama is a language model for generation tasks (e2e, dart, samsum)"),
+        (("model=convnext_atto",), "convnext_atto cannot run on 8x8 images (task digits)"),
+        (
+            ("model=efficientnet_b0", "model.norm_layer=null"),
+            "efficientnet_b0 has BatchNorm layers (bn1, ...)",
+        ),
+        (
+            ("task=cifar10", "model=convnext_atto", "model.image_size=[4]"),
+            "image_size must be 'pretrained', null",
+        ),
+        (("task=cifar10", "model=efficientnet_b0", "model.pretrained=true"), "trained with BatchNorm"),
+        (("task=cifar10", "model=convnext_atto", "model.norm_layer=batch"), "norm_layer must be null or"),
     ],
 )
 def test_invalid_values_print_one_line_naming_the_key(monkeypatch, capsys, tmp_path, overrides, message):

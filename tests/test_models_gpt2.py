@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-import dpexp.models.gpt2 as gpt2_module
+import dpexp.models.causal_lm as causal_lm_module
 from dpexp.metrics.generation import beam_search
 from dpexp.models.base import TaskInfo
-from dpexp.models.gpt2 import EOS, PAD, GPT2Factory, train_byte_level_bpe
+from dpexp.models.causal_lm import EOS, PAD, train_byte_level_bpe
+from dpexp.models.gpt2 import GPT2Factory
 from dpexp.models.lora import apply_lora
 from tests.generation_helpers import tiny_factory
 
@@ -45,7 +46,7 @@ def test_auto_tokenizer_falls_back_to_training_without_cache(monkeypatch: pytest
         assert local_files_only, "auto must never contact the hub"
         raise OSError(f"{name} not cached")
 
-    monkeypatch.setattr(gpt2_module, "hub_tokenizer", not_cached)
+    monkeypatch.setattr(causal_lm_module, "hub_tokenizer", not_cached)
     tokenizer = tiny_factory(tokenizer="auto").tokenizer(corpus=CORPUS)
     assert tokenizer.pad_token == PAD and tokenizer.model_max_length == 128
 

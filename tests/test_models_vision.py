@@ -9,7 +9,7 @@ from torch import nn
 from dpexp.layers import WSConv2d
 from dpexp.models.base import TaskInfo
 from dpexp.models.image_input import ImageInput
-from dpexp.models.timm_vit import TimmImageFactory
+from dpexp.models.timm_image import TimmImageFactory
 from dpexp.models.wrn import CIFAR10_MEAN, WideResNet, WideResNetFactory
 
 CIFAR_INFO = TaskInfo("cifar10", "classification", num_labels=10, input_shape=(3, 32, 32))
@@ -79,3 +79,112 @@ def test_timm_factory_refuses_text_tasks() -> None:
     factory = TimmImageFactory("vit_tiny_patch16_224", pretrained=False)
     with pytest.raises(ValueError, match="needs images"):
         factory.build(TaskInfo("sst2", "classification", num_labels=2, vocab_size=100))
+
+
+DIGITS_INFO = TaskInfo("digits", "classification", num_labels=10, input_shape=(1, 8, 8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "info"),
+    [
+        ({"model_name": "convnext_atto"}, CIFAR_INFO),
+        ({"model_name": "convnext_atto", "image_size": [32, 32]}, DIGITS_INFO),
+        ({"model_name": "efficientnet_b0", "norm_layer": "group_norm"}, CIFAR_INFO),
+        ({"model_name": "efficientnet_b0", "norm_layer": "group_norm"}, DIGITS_INFO),
+        ({"model_name": "mobilenetv2_050", "norm_layer": "group_norm"}, CIFAR_INFO),
+    ],
+    ids=[
+        "convnext-cifar10",
+        "convnext-digits-resized",
+        "efficientnet-cifar10",
+        "efficientnet-digits",
+        "mnv2",
+    ],
+)
+def test_timm_cnns_build_without_batchnorm_and_every_module_ruled(kwargs, info) -> None:
+    from timm.layers import GroupNormAct
+
+    from dpexp.privacy.capture import unsupported_modules
+
+    model = TimmImageFactory(pretrained=False, image_size=kwargs.pop("image_size", None), **kwargs).build(
+        info
+    )
+    assert model(torch.rand(2, *info.input_shape)).shape == (2, 10)
+    modules = list(model.modules())
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules)
+    assert unsupported_modules(model) == {}  # no module on the torch.func fallback
+    if "norm_layer" in kwargs:
+        norms = [m for m in modules if isinstance(m, GroupNormAct)]
+        assert norms and all(m.num_channels // m.num_groups == 8 for m in norms)  # groups of 8 channels
+
+
+def test_timm_cnn_keeps_the_task_size_or_resizes() -> None:
+    seen = []
+    model = TimmImageFactory("convnext_atto", pretrained=False, image_size=[32, 32]).build(DIGITS_INFO)
+    model.net.stem.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    model(torch.rand(1, 1, 8, 8))
+    native = TimmImageFactory("convnext_atto", pretrained=False, image_size=None).build(CIFAR_INFO)
+    native.net.stem.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    native(torch.rand(1, 3, 32, 32))
+    assert seen == [(1, 1, 32, 32), (1, 3, 32, 32)] and native.input.size is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "info", "message"),
+    [
+        ({"model_name": "convnext_atto", "image_size": None}, DIGITS_INFO, "cannot run on 8x8 images"),
+        ({"model_name": "efficientnet_b0", "image_size": None}, CIFAR_INFO, "has BatchNorm layers"),
+        ({"model_name": "convnext_atto", "image_size": "big"}, CIFAR_INFO, "image_size must be"),
+        ({"model_name": "convnext_atto", "image_size": [32]}, CIFAR_INFO, "image_size must be"),
+        ({"model_name": "convnext_atto", "norm_layer": "batch_norm"}, CIFAR_INFO, "norm_layer must be"),
+        (
+            {"model_name": "efficientnet_b0", "norm_layer": "group_norm", "group_size": 0},
+            CIFAR_INFO,
+            "group_size",
+        ),
+        (
+            {"model_name": "efficientnet_b0", "norm_layer": "group_norm", "group_size": 7},
+            CIFAR_INFO,
+            "timm could",
+        ),
+    ],
+)
+def test_timm_factory_refuses_bad_settings(kwargs, info, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        TimmImageFactory(pretrained=False, **kwargs).build(info)
+
+
+def test_batchnorm_weights_do_not_fit_group_norm() -> None:
+    with pytest.raises(ValueError, match="trained with BatchNorm"):
+        TimmImageFactory("efficientnet_b0", pretrained=True, norm_layer="group_norm")
+
+
+@pytest.mark.parametrize(
+    ("option", "narrow"),
+    [
+        (
+            "convnext_atto",
+            ["model.image_size=[32,32]", "model.model_kwargs={dims:[8,8,8,8],depths:[1,1,1,1]}"],
+        ),
+        ("efficientnet_b0", ["model.model_name=test_efficientnet"]),  # the same builder, timm's test widths
+    ],
+)
+def test_private_step_of_timm_cnns(option, narrow, compose_config, tmp_path) -> None:
+    """model=convnext_atto / efficientnet_b0 as composed by python -m dpexp.train (narrowed), on digits: one
+    private step, no module on the torch.func fallback."""
+    import warnings
+
+    from dpexp.config import check_config
+    from dpexp.training.loop import run_training
+
+    overrides = [
+        f"model={option}", *narrow, "clip=bk", "steps=1", "batch_size=16", "physical_batch_size=8",
+        "progress=false", "eval_every=null",
+    ]  # fmt: skip
+    cfg = compose_config(overrides)
+    check_config(cfg)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*torch.func fallback")
+        record = run_training(cfg, tmp_path / "run", {"task": "digits", "model": option})
+    assert record["status"] == "completed" and record["steps_done"] == 1 and record["model"] == option
+    assert 0.0 <= record["accuracy"] <= 1.0

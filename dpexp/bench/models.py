@@ -22,7 +22,7 @@ Batch = dict[str, torch.Tensor]
 class BenchModel(ABC):
     """A randomly initialised network with generated inputs of the shapes of its task."""
 
-    family: str  # gpt2 | roberta | wrn | vit | mlp: the report's targets refer to these
+    family: str  # gpt2 | llama | roberta | wrn | vit | mlp: the report's targets refer to these
     sequence: bool = False  # whether the inputs have a sequence length T
 
     @abstractmethod
@@ -42,26 +42,16 @@ def _classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 
-class GPT2LM(BenchModel):
-    """Hugging Face ``GPT2LMHeadModel`` (``lm_head`` tied to ``wte``) from a ``GPT2Config``, random weights.
+class CausalLM(BenchModel):
+    """Shared part of the causal LMs: random token ids with (B, T) position ids, and the language-modelling
+    loss of example i, ``sum_{t<T} CE(logits_{i,t}, x_{i,t+1})``."""
 
-    The keyword arguments are ``GPT2Config`` fields; the defaults are GPT-2 small (124M, vocabulary 50257).
-    Loss of example i: ``sum_{t<T} CE(logits_{i,t}, x_{i,t+1})``.
-    """
-
-    family = "gpt2"
     sequence = True
-
-    def __init__(self, **config: int | float | str) -> None:
-        self.config = dict(config)
-
-    def build(self) -> nn.Module:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        return GPT2LMHeadModel(GPT2Config(**self.config)).train()
+    default_vocab: int
+    config: dict
 
     def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
-        vocab, length = self.config.get("vocab_size", 50257), _need(seq_len)
+        vocab, length = self.config.get("vocab_size", self.default_vocab), _need(seq_len)
         return {
             "input_ids": torch.randint(0, vocab, (batch_size, length), generator=generator),
             "position_ids": _positions(batch_size, length),
@@ -74,6 +64,46 @@ class GPT2LM(BenchModel):
         targets = F.pad(ids[:, 1:], (0, 1), value=-100)
         tokens = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
         return tokens.view(ids.shape).sum(1)
+
+
+class GPT2LM(CausalLM):
+    """Hugging Face ``GPT2LMHeadModel`` (``lm_head`` tied to ``wte``) from a ``GPT2Config``, random weights.
+
+    The keyword arguments are ``GPT2Config`` fields; the defaults are GPT-2 small (124M, vocabulary 50257).
+    """
+
+    family = "gpt2"
+    default_vocab = 50257
+
+    def __init__(self, **config: int | float | str) -> None:
+        self.config = dict(config)
+
+    def build(self) -> nn.Module:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(**self.config)).train()
+
+
+class LlamaLM(CausalLM):
+    """Hugging Face ``LlamaForCausalLM`` (RMSNorm, SwiGLU, rotary attention) from a ``LlamaConfig``, random
+    weights; the keyword arguments are ``LlamaConfig`` fields (e.g. Llama-3.2-1B's sizes, and
+    ``tie_word_embeddings``). ``lora``: ``{rank, alpha, dropout, target_modules}`` wraps it in LoRA adapters
+    (:func:`dpexp.models.lora.apply_lora`; targets default to ``q_proj``, ``v_proj``, Hu et al. 2021)."""
+
+    family = "llama"
+    default_vocab = 32000  # LlamaConfig's default
+
+    def __init__(self, lora: dict | None = None, **config: int | float | str | bool) -> None:
+        self.lora = {"target_modules": ["q_proj", "v_proj"], **lora} if lora else None
+        self.config = dict(config)
+
+    def build(self) -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from dpexp.models.lora import apply_lora
+
+        model = LlamaForCausalLM(LlamaConfig(**self.config))
+        return (apply_lora(model, **self.lora) if self.lora else model).train()
 
 
 class RobertaClassifier(BenchModel):

@@ -38,11 +38,14 @@ def models_for(info: TaskInfo) -> str:
     """The model options (``conf/model``) that serve a task like ``info``, for the message of a factory
     that refuses it."""
     if info.input_shape is not None:
-        return "an image model: model=small_cnn (any image size and channels), wrn16_4 or vit_small"
+        return (
+            "an image model: model=small_cnn (any image size and channels), wrn16_4, convnext_atto, "
+            "efficientnet_b0 or vit_small"
+        )
     if info.kind == "generation":
         return (
-            "a language model: model=gpt2_tiny, gpt2, gpt2_medium, gpt2_large, gpt2_xl, gpt2_lora, "
-            "t5_tiny, t5_small or flan_t5_small"
+            "a language model: model=gpt2_tiny, llama_tiny, gpt2, gpt2_medium, gpt2_large, gpt2_xl, "
+            "gpt2_lora, llama_3_2_1b, t5_tiny, t5_small or flan_t5_small"
         )
     return "a text encoder: model=roberta_base, roberta_large, minilm or roberta_tiny"
 
@@ -58,6 +61,11 @@ class ModelFactory(ABC):
         """The tokenizer this model expects (None for models without one). ``corpus``: texts a factory
         without a fixed vocabulary may learn one from; what is learnt from private training texts is outside
         the privacy guarantee, so private runs pass public texts or use a fixed vocabulary."""
+        return None
+
+    def tokenizer_record(self) -> dict[str, Any] | None:
+        """What the run record says of the tokenizer in use (its source, and whether its vocabulary was fixed
+        without the training data); None for factories without a choice to record."""
         return None
 
     @abstractmethod

@@ -206,6 +206,9 @@ class _Run:
         }
         names.update({k: v for k, v in self.choices.items() if k in names})
         fields = {**names, **asdict(self.plan), "epsilon_kind": dict(accounting.EPSILON_KINDS)}
+        tokenizer = factory.tokenizer_record()
+        if tokenizer is not None:  # where the vocabulary came from, and whether it saw the training data
+            fields["tokenizer"] = tokenizer
         if resume:  # the record keeps what the run recorded first
             fields = {k: v for k, v in fields.items() if k not in self.record.data}
         self.record.update(**fields, device=str(self.device))

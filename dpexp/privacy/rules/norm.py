@@ -1,5 +1,5 @@
-"""``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.InstanceNorm1d/2d/3d``: ``y = x_hat * w + b`` with ``x_hat``
-the normalised input.
+"""``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d/2d/3d`` and timm's ``LayerNorm`` and
+``LayerNorm2d`` (ConvNeXt): ``y = x_hat * w + b`` with ``x_hat`` the normalised input.
 
 The per-example gradients ``dw_i = sum (dy_i * x_hat_i)`` and ``db_i = sum dy_i`` (summed over all axes
 that the affine parameters are broadcast along) are small, so they are held explicitly. ``x_hat`` is
@@ -34,6 +34,14 @@ def layer_norm_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) ->
     x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)
     reduce = tuple(range(1, x.dim() - len(module.normalized_shape)))
     return _affine_grads(module, x_hat, dy, reduce)
+
+
+@register_rule("timm.layers.norm.LayerNorm2d")
+def layer_norm_2d_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """timm's ``LayerNorm2d`` (ConvNeXt, Liu et al. 2022): ``x`` (B, C, H, W) normalised over C at every
+    position (``F.layer_norm`` on the channels-last view), so ``dw_i = sum_hw dy_i * x_hat_i``."""
+    x_hat = F.layer_norm(x.permute(0, 2, 3, 1), module.normalized_shape, eps=module.eps).permute(0, 3, 1, 2)
+    return _affine_grads(module, x_hat, dy, (2, 3))
 
 
 @register_rule(nn.GroupNorm)
