@@ -262,3 +262,25 @@ def _check_groups(epsilons: Sequence[float], sizes: Sequence[int]) -> None:
     empty = [g for g, n in enumerate(sizes) if n < 1]
     if empty:
         raise ValueError(f"privacy groups {empty} have no training example: every group needs at least one")
+
+
+def calibrate(
+    variant: Variant,
+    epsilons: Sequence[float],
+    sizes: Sequence[int],
+    delta: float,
+    batch_size: int,
+    steps: int,
+    accountant: str = "rdp",
+    shape: Sequence[float] | None = None,
+    **solve_kwargs: object,
+) -> tuple[float, IndividualPrivacy]:
+    """(sigma, the plan) of either variant for expected batch size B over the N = sum_g N_g examples:
+    :func:`calibrate_sampling`, or :func:`calibrate_scaling` at q = B/N."""
+    if variant == "sampling":
+        args = (epsilons, sizes, delta, batch_size, steps, accountant, shape)
+        return calibrate_sampling(*args, **solve_kwargs)
+    if variant == "scaling":
+        rate = batch_size / sum(sizes)
+        return calibrate_scaling(epsilons, sizes, delta, rate, steps, accountant, shape, **solve_kwargs)
+    raise ValueError(f"unknown individual privacy variant {variant!r}; valid: {', '.join(VARIANTS)}")
