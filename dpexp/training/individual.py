@@ -23,14 +23,17 @@ KEY = "privacy.individual"
 
 
 def variant_of(cfg: DictConfig) -> str | None:
-    """``privacy.individual.variant`` (sampling | scaling), None when it is ``none``."""
-    variant = str(cfg.privacy.individual.variant)
+    """``privacy.individual.variant`` (sampling | scaling), None when it is ``none`` (or absent: the config of
+    a run recorded before the key existed, resumed)."""
+    variant = str(OmegaConf.select(cfg, "privacy.individual.variant", default="none"))
     return None if variant == "none" else variant
 
 
 def check_individual(cfg: DictConfig) -> None:
     """Refuse a ``privacy.individual`` that cannot work, naming the key, before any data loads."""
-    node = cfg.privacy.individual
+    node = OmegaConf.select(cfg, KEY)
+    if node is None:  # a run recorded before the key existed, resumed
+        return
     variant = str(node.variant)
     if variant not in ("none", *VARIANTS):
         raise ConfigError(f"{KEY}.variant must be none, sampling or scaling, got {variant!r}.")

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from dpexp.backends import is_private, method_of
 from dpexp.privacy import accounting, individual
 from dpexp.privacy.noise_schedule import check_schedule, schedule_shape
+from dpexp.training.individual import variant_of
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,8 @@ def plan_run(
     sigmas: list[float] = []
     stopped = False
     plan_individual = None
-    variant = str(cfg.privacy.individual.variant)
-    if variant != "none":
+    variant = variant_of(cfg)
+    if variant is not None:
         name, approximate = calibration_accountant(cfg)
         shape = schedule_shape(noise.name, steps, sample_rate, noise.rate, noise.period, noise.end_fraction)
         epsilons = [float(e) for e in cfg.privacy.individual.epsilons]
