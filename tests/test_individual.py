@@ -169,14 +169,15 @@ def test_scaling_clipped_sums_match_the_oracle(case, strategy, clipping, groups)
 
 
 @pytest.mark.parametrize("case", ["mlp", pytest.param("gpt2", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("strategy", ["bk", "ghost"])
-@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_one_example_moves_each_group_sum_by_at_most_its_own_bound(case, strategy, clipping):
-    """Removing example j (group g) moves group k of the released sum by at most s_g C_k (noise 0), and a
-    huge example in its place by at most 2 s_g C_k; each bound is reached by a clipped example."""
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("clipping,groups", [("flat", None), ("per_layer", None), ("groups", 2)])
+def test_one_example_moves_each_group_sum_by_at_most_its_own_bound(case, strategy, clipping, groups):
+    """Removing example j (group g) moves group k of the released sum by at most s_g C_k (noise 0), reached
+    exactly by an example clipped to its bound; an input scaled by 1e6 in its place (float inputs) moves it
+    by at most s_g C_k from the data set without it."""
     model, loss_fn, batch = make_case(case)
     size = next(iter(batch.values())).shape[0]
-    partition = _groups_of(model, clipping, None)
+    partition = _groups_of(model, clipping, groups)
     norms = group_norms(per_example_grads(model, loss_fn, batch), partition)
     assert bool((norms > 0).all())
     individual = _scaling()
@@ -185,6 +186,7 @@ def test_one_example_moves_each_group_sum_by_at_most_its_own_bound(case, strateg
     privacy_groups = torch.arange(size) % 3
     kwargs = {
         "clipping": clipping,
+        "groups": groups,
         "strategy": strategy,
         "thresholds": thresholds,
         "max_grad_norm": 1.0,
@@ -195,15 +197,22 @@ def test_one_example_moves_each_group_sum_by_at_most_its_own_bound(case, strateg
         delta, _ = engine_update(model, loss_fn, data, [list(range(len(groups)))], 1, groups, **kwargs)
         return delta
 
+    def shifts(one, other):
+        return [sum(float((one[n] - other[n]).pow(2).sum()) for n in group) ** 0.5 for group in partition]
+
     full = released(batch, privacy_groups)
     for j in range(size):
         keep = [i for i in range(size) if i != j]
         smaller = released(slice_batch(batch, keep), privacy_groups[keep])
         bound = individual.scales[int(privacy_groups[j])]
-        for k, group in enumerate(partition):
-            shift = sum(float((full[n] - smaller[n]).pow(2).sum()) for n in group) ** 0.5
+        for k, shift in enumerate(shifts(full, smaller)):
             assert shift <= thresholds[k] * bound * (1 + 1e-6), f"example {j}, group {k}: moved {shift:.4g}"
             assert shift >= thresholds[k] * bound * (1 - 1e-6)  # clipped exactly to its own bound
+        if "x" in batch and batch["x"].is_floating_point():
+            huge = {name: value.clone() for name, value in batch.items()}
+            huge["x"][j] *= 1e6
+            for k, shift in enumerate(shifts(released(huge, privacy_groups), smaller)):
+                assert shift <= thresholds[k] * bound * (1 + 1e-6), f"huge {j}, group {k}: moved {shift:.4g}"
 
 
 def test_engine_accounts_every_group_and_reports_the_weakest(sizes):
