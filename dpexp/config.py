@@ -50,12 +50,21 @@ class WandbMode(str, Enum):
 
 
 @dataclass
+class IndividualSchema:
+    variant: str = "none"  # none | sampling | scaling (dpexp.training.individual checks the values)
+    epsilons: list[float] | None = None
+    fractions: list[float] | None = None
+    column: str | None = None
+
+
+@dataclass
 class PrivacySchema:
     epsilon: float = MISSING
     delta: float | None = MISSING
     delta_rule: str = MISSING  # a key of dpexp.privacy.accounting.DELTA_RULES
     accounting_memory_gib: float = MISSING
     accounting_timeout_s: float = MISSING
+    individual: IndividualSchema = field(default_factory=IndividualSchema)
 
 
 @dataclass

@@ -14,6 +14,7 @@ and ``resume=<run dir>`` continues it.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,33 @@ def summary(record: dict[str, Any]) -> str:
     eps = (
         ", ".join(_epsilon_text(k, v, kinds[k]) for k, v in epsilon.items() if v is not None) or "non-private"
     )
+    individual = record.get("individual")
+    groups = ""
+    if individual is not None:  # every privacy group's budget and spending (the run's epsilon is the largest)
+        spent = record.get("epsilon_by_group", {}).get(record["accountant"]) or [math.nan] * len(
+            individual["epsilons"]
+        )
+        groups = (
+            f"individual privacy ({individual['variant']}): "
+            + ", ".join(
+                f"group {g}: epsilon {e:.3f} of {budget:g} (q={q:.4f}, scale={s:.3f})"
+                for g, (e, budget, q, s) in enumerate(
+                    zip(
+                        spent,
+                        individual["epsilons"],
+                        individual["sample_rates"],
+                        individual["scales"],
+                        strict=True,
+                    )
+                )
+            )
+            + "\n"
+        )
     return (
         f"{record['task']} / {record['model']} / {record['clip']}: {metrics}\n"
         f"epsilon ({eps}) at delta={record['delta']:.3g}, sigma={record['noise_multiplier']:.4f}, "
         f"{record['steps']} steps ({record['epochs']:.2f} epochs)\n"
+        f"{groups}"
         f"throughput {record['throughput_examples_per_s']:.1f} examples/s, "
         f"peak memory {record['peak_memory_bytes'] / 2**20:.1f} MiB ({record['peak_memory_kind']}), "
         f"wall time {record['wall_time_s']:.1f} s"

@@ -47,17 +47,20 @@ def clipped_mean(
     thresholds: list[float],
     batch_size: int,
     automatic_stability: float | None = None,
+    scales: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """(1/B) sum_i clip_i(g_i) with clip_i scaling group k of g_i by min(1, C_k / ||g_{i,k}||), or with
-    ``automatic_stability`` gamma by C_k / (||g_{i,k}|| + gamma) (automatic clipping, AUTO-S)."""
+    ``automatic_stability`` gamma by C_k / (||g_{i,k}|| + gamma) (automatic clipping, AUTO-S); ``scales``:
+    example i's bounds are s_i C_k (individualized privacy, scaling variant)."""
     norms = group_norms(grads, groups)
     total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
     for i, g in enumerate(grads):
         for k, group in enumerate(groups):
+            bound = thresholds[k] * (1.0 if scales is None else scales[i])
             if automatic_stability is not None:
-                factor = thresholds[k] / (float(norms[i, k]) + automatic_stability)
+                factor = bound / (float(norms[i, k]) + automatic_stability)
             else:
-                factor = min(1.0, thresholds[k] / float(norms[i, k])) if norms[i, k] > 0 else 1.0
+                factor = min(1.0, bound / float(norms[i, k])) if norms[i, k] > 0 else 1.0
             for n in group:
                 total[n] += g[n] * factor
     return {n: t / batch_size for n, t in total.items()}
@@ -69,9 +72,11 @@ def engine_update(
     batch: Batch,
     micro_batches: list[list[int]],
     batch_size: int,
+    privacy_groups: torch.Tensor | None = None,
     **engine_kwargs,
 ) -> tuple[dict[str, torch.Tensor], object]:
-    """Parameter change of one SGD(lr=1) step under the engine with noise 0 (so it is minus the update)."""
+    """Parameter change of one SGD(lr=1) step under the engine with noise 0 (so it is minus the update);
+    ``privacy_groups`` (B,): every example's privacy group, for an engine with individual privacy."""
     from dpexp.privacy import PrivacyEngine
 
     model = copy.deepcopy(model)
@@ -81,7 +86,8 @@ def engine_update(
     )
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
     for index in micro_batches:
-        engine.backward(loss_fn(model, slice_batch(batch, index)))
+        groups = None if privacy_groups is None else privacy_groups[index]
+        engine.backward(loss_fn(model, slice_batch(batch, index)), privacy_groups=groups)
     optimizer.step()
     optimizer.zero_grad()
     delta = {n: before[n] - p.detach() for n, p in model.named_parameters()}

@@ -118,8 +118,8 @@ def test_white_box_audit_catches_a_broken_mechanism(audit_config, tmp_path, monk
     else:
         real = clipping_module.Clipper._clipping_factors
 
-        def unclipped_output_layer(self, k, norm_sq, batch_size):  # per-layer groups: the last is the Linear
-            coef = real(self, k, norm_sq, batch_size)
+        def unclipped_output_layer(self, k, norm_sq, batch_size, scales=None):  # the last group: the Linear
+            coef = real(self, k, norm_sq, batch_size, scales)
             return torch.ones_like(coef) if k == len(self.groups) - 1 else coef
 
         monkeypatch.setattr(clipping_module.Clipper, "_clipping_factors", unclipped_output_layer)

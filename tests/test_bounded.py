@@ -58,9 +58,10 @@ def test_memory_and_time_beyond_the_limits_are_refused_naming_the_key():
 
 def test_prv_at_a_huge_epsilon_is_reported_as_failed_and_the_others_answer():
     q, steps, delta = 32 / 1437, 3, 1 / 2874
-    plan = RunPlan(1437, 32, 16, q, steps, steps * q, delta, 1e6, noise_multiplier=0.0012845400243646937)
+    sigmas = [0.0012845400243646937] * steps
+    plan = RunPlan(1437, 32, 16, q, steps, steps * q, delta, 1e6, sigmas[0], "constant", sigmas, False)
     with PrivacyBudget(Limits(2**30, 60.0, "privacy.accounting_memory_gib", "t")) as budget:
-        epsilons, errors = budget.epsilons(plan, steps)
+        epsilons, errors = budget.epsilons(plan, sigmas)
     assert epsilons["prv"] is None and "privacy.accounting_memory_gib=1 GiB" in errors["prv"]
     assert epsilons["rdp"] == pytest.approx(1e6, rel=1e-3) and epsilons["gdp"] == float("inf")
 

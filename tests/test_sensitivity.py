@@ -102,8 +102,8 @@ def test_harness_detects_a_group_that_is_not_clipped(monkeypatch):
     group's sum by about its gradient norm, orders of magnitude above C_0, and nothing else moves."""
     real = Clipper._clipping_factors
 
-    def factors(self, k, norm_sq, batch_size):
-        coef = real(self, k, norm_sq, batch_size)  # still counts, as the real engine does
+    def factors(self, k, norm_sq, batch_size, scales=None):
+        coef = real(self, k, norm_sq, batch_size, scales)  # still counts, as the real engine does
         return torch.ones_like(coef) if k == 0 else coef
 
     monkeypatch.setattr(Clipper, "_clipping_factors", factors)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from dpexp.backends.base import TrainingBackend, check_per_example_loss
+from dpexp.privacy.individual import IndividualPrivacy
 
 # clip.method -> the module whose ``build`` wraps the model; a new backend is one module and one line here
 METHODS: dict[str, str] = {
@@ -41,18 +42,25 @@ def build_backend(
     batch_size: int,
     sample_size: int,
     noise_multiplier: float,
+    individual: IndividualPrivacy | None = None,
 ) -> TrainingBackend:
     """Wrap ``model`` and ``optimizer`` with the backend of ``clip_cfg["method"]``.
 
     ``batch_size`` is the expected logical batch size B (the divisor), ``sample_size`` the data set size N,
     ``noise_multiplier`` sigma (noise std sigma * C on the summed clipped gradient; ignored by nonprivate).
-    Build ``optimizer`` over the model's trainable parameters before calling this.
+    Build ``optimizer`` over the model's trainable parameters before calling this. ``individual``:
+    individualized privacy (:mod:`dpexp.privacy.individual`), which only the ``dpexp`` method has.
     """
     if isinstance(clip_cfg, DictConfig):  # the engine and Opacus expect plain dicts and lists
         clip_cfg = OmegaConf.to_container(clip_cfg, resolve=True)
     method = method_of(clip_cfg)
     if method not in METHODS:
         raise ValueError(f"Unknown clip.method {method!r}; valid choices: {', '.join(METHODS)}.")
+    if individual is not None and method != "dpexp":
+        raise ValueError(
+            f"clip.method={method} has no individualized privacy: privacy.individual needs a dpexp clip "
+            "(e.g. clip=bk)."
+        )
     return importlib.import_module(METHODS[method]).build(
         clip_cfg,
         model=model,
@@ -60,6 +68,7 @@ def build_backend(
         batch_size=batch_size,
         sample_size=sample_size,
         noise_multiplier=noise_multiplier,
+        **({} if individual is None else {"individual": individual}),
     )
 
 

@@ -4,6 +4,7 @@ A logical step of DP-SGD (Abadi et al. 2016) with micro-batch accumulation is::
 
     for micro_batch in logical_batch:           # possibly none (empty Poisson batch)
         backend.backward(per_example_loss)      # shape (b,): accumulate sum_i clip(g_i)
+                                                # (privacy_groups=: each example's privacy group, IDP-SGD)
     backend.step()                              # once: + N(0, sigma^2 C^2 I), / B, optimizer step, zero grad
 
 so noise is added exactly once per logical step and the sum is divided by the expected batch size B, never by
@@ -27,8 +28,10 @@ class TrainingBackend(ABC):
     optimizer: torch.optim.Optimizer  # the (possibly wrapping) optimizer; its param_groups are the inner ones
 
     @abstractmethod
-    def backward(self, per_example_loss: torch.Tensor) -> None:
-        """Accumulate the (clipped) gradients of one micro-batch; ``per_example_loss`` has shape (b,)."""
+    def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:
+        """Accumulate the (clipped) gradients of one micro-batch; ``per_example_loss`` has shape (b,);
+        ``privacy_groups`` (b,): every example's privacy group under individualized privacy (backends
+        without it refuse them: :func:`refuse_privacy_groups`)."""
 
     @abstractmethod
     def step(self) -> None:
@@ -47,6 +50,15 @@ class TrainingBackend(ABC):
         """Continue from :meth:`state_dict`."""
         if state:
             raise ValueError(f"{type(self).__name__} keeps no state, the checkpoint gives {sorted(state)}")
+
+
+def refuse_privacy_groups(backend: str, privacy_groups: torch.Tensor | None) -> None:
+    """Raise if a backend without individualized privacy is given privacy groups."""
+    if privacy_groups is not None:
+        raise ValueError(
+            f"the {backend} backend has no individualized privacy: privacy.individual needs a dpexp clip "
+            "(e.g. clip=bk)"
+        )
 
 
 def check_per_example_loss(loss: torch.Tensor) -> None:

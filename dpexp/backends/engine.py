@@ -10,6 +10,7 @@ from torch import nn
 
 from dpexp.backends.base import TrainingBackend, check_per_example_loss
 from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.individual import IndividualPrivacy
 
 
 class EngineBackend(TrainingBackend):
@@ -25,6 +26,7 @@ class EngineBackend(TrainingBackend):
         max_grad_norm: float,
         noise_multiplier: float,
         engine_kwargs: Mapping[str, Any],
+        individual: IndividualPrivacy | None = None,
     ) -> None:
         self.engine = PrivacyEngine(
             model,
@@ -32,14 +34,15 @@ class EngineBackend(TrainingBackend):
             sample_size=sample_size,
             max_grad_norm=max_grad_norm,
             noise_multiplier=noise_multiplier,
+            individual=individual,
             **engine_kwargs,
         )
         self.model = model
         self.optimizer = self.engine.attach(optimizer)
 
-    def backward(self, per_example_loss: torch.Tensor) -> None:
+    def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:
         check_per_example_loss(per_example_loss)
-        self.engine.backward(per_example_loss)
+        self.engine.backward(per_example_loss, privacy_groups=privacy_groups)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -63,6 +66,7 @@ def build(
     batch_size: int,
     sample_size: int,
     noise_multiplier: float,
+    individual: IndividualPrivacy | None = None,
 ) -> EngineBackend:
     return EngineBackend(
         model,
@@ -72,4 +76,5 @@ def build(
         max_grad_norm=float(clip_cfg["max_grad_norm"]),
         noise_multiplier=noise_multiplier,
         engine_kwargs=clip_cfg["engine"],
+        individual=individual,
     )

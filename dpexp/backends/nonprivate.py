@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpexp.backends.base import TrainingBackend, check_per_example_loss
+from dpexp.backends.base import TrainingBackend, check_per_example_loss, refuse_privacy_groups
 
 
 class NonPrivateBackend(TrainingBackend):
@@ -19,8 +19,9 @@ class NonPrivateBackend(TrainingBackend):
         self.optimizer = optimizer
         self.batch_size = batch_size
 
-    def backward(self, per_example_loss: torch.Tensor) -> None:
+    def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:
         check_per_example_loss(per_example_loss)
+        refuse_privacy_groups("nonprivate", privacy_groups)
         (per_example_loss.sum() / self.batch_size).backward()
 
     def step(self) -> None:

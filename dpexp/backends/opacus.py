@@ -27,7 +27,7 @@ from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClippi
 from opacus.validators import ModuleValidator
 from torch import nn
 
-from dpexp.backends.base import TrainingBackend, check_per_example_loss
+from dpexp.backends.base import TrainingBackend, check_per_example_loss, refuse_privacy_groups
 from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.verification import BufferWatch
 
@@ -106,8 +106,9 @@ class OpacusBackend(TrainingBackend):
     def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
-    def backward(self, per_example_loss: torch.Tensor) -> None:
+    def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:
         check_per_example_loss(per_example_loss)
+        refuse_privacy_groups("opacus", privacy_groups)
         if self._pending:  # clip and accumulate the previous micro-batch without noise or update
             self.optimizer.signal_skip_step(do_skip=True)
             self.optimizer.step()

@@ -130,6 +130,7 @@ class _Pass:
 
     batch_size: int
     second: bool  # the ghost strategy's second pass: sums with the known factors
+    scales: torch.Tensor | None  # per-example bound scales s_i (b,) of individualized privacy, or None (1)
     calls: Counter[str]  # layer name -> calls in the forward
     pending: dict[int, int]  # group -> uses not yet delivered
     budget: RetentionBudget
@@ -142,10 +143,15 @@ CLIP_FUNCTIONS = ("standard", "automatic")
 
 
 def clipping_factors(
-    norm: torch.Tensor, threshold: float, function: ClipFunction = "standard", stability: float = 0.01
+    norm: torch.Tensor,
+    threshold: float | torch.Tensor,
+    function: ClipFunction = "standard",
+    stability: float = 0.01,
 ) -> torch.Tensor:
     """Per-example factors ``c_i`` (shape (b,)) from per-example group norms ``||g_i||`` (b,), so that
-    ``||c_i g_i|| <= C`` (the sensitivity of the clipped sum):
+    ``||c_i g_i|| <= C`` (the sensitivity of the clipped sum); ``threshold`` is C, or one bound per example
+    (b,), ``C_i = s_i C`` (the scaling variant of individualized privacy, Boenisch et al. 2023;
+    :mod:`dpexp.privacy.individual`), and then ``||c_i g_i|| <= C_i``:
 
     * ``standard``: ``c_i = min(1, C / ||g_i||)`` (exactly 1 for g = 0; Abadi et al. 2016, eq. in Alg. 1);
     * ``automatic``: ``c_i = C / (||g_i|| + gamma)``, per-example normalisation AUTO-S (Bu et al., "Automatic
@@ -199,15 +205,20 @@ class Clipper:
         self._pass: _Pass | None = None
 
     # ------------------------------------------------------------------ one micro-batch
-    def begin(self, forward: Forward, batch_size: int, second: bool = False) -> None:
+    def begin(
+        self, forward: Forward, batch_size: int, second: bool = False, scales: torch.Tensor | None = None
+    ) -> None:
         """Start a backward pass over the uses ``forward`` recorded (the second pass of ghost clipping
-        reuses the factors of the first)."""
+        reuses the factors of the first). ``scales`` (b,): example i is clipped to ``s_i C_k`` in every
+        group k (individualized privacy, scaling variant); None: to ``C_k``."""
         pending: Counter[int] = Counter(
             k for use in forward.uses for k in {self.group_of[p] for p in use.layer.params.values()}
         )
         if not second:
             self.coef = {}
-        self._pass = _Pass(batch_size, second, forward.calls, dict(pending), self.strategy.retention_budget())
+        self._pass = _Pass(
+            batch_size, second, scales, forward.calls, dict(pending), self.strategy.retention_budget()
+        )
 
     def deliver(self, use: Use, grads: Mapping[str, PerExampleGrad]) -> None:
         """One use's per-example gradients: norm contributions (first pass; groups whose last use this was
@@ -277,9 +288,12 @@ class Clipper:
         state.norm_sq[k] = state.norm_sq.get(k, 0) + contribution.double()
         previous.append(grad)
 
-    def _clipping_factors(self, k: int, norm_sq: torch.Tensor | None, batch_size: int) -> torch.Tensor:
-        """:func:`clipping_factors` from squared group norms (None: all zero), shape (b,); counts the
-        unclipped examples (or sums their clipped norms) for adaptive thresholds.
+    def _clipping_factors(
+        self, k: int, norm_sq: torch.Tensor | None, batch_size: int, scales: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:func:`clipping_factors` from squared group norms (None: all zero), shape (b,), at the bounds
+        ``C_k`` (``scales``: ``s_i C_k``); counts the unclipped examples (or sums their clipped norms) for
+        adaptive thresholds (at C_k: the engine refuses adaptive thresholds with scales).
 
         A norm that is not finite (a gradient that overflowed, or ``inf * 0`` in a ghost norm of an example
         with huge activations) gives ``c_i = 0``, and :meth:`_clipped_sum` leaves the example out of the sum
@@ -296,7 +310,8 @@ class Clipper:
             self.statistics[k] += centred_counts(norm, threshold)
         finite = torch.isfinite(norm)
         self.all_finite[k] = bool(finite.all())  # a host sync per group; False only on the rare path
-        return torch.where(finite, clipping_factors(norm, threshold, self.function, self.stability), 0.0)
+        bound = threshold if scales is None else threshold * scales.to(norm)
+        return torch.where(finite, clipping_factors(norm, bound, self.function, self.stability), 0.0)
 
     def _clipped_sum(self, grad: PerExampleGrad, k: int) -> torch.Tensor:
         """``sum_i c_i g_i`` with group k's factors, leaving out the examples whose norm was not finite."""
@@ -308,7 +323,7 @@ class Clipper:
 
     def _finish_group(self, k: int) -> None:
         state = self._pass
-        self.coef[k] = self._clipping_factors(k, state.norm_sq.pop(k, None), state.batch_size)
+        self.coef[k] = self._clipping_factors(k, state.norm_sq.pop(k, None), state.batch_size, state.scales)
         for name in self.groups[k]:
             grads = state.arrived.pop(name, [])
             if not self.strategy.sums_at_norms:

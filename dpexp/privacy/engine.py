@@ -39,6 +39,7 @@ from dpexp.privacy.adaptive import (
 from dpexp.privacy.capture import Capture, Use, discover_layers
 from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, StrategyName, make_strategy
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
+from dpexp.privacy.individual import IndividualPrivacy, check_group_indices
 from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
 from dpexp.privacy.per_example import NormMode, PerExampleGrad
 from dpexp.privacy.verification import VerificationError, Verifier, check_use
@@ -82,6 +83,13 @@ class PrivacyEngine:
             AUTO-S of Bu et al.'s automatic clipping; fixed thresholds only):
             :func:`dpexp.privacy.clipping.clipping_factors`.
         automatic_stability: gamma of the automatic clip function (Bu et al. use 0.01).
+        individual: individualized privacy (IDP-SGD, Boenisch et al. 2023;
+            :mod:`dpexp.privacy.individual`): every example belongs to a privacy group g, given to
+            :meth:`backward` as ``privacy_groups``. ``scaling``: example i is clipped to ``s_g C_k`` in every
+            group k (the noise stays that of the base thresholds; fixed thresholds only, any clip function:
+            ``||c_i g_i|| <= s_g C_k`` holds for both). ``sampling``: the caller samples group g at rate q_g
+            (the engine clips every example at C_k). :meth:`get_epsilon` is then the largest group's,
+            :meth:`get_epsilon_by_group` every group's.
     """
 
     def __init__(
@@ -107,6 +115,7 @@ class PrivacyEngine:
         secure_mode: bool = False,
         clip_function: ClipFunction = "standard",
         automatic_stability: float = 0.01,
+        individual: IndividualPrivacy | None = None,
     ) -> None:
         if backend is not None:
             warnings.warn("PrivacyEngine(backend=...) is now strategy=...", DeprecationWarning, stacklevel=2)
@@ -128,6 +137,13 @@ class PrivacyEngine:
                 "clip_function='automatic' scales every example (no example is unclipped), so adaptive "
                 "thresholds have no quantile to track: set adaptive=None (clip.engine.adaptive=null)"
             )
+        if individual is not None and individual.variant == "scaling" and adaptive is not None:
+            raise ValueError(
+                "individual privacy (scaling) clips each example at s_g C_k, while adaptive thresholds "
+                "release counts at C_k under a noise split accounted for one bound: use fixed thresholds "
+                "(clip.engine.adaptive=null), or the sampling variant"
+            )
+        self.individual = individual
         schedule = None if isinstance(noise_multiplier, numbers.Real) else tuple(map(float, noise_multiplier))
         sigmas = (float(noise_multiplier),) if schedule is None else schedule
         if not sigmas or not all(sigma >= 0 for sigma in sigmas):
@@ -214,8 +230,10 @@ class PrivacyEngine:
         return dict(self._params)
 
     # ------------------------------------------------------------------ backward
-    def backward(self, per_example_loss: torch.Tensor) -> None:
-        """Accumulate ``sum_i clip(g_i)`` for one (micro-)batch; ``per_example_loss`` has shape (b,)."""
+    def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:
+        """Accumulate ``sum_i clip(g_i)`` for one (micro-)batch; ``per_example_loss`` has shape (b,).
+        ``privacy_groups`` (b,): every example's privacy group under individualized privacy (required with
+        the scaling variant, whose bounds depend on it; refused without individual privacy)."""
         if not torch.is_tensor(per_example_loss) or per_example_loss.dim() != 1:
             shape = (
                 tuple(per_example_loss.shape) if torch.is_tensor(per_example_loss) else type(per_example_loss)
@@ -224,6 +242,7 @@ class PrivacyEngine:
                 f"engine.backward needs a 1-D tensor with one loss per example, got shape {shape}; "
                 "use reduction='none' (and sum token losses per example)."
             )
+        scales = self._example_scales(privacy_groups, per_example_loss.shape[0])
         self._check_not_refused()
         forward = self._capture.take()
         if not forward.model_calls:
@@ -242,7 +261,7 @@ class PrivacyEngine:
             total = per_example_loss.sum()
             passes = self.strategy.passes
             self._phase = "first"
-            self._clipper.begin(forward, self._batch_size)
+            self._clipper.begin(forward, self._batch_size, scales=scales)
             total.backward(retain_graph=passes > 1)
             if probing:
                 self._verifier.after_first_pass()
@@ -258,6 +277,28 @@ class PrivacyEngine:
             self._phase = "idle"
             self._clipper.end()
             self._verifier.end_backward()
+
+    def _example_scales(self, privacy_groups: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
+        """The per-example bound scales ``s_{g(i)}`` (b,) of the scaling variant, None otherwise."""
+        if privacy_groups is None:
+            if self.individual is not None and self.individual.variant == "scaling":
+                raise ValueError(
+                    "individual privacy (scaling) clips each example at its group's bound: pass "
+                    "engine.backward(per_example_loss, privacy_groups=...) with one group per example"
+                )
+            return None
+        if self.individual is None:
+            raise ValueError(
+                "privacy_groups given to an engine built without individual privacy (individual=)"
+            )
+        check_group_indices(privacy_groups, self.individual.num_groups)
+        if privacy_groups.shape[0] != batch_size:
+            raise ValueError(
+                f"privacy_groups has {privacy_groups.shape[0]} entries for {batch_size} per-example losses"
+            )
+        if self.individual.variant != "scaling":
+            return None
+        return self.individual.example_scales(privacy_groups)
 
     def _on_output_grad(self, use: Use, dy: torch.Tensor) -> None:
         """A use's output gradient, in the probe or a plain pass: checked, turned into per-example
@@ -406,16 +447,36 @@ class PrivacyEngine:
         self.steps += 1
 
     def get_epsilon(self, delta: float, accountant: str | None = None) -> float:
-        """Epsilon spent so far (all ``self.steps`` steps at sample rate q, each at its noise multiplier)."""
+        """Epsilon spent so far (all ``self.steps`` steps at sample rate q, each at its noise multiplier).
+        Under individualized privacy the largest group's (the guarantee every example has; never one that
+        hides a weaker group): :meth:`get_epsilon_by_group` gives each."""
+        if self.individual is not None:
+            return max(self.get_epsilon_by_group(delta, accountant))
         if self.steps == 0:
             return 0.0
-        if self.noise_multipliers is None:
-            sigmas, repeat = [self._constant_sigma], self.steps
-        else:
-            sigmas, repeat = self.noise_multipliers[: self.steps], 1
+        sigmas, repeat = self._spent_sigmas()
         return accounting.get_schedule_epsilon(
             sigmas, self.sample_rate, delta, accountant or self.accountant, repeat=repeat
         )
+
+    def get_epsilon_by_group(self, delta: float, accountant: str | None = None) -> list[float]:
+        """Epsilon spent so far by every privacy group g (individualized privacy): its steps at rate q_g and
+        noise multipliers ``sigma_t / s_g`` (:meth:`IndividualPrivacy.group_epsilon`)."""
+        if self.individual is None:
+            raise ValueError("get_epsilon_by_group: this engine has no individual privacy groups")
+        if self.steps == 0:
+            return [0.0] * self.individual.num_groups
+        sigmas, repeat = self._spent_sigmas()
+        return [
+            self.individual.group_epsilon(sigmas, delta, accountant or self.accountant, g, repeat)
+            for g in range(self.individual.num_groups)
+        ]
+
+    def _spent_sigmas(self) -> tuple[list[float], int]:
+        """The noise multipliers of the steps taken, as (sigmas, times each)."""
+        if self.noise_multipliers is None:
+            return [self._constant_sigma], self.steps
+        return list(self.noise_multipliers[: self.steps]), 1
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

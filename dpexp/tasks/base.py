@@ -70,6 +70,13 @@ class Task(ABC):
             f"task {self.name} cannot relabel its examples for input canaries; audit it with audit=white_box"
         )
 
+    def column_value(self, example: Any, column: str) -> Any:
+        """The value of a training example's ``column`` (``privacy.individual.column``: its privacy group);
+        every classification task has ``label``."""
+        if column == "label":
+            return self.label_of(example)
+        raise ValueError(f"task {self.name} has no column {column!r} (classification tasks have label)")
+
     def label_of(self, example: Any) -> int:
         """The label of a training example (classification tasks)."""
         raise NotImplementedError(f"task {self.name} has no labels")

@@ -14,8 +14,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dpexp.config import ConfigError
-from dpexp.privacy import accounting
+from dpexp.privacy import accounting, individual
 from dpexp.training.bounded import BoundedCalls, Limits
+from dpexp.training.individual import individual_of
 from dpexp.training.plan import RunPlan
 
 MEMORY_KEY = "privacy.accounting_memory_gib"
@@ -39,7 +40,7 @@ class PrivacyBudget:
 
     def __init__(self, limits: Limits) -> None:
         self._calls = BoundedCalls(limits)
-        self._epsilons: dict[tuple[str, int], float] = {}
+        self._epsilons: dict[tuple[str, int, int | None], float] = {}
 
     def __enter__(self) -> PrivacyBudget:
         return self
@@ -70,14 +71,28 @@ class PrivacyBudget:
             **kwargs,
         )
 
+    def calibrate_individual(self, *args: Any, accountant: str, **kwargs: Any) -> Any:
+        """:func:`dpexp.privacy.individual.calibrate` under the limits."""
+        return self._calls(
+            individual.calibrate,
+            *args,
+            accountant=accountant,
+            what=f"calibrating the privacy groups with the {accountant} accountant",
+            **kwargs,
+        )
+
     def epsilon(self, plan: RunPlan, sigmas: Sequence[float], accountant: str) -> float | None:
         """Epsilon of steps at noise multipliers ``sigmas``, those accounted so far (None for a non-private
-        run, 0 before the first step); remembered by their number, which only grows during a run."""
+        run, 0 before the first step); remembered by their number, which only grows during a run. With
+        individualized privacy the largest group's (:meth:`group_epsilons`): the guarantee every example
+        has."""
+        if plan.individual is not None:
+            return max(self.group_epsilons(plan, sigmas, accountant))
         if plan.target_epsilon is None:
             return None
         if not sigmas:
             return 0.0
-        key = (accountant, len(sigmas))
+        key = (accountant, len(sigmas), None)
         if key not in self._epsilons:
             self._epsilons[key] = self._calls(
                 accounting.get_schedule_epsilon,
@@ -89,15 +104,44 @@ class PrivacyBudget:
             )
         return self._epsilons[key]
 
+    def group_epsilons(self, plan: RunPlan, sigmas: Sequence[float], accountant: str) -> list[float]:
+        """Epsilon of every privacy group after steps at ``sigmas`` (individualized privacy: group g's steps
+        at rate q_g and noise multipliers sigma_t / s_g)."""
+        chosen = individual_of(plan.individual)
+        if not sigmas:
+            return [0.0] * chosen.num_groups
+        for g in range(chosen.num_groups):
+            key = (accountant, len(sigmas), g)
+            if key not in self._epsilons:
+                self._epsilons[key] = self._calls(
+                    chosen.group_epsilon,
+                    list(sigmas),
+                    plan.delta,
+                    accountant,
+                    g,
+                    what=f"epsilon of privacy group {g} under the {accountant} accountant",
+                )
+        return [self._epsilons[(accountant, len(sigmas), g)] for g in range(chosen.num_groups)]
+
     def epsilons(
         self, plan: RunPlan, sigmas: Sequence[float]
     ) -> tuple[dict[str, float | None], dict[str, str]]:
         """Epsilon under every accountant, and the error of each one that failed (its epsilon is None)."""
-        epsilons: dict[str, float | None] = {}
+        return self._every_accountant(lambda name: self.epsilon(plan, sigmas, name))
+
+    def epsilons_by_group(
+        self, plan: RunPlan, sigmas: Sequence[float]
+    ) -> tuple[dict[str, list[float] | None], dict[str, str]]:
+        """Every privacy group's epsilon under every accountant, and the errors (individualized privacy)."""
+        return self._every_accountant(lambda name: self.group_epsilons(plan, sigmas, name))
+
+    @staticmethod
+    def _every_accountant(compute: Any) -> tuple[dict[str, Any], dict[str, str]]:
+        epsilons: dict[str, Any] = {}
         errors: dict[str, str] = {}
         for name in accounting.ACCOUNTANTS:
             try:
-                epsilons[name] = self.epsilon(plan, sigmas, name)
+                epsilons[name] = compute(name)
             except (ValueError, RuntimeError, ArithmeticError) as error:
                 epsilons[name] = None
                 errors[name] = f"{type(error).__name__}: {error}"

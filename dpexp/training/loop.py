@@ -44,6 +44,7 @@ from dpexp.tasks.base import Task
 from dpexp.training.budget import PrivacyBudget, accounting_limits
 from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
 from dpexp.training.hooks import RunHooks
+from dpexp.training.individual import check_individual, individual_of, privacy_groups
 from dpexp.training.optim import build_optimizer, build_scheduler, check_optim_values
 from dpexp.training.plan import (
     RunPlan,
@@ -140,6 +141,7 @@ class _Run:
         self.started = started  # perf_counter() when this process took the run up
         self.device: torch.device | None = None
         self.plan: RunPlan | None = None
+        self.privacy_groups: torch.Tensor | None = None  # every training example's privacy group (IDP)
         self.budget: PrivacyBudget | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0  # logical steps done
@@ -179,6 +181,7 @@ class _Run:
         target_epsilon(cfg)
         check_noise(cfg)
         check_run_keys(cfg)
+        check_individual(cfg)
         check_optim_values(cfg.optim)
         if _choice(cfg.logger) == "wandb":
             resolved = self.record.data["config"]
@@ -194,8 +197,14 @@ class _Run:
         self.model = factory.build(self.task.info).to(self.device)
         self.model.train()
         self.dataset = self.hooks.training_set(self.task, self.task.train_dataset)
+        self.privacy_groups = privacy_groups(cfg, self.task, self.dataset)
         self.plan = plan_run(
-            cfg, len(self.dataset), self.budget.noise_multiplier, self.budget.steps_within_budget
+            cfg,
+            len(self.dataset),
+            self.budget.noise_multiplier,
+            self.budget.steps_within_budget,
+            self.privacy_groups,
+            self.budget.calibrate_individual,
         )
         names = {
             "task": self.task.name,
@@ -219,6 +228,7 @@ class _Run:
                 stacklevel=1,
             )
 
+        individual = individual_of(self.plan.individual)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim.schedule, self.plan.steps)
@@ -233,13 +243,20 @@ class _Run:
                 if self.plan.noise_schedule == "constant"
                 else self.plan.noise_multipliers
             ),
+            individual=individual,
         )
+        sampling_rates = individual is not None and individual.variant == "sampling"
         self.sampler = build_batch_sampler(
             _choice(cfg.sampling),
             sample_size=self.plan.sample_size,
             batch_size=self.plan.batch_size,
             steps=self.plan.steps,
             generator=torch.Generator().manual_seed(int(cfg.seed)),
+            example_rates=(
+                torch.tensor(individual.sample_rates, dtype=torch.float64)[self.privacy_groups]
+                if sampling_rates
+                else None
+            ),
         )
         self.window_loss = torch.zeros((), device=self.device)
         self.hooks.backend_ready(self.backend, self.plan.sample_rate)
@@ -281,7 +298,8 @@ class _Run:
         for micro in split_micro_batches(indices, self.plan.physical_batch_size, lengths):
             batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
             loss = self.task.per_example_loss(self.backend.model, batch)
-            self.backend.backward(loss)
+            groups = None if self.privacy_groups is None else self.privacy_groups[micro].to(self.device)
+            self.backend.backward(loss, privacy_groups=groups)
             step_loss += loss.detach().sum()
         self.hooks.before_step(self.step + 1)
         self.backend.step()
@@ -490,7 +508,14 @@ class _Run:
         if self.plan is None:
             return {}
         epsilons, errors = self.budget.epsilons(self.plan, self._accounted())
-        return {"epsilon": epsilons, "epsilon_errors": errors}
+        if self.plan.individual is None:
+            return {"epsilon": epsilons, "epsilon_errors": errors}
+        by_group, group_errors = self.budget.epsilons_by_group(self.plan, self._accounted())
+        return {
+            "epsilon": epsilons,
+            "epsilon_by_group": by_group,
+            "epsilon_errors": {**group_errors, **errors},
+        }
 
     def _accounted(self) -> list[float]:
         """The noise multiplier of every step whose privacy is spent (``steps_accounted`` of them): steps

@@ -3,7 +3,11 @@ steps T, delta, and the noise multiplier sigma solved for the target epsilon wit
 (an upper bound, rdp or prv, unless the GDP approximation is opted into: :func:`calibration_accountant`).
 
 With a noise schedule (``noise`` group, :mod:`dpexp.privacy.noise_schedule`) sigma is the first step's and
-every step has its own; with ``noise.initial`` given instead of solved, T is where the budget is spent."""
+every step has its own; with ``noise.initial`` given instead of solved, T is where the budget is spent.
+
+With individualized privacy (``privacy.individual``, :mod:`dpexp.privacy.individual`) sigma and every
+group's sample rate q_g and clipping scale s_g are solved for the group budgets epsilon_g (the plan's
+``individual``), and ``target_epsilon`` is the largest of them."""
 
 from __future__ import annotations
 
@@ -11,11 +15,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig
 
 from dpexp.backends import is_private, method_of
-from dpexp.privacy import accounting
+from dpexp.privacy import accounting, individual
 from dpexp.privacy.noise_schedule import check_schedule, schedule_shape
+from dpexp.training.individual import variant_of
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,9 @@ class RunPlan:
     noise_schedule: str  # constant | time | exponential | step | polynomial
     noise_multipliers: list[float]  # sigma of every step (empty for non-private runs)
     stopped_at_budget: bool  # T is where noise.initial's schedule spends the budget (budget-based stopping)
+    # individualized privacy: variant, epsilons, group_sizes, sample_rates (q_g), scales (s_g) and
+    # noise_multipliers (sigma / s_g, the first step's) of every group; None without it
+    individual: dict | None = None
 
 
 def resolve_delta(delta: float | None, rule: str, sample_size: int) -> float:
@@ -122,11 +131,15 @@ def plan_run(
     sample_size: int,
     solve: Callable[..., float] = accounting.get_noise_multiplier,
     within_budget: Callable[..., int] = accounting.steps_within_budget,
+    privacy_groups: torch.Tensor | None = None,
+    calibrate_individual: Callable[..., tuple[float, individual.IndividualPrivacy]] = individual.calibrate,
 ) -> RunPlan:
     """Steps, sampling rate, delta and the noise multipliers: solved with :func:`calibration_accountant`
     (``solve`` has the signature of :func:`dpexp.privacy.accounting.get_noise_multiplier`), or, with
     ``noise.initial``, fixed and the run cut at the step where they spend the budget (``within_budget``:
-    :func:`dpexp.privacy.accounting.steps_within_budget`)."""
+    :func:`dpexp.privacy.accounting.steps_within_budget`). With ``privacy.individual``, ``privacy_groups``
+    (N,) are the examples' groups and ``calibrate_individual`` (the signature of
+    :func:`dpexp.privacy.individual.calibrate`) solves sigma and the groups' rates and scales."""
     check_run_keys(cfg)
     check_noise(cfg)
     if sample_size < 1:
@@ -150,7 +163,35 @@ def plan_run(
     noise = cfg.noise
     sigmas: list[float] = []
     stopped = False
-    if epsilon is not None:
+    plan_individual = None
+    variant = variant_of(cfg)
+    if variant is not None:
+        name, approximate = calibration_accountant(cfg)
+        shape = schedule_shape(noise.name, steps, sample_rate, noise.rate, noise.period, noise.end_fraction)
+        epsilons = [float(e) for e in cfg.privacy.individual.epsilons]
+        if privacy_groups is None or privacy_groups.shape != (sample_size,):
+            raise ValueError(
+                f"privacy.individual: need the privacy group of each of the {sample_size} examples"
+            )
+        sizes = individual.group_sizes(privacy_groups, len(epsilons))
+        try:
+            scale, chosen = calibrate_individual(
+                variant, epsilons, sizes, delta, batch_size, steps, accountant=name,
+                shape=None if noise.name == "constant" else shape, allow_approximation=approximate,
+            )  # fmt: skip
+        except ValueError as error:
+            raise ValueError(f"privacy.individual: {error}") from None
+        sigmas = [scale * f for f in shape]
+        epsilon = max(epsilons)
+        plan_individual = {
+            "variant": variant,
+            "epsilons": epsilons,
+            "group_sizes": sizes,
+            "sample_rates": list(chosen.sample_rates),
+            "scales": list(chosen.scales),
+            "noise_multipliers": [scale / s for s in chosen.scales],
+        }
+    elif epsilon is not None:
         name, approximate = calibration_accountant(cfg)
         shape = schedule_shape(noise.name, steps, sample_rate, noise.rate, noise.period, noise.end_fraction)
         scale = noise.initial
@@ -181,6 +222,7 @@ def plan_run(
         noise_schedule=str(noise.name),
         noise_multipliers=sigmas,
         stopped_at_budget=stopped,
+        individual=plan_individual,
     )
 
 

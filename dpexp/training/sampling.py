@@ -25,10 +25,22 @@ SAMPLING_KINDS: tuple[str, ...] = ("poisson", "shuffle")
 
 
 class PoissonBatchSampler:
-    """``steps`` logical batches of indices in [0, N); each index is in a batch with prob. ``sample_rate``."""
+    """``steps`` logical batches of indices in [0, N); each index is in a batch with prob. ``sample_rate``,
+    or, with one rate per example (a tensor of shape (N,)), index i with probability ``sample_rate[i]``
+    (individualized privacy, sampling variant: :mod:`dpexp.privacy.individual`)."""
 
-    def __init__(self, sample_size: int, sample_rate: float, steps: int, generator: torch.Generator) -> None:
-        if not 0.0 < sample_rate <= 1.0:
+    def __init__(
+        self, sample_size: int, sample_rate: float | torch.Tensor, steps: int, generator: torch.Generator
+    ) -> None:
+        if torch.is_tensor(sample_rate):
+            if tuple(sample_rate.shape) != (sample_size,):
+                raise ValueError(
+                    f"per-example sample rates need one rate per example ({sample_size}), got shape "
+                    f"{tuple(sample_rate.shape)}"
+                )
+            if not bool(((sample_rate > 0) & (sample_rate <= 1)).all()):
+                raise ValueError("every per-example sample rate must be in (0, 1]")
+        elif not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}; use batch_size <= N.")
         self.sample_size = sample_size
         self.sample_rate = sample_rate
@@ -92,11 +104,21 @@ class ShuffleBatchSampler:
 
 
 def build_batch_sampler(
-    kind: str, *, sample_size: int, batch_size: int, steps: int, generator: torch.Generator
+    kind: str,
+    *,
+    sample_size: int,
+    batch_size: int,
+    steps: int,
+    generator: torch.Generator,
+    example_rates: torch.Tensor | None = None,
 ) -> PoissonBatchSampler | ShuffleBatchSampler:
-    """The logical-batch sampler for ``kind`` in :data:`SAMPLING_KINDS`; q = batch_size / sample_size."""
+    """The logical-batch sampler for ``kind`` in :data:`SAMPLING_KINDS`; q = batch_size / sample_size, or
+    ``example_rates`` (N,), every example's own Poisson rate (Poisson sampling only)."""
+    if example_rates is not None and kind != "poisson":
+        raise ValueError(f"sampling={kind}: per-example sample rates need sampling=poisson")
     if kind == "poisson":
-        return PoissonBatchSampler(sample_size, batch_size / sample_size, steps, generator)
+        rate = batch_size / sample_size if example_rates is None else example_rates
+        return PoissonBatchSampler(sample_size, rate, steps, generator)
     if kind == "shuffle":
         return ShuffleBatchSampler(sample_size, batch_size, steps, generator)
     raise ValueError(f"Unknown sampling {kind!r}; valid choices: {', '.join(SAMPLING_KINDS)}.")

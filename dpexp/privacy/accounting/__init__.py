@@ -204,10 +204,10 @@ def _solve_noise_multiplier(
     while f_lo <= 0:
         hi, f_hi, lo = lo, f_lo, lo / factor
         f_lo = excess(lo)
-    return _illinois(excess, lo, f_lo, hi, f_hi, tolerance)
+    return false_position(excess, lo, f_lo, hi, f_hi, tolerance)
 
 
-def _illinois(
+def false_position(
     excess: Callable[[float], float], lo: float, f_lo: float, hi: float, f_hi: float, tolerance: float
 ) -> float:
     """Shrink the bracket excess(lo) > 0 >= excess(hi) until excess(hi) >= -tolerance; return hi.
