@@ -147,7 +147,7 @@ class PrivacyEngine:
         schedule = None if isinstance(noise_multiplier, numbers.Real) else tuple(map(float, noise_multiplier))
         sigmas = (float(noise_multiplier),) if schedule is None else schedule
         if not sigmas or not all(sigma >= 0 for sigma in sigmas):
-            raise ValueError(f"noise multipliers must be >= 0 (at least one), got {noise_multiplier}")
+            raise ValueError(f"noise_multiplier must be >= 0 (every step's), got {noise_multiplier}")
         if min(sigmas) == 0:
             warnings.warn(
                 "noise_multiplier=0: no privacy (epsilon = inf); use only for testing.", stacklevel=2

@@ -300,7 +300,7 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
         )
     raise VerificationError(
         f"layer {shape} and an output gradient of shape {tuple(dy.shape)} for a micro-batch of "
-        f"{batch_size} examples: {cause}"
+        f"{batch_size} examples, but dim 0 must be the example index: {cause}"
     )
 
 

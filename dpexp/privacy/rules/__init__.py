@@ -122,6 +122,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     attention,
     conv,
     embedding,
+    embedding_bag,
     layer_scale,
     linear,
     norm,
