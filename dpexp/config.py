@@ -130,13 +130,13 @@ ConfigStore.instance().store(name="dpexp_schema", node=Schema)
 # ---------------------------------------------------------------------------------------------- groups
 @dataclass
 class AdaptiveSchema:
-    target_quantile: float = 0.5
-    quantile_lr: float = 0.3
-    budget_fraction: float = 0.01
-    rescale_to_global: bool = False
-    method: str = "quantile"
-    norm_factor: float = 1.0
-    bound_factor: float = 2.0
+    target_quantile: float
+    quantile_lr: float
+    budget_fraction: float
+    rescale_to_global: bool
+    method: str
+    norm_factor: float
+    bound_factor: float
 
 
 @dataclass
@@ -178,10 +178,10 @@ class AccountantSchema:
 @dataclass
 class NoiseSchema:
     name: str
-    initial: float | None = None
-    rate: float | None = None
-    period: float | None = None
-    end_fraction: float | None = None
+    initial: float | None
+    rate: float | None
+    period: float | None
+    end_fraction: float | None
 
 
 @dataclass

@@ -14,7 +14,7 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy import noise as noise_module
-from dpexp.privacy.adaptive import release_centred_counts
+from dpexp.privacy.adaptive import release_statistics
 from dpexp.privacy.noise import add_gaussian_noise_, secure_standard_normal, secure_uniform, standard_normal
 
 N = 1 << 20
@@ -102,9 +102,9 @@ def test_secure_sampling_refuses_a_generator():
 def test_secure_count_release():
     counts = torch.full((N // 16,), 5.0, dtype=torch.float64)
     torch.manual_seed(0)
-    released = release_centred_counts(counts, 2.0, secure=True)
+    released = release_statistics(counts, 2.0, secure=True)
     torch.manual_seed(0)
-    assert not torch.equal(released, release_centred_counts(counts, 2.0, secure=True))
+    assert not torch.equal(released, release_statistics(counts, 2.0, secure=True))
     z = (released - 5.0) / 2.0
     assert abs(z.mean().item()) < 6 / math.sqrt(z.numel())
     assert abs(z.std().item() - 1) < 6 / math.sqrt(2 * z.numel())

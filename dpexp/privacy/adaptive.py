@@ -6,7 +6,7 @@ Each group k counts the examples it did not clip, ``b_{i,k} = 1[||g_{i,k}|| <= C
 the *centred* count ``s_k = sum_i (b_{i,k} - 1/2)``, whose sensitivity under adding or removing one example
 is 1/2 (He et al. 2023, appendix D: the proof of Proposition 3.1 assumes exactly this; Algorithm 1, line 16
 as printed omits the centring, and the uncentred count has sensitivity 1, twice what the budget split pays
-for). It is privatised with Gaussian noise of std ``sigma_b`` (:func:`release_centred_counts`); the
+for). It is privatised with Gaussian noise of std ``sigma_b`` (:func:`release_statistics`); the
 fraction of unclipped examples is then estimated as ``b~_k = (s_k + z_k) / B + 1/2`` with the expected
 batch size B (public), and the threshold follows the geometric update ``C_k <- C_k * exp(-eta (b~_k - q))``
 (lines 15-17), so that a fraction ``q`` of per-example group norms ends up below ``C_k``. The budget split
@@ -15,10 +15,11 @@ between gradients and counts is Proposition 3.1 (:func:`split_noise_multiplier`)
 ``method="norm"``: norm-based adaptive clipping (van der Veen et al. 2018; Monir et al. 2024, section 3.2.1).
 Each group releases the sum of its per-example norms clipped at ``L_k = beta C_k``,
 ``n_k = sum_i min(||g_{i,k}||, L_k)`` (sensitivity L_k), with noise of std ``sigma_b L_k``
-(:func:`clipped_norm_sums`, :func:`release_norm_sums`); the next threshold is ``C_k <- alpha (n_k + z_k) / B``
-with the expected batch size B (van der Veen et al. divide by the batch's own size, which is private under
-Poisson sampling), floored at a tenth of the previous threshold when the noise makes the sum small or
-negative (post-processing). The budget split is Proposition 3.1 with sensitivity 1 in units of L_k.
+(:func:`clipped_norm_sums`, :func:`release_statistics`); the next threshold is
+``C_k <- alpha (n_k + z_k) / B`` with the expected batch size B (van der Veen et al. divide by the batch's
+own size, which is private under Poisson sampling), floored at a tenth of the previous threshold when the
+noise makes the sum small or negative (post-processing). The budget split is Proposition 3.1 with
+sensitivity 1 in units of L_k.
 """
 
 from __future__ import annotations
@@ -79,18 +80,6 @@ def clipped_norm_sums(norms: torch.Tensor, bound: float) -> torch.Tensor:
     return clipped.double().sum()
 
 
-def release_norm_sums(
-    sums: torch.Tensor,
-    bounds: torch.Tensor,
-    sigma_b: float,
-    generator: torch.Generator | None = None,
-    secure: bool = False,
-) -> torch.Tensor:
-    """The Gaussian mechanism on the K clipped norm sums: ``n_k + z_k``, ``z_k ~ N(0, (sigma_b L_k)^2)``."""
-    noise = standard_normal(sums.shape, generator, secure) * sigma_b * bounds.double().cpu()
-    return sums.double().cpu() + noise
-
-
 def update_thresholds_from_norms(
     thresholds: torch.Tensor,
     released_sums: torch.Tensor,
@@ -101,7 +90,13 @@ def update_thresholds_from_norms(
     """``C_k <- max(alpha (n_k + z_k) / B, C_k / 10)`` for all K groups (van der Veen et al. 2018), B the
     expected batch size; shapes (K,)."""
     mean = config.norm_factor * released_sums.double() / batch_size
-    updated = torch.maximum(mean, thresholds.double() / 10)
+    return _finish_update(torch.maximum(mean, thresholds.double() / 10), thresholds, config, global_norm)
+
+
+def _finish_update(
+    updated: torch.Tensor, thresholds: torch.Tensor, config: AdaptiveConfig, global_norm: float
+) -> torch.Tensor:
+    """Both updates end here: rescaled to ``sqrt(sum_k C_k^2) = C`` if configured, refused if not finite."""
     if config.rescale_to_global:
         updated = updated * (global_norm / updated.pow(2).sum().sqrt())
     if not math.isfinite(float(updated.sum())):
@@ -109,16 +104,17 @@ def update_thresholds_from_norms(
     return updated.to(thresholds.dtype)
 
 
-def release_centred_counts(
-    counts: torch.Tensor,
-    count_noise_std: float,
+def release_statistics(
+    statistics: torch.Tensor,
+    noise_std: float | torch.Tensor,
     generator: torch.Generator | None = None,
     secure: bool = False,
 ) -> torch.Tensor:
-    """The Gaussian mechanism on the K centred counts: ``s_k + z_k`` with ``z_k ~ N(0, sigma_b^2)``, z from
-    ``generator`` or (``secure``) the secure sampler (:func:`dpexp.privacy.noise.standard_normal`)."""
-    noise = standard_normal(counts.shape, generator, secure) * count_noise_std
-    return counts.double().cpu() + noise
+    """The Gaussian mechanism on the K statistics: ``s_k + z_k`` with ``z_k ~ N(0, std_k^2)``: ``sigma_b``
+    for centred counts, ``sigma_b L_k`` for norm sums; z from ``generator`` or (``secure``) the secure sampler
+    (:func:`dpexp.privacy.noise.standard_normal`)."""
+    std = noise_std.double().cpu() if torch.is_tensor(noise_std) else noise_std
+    return statistics.double().cpu() + standard_normal(statistics.shape, generator, secure) * std
 
 
 def update_thresholds(
@@ -129,14 +125,10 @@ def update_thresholds(
     global_norm: float,
 ) -> torch.Tensor:
     """One step of Algorithm 1, lines 15-17, for all K groups at once, from the released centred counts
-    (:func:`release_centred_counts`) and the expected batch size B; shapes (K,)."""
+    (:func:`release_statistics`) and the expected batch size B; shapes (K,)."""
     fraction = released_counts.double() / batch_size + 0.5
     updated = thresholds.double() * torch.exp(-config.quantile_lr * (fraction - config.target_quantile))
-    if config.rescale_to_global:
-        updated = updated * (global_norm / updated.pow(2).sum().sqrt())
-    if not math.isfinite(float(updated.sum())):
-        raise FloatingPointError("adaptive clipping thresholds became non-finite")
-    return updated.to(thresholds.dtype)
+    return _finish_update(updated, thresholds, config, global_norm)
 
 
 def split_noise_multiplier(

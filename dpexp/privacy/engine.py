@@ -30,8 +30,7 @@ from dpexp.privacy import accounting
 from dpexp.privacy.adaptive import (
     SENSITIVITY,
     AdaptiveConfig,
-    release_centred_counts,
-    release_norm_sums,
+    release_statistics,
     split_noise_multiplier,
     update_thresholds,
     update_thresholds_from_norms,
@@ -425,22 +424,13 @@ class PrivacyEngine:
                 self._params[name].grad = grad.div_(self.batch_size)
 
     def _end_step(self) -> None:
-        if self.adaptive is not None and self.adaptive.method == "norm":
-            released = release_norm_sums(
-                self._clipper.statistics,
-                self.adaptive.bound_factor * self.thresholds,
-                self.count_noise_multiplier,
-                self.generator,
-                self.secure_mode,
-            )
-            self.thresholds = update_thresholds_from_norms(
-                self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm
-            )
-        elif self.adaptive is not None:
-            released = release_centred_counts(
-                self._clipper.statistics, self.count_noise_multiplier, self.generator, self.secure_mode
-            )
-            self.thresholds = update_thresholds(
+        if self.adaptive is not None:
+            norm_based = self.adaptive.method == "norm"
+            std = self.count_noise_multiplier  # in units of the statistic's sensitivity (1/2, or beta C_k)
+            std = std * self.adaptive.bound_factor * self.thresholds if norm_based else std
+            released = release_statistics(self._clipper.statistics, std, self.generator, self.secure_mode)
+            update = update_thresholds_from_norms if norm_based else update_thresholds
+            self.thresholds = update(
                 self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm
             )
         self._clipper.end_step()

@@ -45,7 +45,13 @@ from dpexp.training.budget import PrivacyBudget, accounting_limits
 from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
 from dpexp.training.hooks import RunHooks
 from dpexp.training.individual import check_individual, individual_of, privacy_groups
-from dpexp.training.optim import build_optimizer, build_scheduler, check_optim_values
+from dpexp.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_optim_values,
+    effective_lr,
+    optimizer_report,
+)
 from dpexp.training.plan import (
     RunPlan,
     calibration_accountant,
@@ -372,7 +378,7 @@ class _Run:
             "epoch": self.step * self.plan.sample_rate,
             "epsilon": self.budget.epsilon(self.plan, self._accounted(), self.cfg.accountant.name),
             "train_loss": self.train_loss,
-            "lr": self.scheduler.get_last_lr()[0] * self.optimizer.param_groups[0].get("lr_scale", 1.0),
+            "lr": effective_lr(self.optimizer, self.scheduler),
             "examples_seen": self.examples,
             "train_time_s": self.train_time,
         }
@@ -479,15 +485,12 @@ class _Run:
             self.budget.close()
 
     def _counts(self) -> dict[str, Any]:
-        counts: dict[str, Any] = {
+        return {
             "steps_done": self.step,
             "steps_accounted": self.steps_accounted,
             "examples_seen": self.examples,
+            **optimizer_report(self.optimizer),
         }
-        group = self.optimizer.param_groups[0] if self.optimizer is not None else {}
-        if "lr_scale" in group:  # ADADP: its iterations (two steps each), accepted ones, step-size scale
-            counts["adadp"] = {k: group[k] for k in ("iterations", "accepted", "lr_scale")}
-        return counts
 
     def _progress(self) -> dict[str, Any]:
         """What the run did and measured so far (the latest training loss includes the open window)."""

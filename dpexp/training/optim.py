@@ -102,3 +102,17 @@ def build_scheduler(
         raise ConfigError(f"optim.schedule.warmup_fraction must be in [0, 1), got {warmup_fraction}.")
     lr_factor(name, 0, total_steps, warmup_fraction)  # fail now on an unknown schedule name
     return LambdaLR(optimizer, lambda step: lr_factor(name, step, total_steps, warmup_fraction))
+
+
+def effective_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> float:
+    """The step size of the first parameter group: the schedule's lr, times ADADP's adapted scale."""
+    return scheduler.get_last_lr()[0] * optimizer.param_groups[0].get("lr_scale", 1.0)
+
+
+def optimizer_report(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What an adaptive optimizer decided so far, for the run record: ADADP's iterations (two steps each),
+    accepted ones and step-size scale; empty for the others."""
+    group = optimizer.param_groups[0] if optimizer is not None else {}
+    if "lr_scale" not in group:
+        return {}
+    return {"adadp": {key: group[key] for key in ("iterations", "accepted", "lr_scale")}}

@@ -53,7 +53,6 @@ def get_epsilon(
 
     Returns ``math.inf`` for sigma = 0 (no noise, no privacy).
     """
-    _check_run(sample_rate, steps)
     return get_schedule_epsilon([noise_multiplier], sample_rate, delta, accountant, repeat=steps)
 
 
