@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests import engine_models, recurrent_models, timm_cnn_models
+from tests.bag_models import BagNet, bag_batch, bag_loss
 from tests.oracle import Batch, LossFn
 
 Expect = Literal["private", "refuse_or_private"]
@@ -313,6 +314,8 @@ NEW_CASES = [
     "mha_cross_kdim_bias_kv_zero_attn",
     "convnext",
     "efficientnet_gn",
+    "embedding_bag_rows_weighted",
+    "embedding_bag_offsets_mean_padding",
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -369,6 +372,10 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         builder = timm_cnn_models.convnext if name == "convnext" else timm_cnn_models.efficientnet
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return builder(), engine_models.classification_loss, batch, float_info
+    if name.startswith("embedding_bag"):  # rows: (B, L) bags; offsets: one 1-D input, include_last_offset
+        args = ("sum", "rows", True, None, False) if "rows" in name else ("mean", "offsets", False, 0, True)
+        info = {"float_inputs": ("weights",), "class_label": ("y", 3), "padding": {"ids": 0, "lengths": 1}}
+        return BagNet(*args).double(), bag_loss, bag_batch(size, int(gen.initial_seed())), info
     if name.startswith("instance_norm"):
         batch = {"x": _floats(gen, size, 3, 6, 6), "y": _labels(gen, size, 3)}
         model = InstanceNormNet(affine="affine" in name).double().train()

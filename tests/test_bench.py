@@ -74,7 +74,7 @@ def test_every_suite_composes_and_plans(suite: str) -> None:
     assert runs and all(r["method"] in cfg.methods for r in runs)
     for model_name, entry in cfg.bench_suite.models.items():
         bench_model = instantiate(entry.spec)
-        assert bench_model.family in {"gpt2", "roberta", "wrn", "vit", "mlp"}
+        assert bench_model.family in {"gpt2", "llama", "llama_lora", "roberta", "wrn", "vit", "mlp"}
         assert bench_model.sequence == bool(entry.get("seq_lens")), model_name
     assert {r["clip"]["name"] for r in runs} <= set(cfg.methods)
 
@@ -245,7 +245,7 @@ def test_llama_bench_model_loss_and_lora(lora) -> None:
     )  # fmt: skip
     torch.manual_seed(0)
     model = bench_model.build()
-    assert model.training and bench_model.family == "llama"
+    assert model.training and bench_model.family == ("llama_lora" if lora else "llama")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if lora:
         assert trainable and all("lora_" in n and ("q_proj" in n or "v_proj" in n) for n in trainable)
@@ -258,3 +258,31 @@ def test_llama_bench_model_loss_and_lora(lora) -> None:
     ids = batch["input_ids"]
     expected = torch.stack([F.cross_entropy(logits[i, :-1], ids[i, 1:], reduction="sum") for i in range(3)])
     torch.testing.assert_close(bench_model.per_example_loss(model, batch), expected)
+
+
+def test_report_targets_follow_family_and_model() -> None:
+    """Issue 13's targets: llama at 0.85 / 1.1, llama_lora at 0.9 (throughput only), and 0.92 on the suite's
+    gpt2_small only."""
+    report = _report_module()
+
+    def record(model: str, family: str, method: str, throughput: float) -> dict:
+        ratios = {"throughput": throughput, "peak_mem": 1.05}
+        return {"model": model, "family": family, "method": method, "seq_len": 100, "batch_size": 4,
+                "status": "ok", "ratios": ratios}  # fmt: skip
+
+    models = [("gpt2_small", "gpt2", 0.9), ("gpt2", "gpt2", 0.9), ("llama_lora", "llama_lora", 0.88)]
+    records = [
+        record(model, family, method, ratio)
+        for model, family, bk in models
+        for method, ratio in [("nonprivate", 1.0), ("bk", bk)]
+    ]
+    suite = {"suite": "s", "kind": "models", "config": {"bench_suite": {"targets": True}}, "records": records}
+    rows = report.targets_table([suite])[2:]
+    by_model = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        by_model.setdefault(cells[1].split()[0], []).append((cells[2], cells[4], cells[5]))
+    assert ("bk throughput / nonprivate", ">= 0.92", "**missed**") in by_model["gpt2_small"]
+    assert ("bk throughput / nonprivate", ">= 0.85", "met") in by_model["gpt2_small"]
+    assert all(required != ">= 0.92" for _, required, _ in by_model["gpt2"])
+    assert by_model["llama_lora"] == [("bk throughput / nonprivate", ">= 0.9", "**missed**")]

@@ -5,56 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine
+from tests.bag_models import BagNet, bag_batch, bag_loss
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
-
-
-class BagNet(nn.Module):
-    """Bags of token ids -> EmbeddingBag -> Linear; ``layout="offsets"`` flattens the padded (B, L) ids of
-    each example into one 1-D input with offsets, as recommender models call it."""
-
-    def __init__(self, mode: str, layout: str, weighted: bool, padding_idx: int | None, last: bool = False):
-        super().__init__()
-        self.layout, self.weighted = layout, weighted
-        self.bag = nn.EmbeddingBag(13, 5, mode=mode, padding_idx=padding_idx, include_last_offset=last)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        psw = weights if self.weighted else None
-        if self.layout == "rows":
-            return self.head(torch.tanh(self.bag(ids, per_sample_weights=psw)))
-        keep = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
-        offsets = torch.cumsum(lengths, 0) - lengths
-        if self.bag.include_last_offset:
-            offsets = torch.cat([offsets, lengths.sum().reshape(1)])
-        out = self.bag(ids[keep], offsets, per_sample_weights=None if psw is None else psw[keep])
-        return self.head(torch.tanh(out))
-
-
-def _loss(model, batch):
-    return F.cross_entropy(
-        model(batch["ids"], batch["lengths"], batch["weights"]), batch["y"], reduction="none"
-    )
-
-
-def _batch(size: int = 6, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 13, (size, 7), generator=gen)
-    ids[0, :3] = 0  # padding_idx entries
-    lengths = torch.randint(1, 8, (size,), generator=gen)
-    lengths[1] = 7
-    weights = torch.rand(size, 7, generator=gen, dtype=torch.float64) + 0.5
-    return {
-        "ids": ids,
-        "lengths": lengths,
-        "weights": weights,
-        "y": torch.randint(0, 3, (size,), generator=gen),
-    }
 
 
 VARIANTS = {
@@ -71,8 +28,8 @@ SETTINGS = [(s, c) for s in ("bk", "ghost", "instantiate") for c in ("flat", "pe
 def _check(variant: str, strategy: str, clipping: str) -> None:
     torch.manual_seed(0)
     model = BagNet(*VARIANTS[variant]).double()
-    batch = _batch()
-    grads = per_example_grads(model, _loss, batch)
+    batch = bag_batch()
+    grads = per_example_grads(model, bag_loss, batch)
     partition = PrivacyEngine(
         BagNet(*VARIANTS[variant]).double(), batch_size=6, sample_size=60, max_grad_norm=1.0,
         noise_multiplier=0.0, clipping=clipping,
@@ -80,7 +37,7 @@ def _check(variant: str, strategy: str, clipping: str) -> None:
     thresholds = group_norms(grads, partition).median(0).values.tolist()
     expected = clipped_mean(grads, partition, thresholds, batch_size=6)
     delta, _ = engine_update(
-        model, _loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, clipping=clipping, strategy=strategy,
+        model, bag_loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, clipping=clipping, strategy=strategy,
         thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
     for name, want in expected.items():

@@ -22,7 +22,7 @@ Batch = dict[str, torch.Tensor]
 class BenchModel(ABC):
     """A randomly initialised network with generated inputs of the shapes of its task."""
 
-    family: str  # gpt2 | llama | roberta | wrn | vit | mlp: the report's targets refer to these
+    family: str  # gpt2 | llama | llama_lora | roberta | wrn | vit | mlp: the report's targets refer to these
     sequence: bool = False  # whether the inputs have a sequence length T
 
     @abstractmethod
@@ -88,13 +88,14 @@ class LlamaLM(CausalLM):
     """Hugging Face ``LlamaForCausalLM`` (RMSNorm, SwiGLU, rotary attention) from a ``LlamaConfig``, random
     weights; the keyword arguments are ``LlamaConfig`` fields (e.g. Llama-3.2-1B's sizes, and
     ``tie_word_embeddings``). ``lora``: ``{rank, alpha, dropout, target_modules}`` wraps it in LoRA adapters
-    (:func:`dpexp.models.lora.apply_lora`; targets default to ``q_proj``, ``v_proj``, Hu et al. 2021)."""
+    (:func:`dpexp.models.lora.apply_lora`; targets default to ``q_proj``, ``v_proj``, Hu et al. 2021) and
+    makes the family ``llama_lora``, whose throughput target differs (issue 13)."""
 
-    family = "llama"
     default_vocab = 32000  # LlamaConfig's default
 
     def __init__(self, lora: dict | None = None, **config: int | float | str | bool) -> None:
         self.lora = {"target_modules": ["q_proj", "v_proj"], **lora} if lora else None
+        self.family = "llama_lora" if lora else "llama"
         self.config = dict(config)
 
     def build(self) -> nn.Module:
