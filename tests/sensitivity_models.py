@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests import engine_models, recurrent_models, timm_cnn_models
-from tests.bag_models import BagNet, bag_batch, bag_loss
+from tests.layer_models import BagNet, ScaleNet, bag_batch, bag_loss, scale_loss
 from tests.oracle import Batch, LossFn
 
 Expect = Literal["private", "refuse_or_private"]
@@ -316,6 +316,8 @@ NEW_CASES = [
     "efficientnet_gn",
     "embedding_bag_rows_weighted",
     "embedding_bag_offsets_mean_padding",
+    "layer_scale_dinov2",
+    "layer_scale_timm_flattened",
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -376,6 +378,13 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         args = ("sum", "rows", True, None, False) if "rows" in name else ("mean", "offsets", False, 0, True)
         info = {"float_inputs": ("weights",), "class_label": ("y", 3), "padding": {"ids": 0, "lengths": 1}}
         return BagNet(*args).double(), bag_loss, bag_batch(size, int(gen.initial_seed())), info
+    if name.startswith("layer_scale"):  # channels-last layer scale, on (B, T, d) or flattened (B*T, d) rows
+        ids = torch.randint(1, 11, (size, 6), generator=gen)
+        ids[0, 4:] = 0
+        batch = {"ids": ids, "y": _labels(gen, size, 3)}
+        model = ScaleNet("dinov2" if "dinov2" in name else "timm", flatten="flattened" in name).double()
+        info = {"class_label": ("y", 3), "padding": {"ids": 0}}
+        return model, scale_loss, batch, info
     if name.startswith("instance_norm"):
         batch = {"x": _floats(gen, size, 3, 6, 6), "y": _labels(gen, size, 3)}
         model = InstanceNormNet(affine="affine" in name).double().train()

@@ -13,12 +13,15 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch import nn
 
 from dpexp import bench
 from dpexp.bench.models import GPT2LM, MLP
+from dpexp.privacy.capture import unsupported_modules
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+FAMILIES = {"gpt2", "llama", "llama_lora", "roberta", "wrn", "vit", "mlp", "fallback"}
 REPORT = Path(__file__).resolve().parents[1] / "scripts" / "bench_report.py"
 
 
@@ -74,7 +77,7 @@ def test_every_suite_composes_and_plans(suite: str) -> None:
     assert runs and all(r["method"] in cfg.methods for r in runs)
     for model_name, entry in cfg.bench_suite.models.items():
         bench_model = instantiate(entry.spec)
-        assert bench_model.family in {"gpt2", "llama", "llama_lora", "roberta", "wrn", "vit", "mlp"}
+        assert bench_model.family in FAMILIES
         assert bench_model.sequence == bool(entry.get("seq_lens")), model_name
     assert {r["clip"]["name"] for r in runs} <= set(cfg.methods)
 
@@ -286,3 +289,25 @@ def test_report_targets_follow_family_and_model() -> None:
     assert ("bk throughput / nonprivate", ">= 0.85", "met") in by_model["gpt2_small"]
     assert all(required != ">= 0.92" for _, required, _ in by_model["gpt2"])
     assert by_model["llama_lora"] == [("bk throughput / nonprivate", ">= 0.9", "**missed**")]
+
+
+def test_fallback_suite_models_have_exactly_the_named_rule_less_modules() -> None:
+    """Each model of bench_suite=fallbacks measures the modules its comment names, and no other fallback:
+    the README's cost of a fallback is the cost of that module."""
+    expected = {
+        "dinov2": {"Dinov2Embeddings"},
+        "beit": {"BeitEmbeddings", "BeitLayer"},
+        "swin": {"WindowAttention"},
+        "convnextv2": {"GlobalResponseNorm"},
+        "deit_distilled": {"VisionTransformerDistilled"},
+        "mamba": {"MambaMixer"},
+    }
+    cfg = _compose("bench_suite=fallbacks")
+    assert set(cfg.bench_suite.models) == set(expected)
+    for name, entry in cfg.bench_suite.models.items():
+        bench_model = instantiate(OmegaConf.to_container(entry.spec))
+        model = bench_model.build()
+        assert {kind.rsplit(".", 1)[1] for kind in unsupported_modules(model)} == expected[name], name
+        seq_len = (entry.get("seq_lens") or [None])[0]
+        batch = bench_model.make_batch(2, seq_len, torch.Generator().manual_seed(0))
+        assert bench_model.per_example_loss(model, batch).shape == (2,)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine
-from tests.bag_models import BagNet, bag_batch, bag_loss
+from tests.layer_models import BagNet, bag_batch, bag_loss
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")

@@ -28,6 +28,7 @@ def _hf_class(qualified: str) -> type:
 def _forward_source(cls: type) -> str:
     source = inspect.getsource(cls.forward)
     source = re.sub(r"#.*", "", source)  # comments name the family
+    source = re.sub(r" ?(:|->) ?torch\.Tensor", "", source)  # some families annotate, others not
     return re.sub(r"\s+", " ", source).strip()
 
 

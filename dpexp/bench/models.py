@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,9 @@ Batch = dict[str, torch.Tensor]
 class BenchModel(ABC):
     """A randomly initialised network with generated inputs of the shapes of its task."""
 
-    family: str  # gpt2 | llama | llama_lora | roberta | wrn | vit | mlp: the report's targets refer to these
+    # gpt2 | llama | llama_lora | roberta | wrn | vit | mlp: the report's targets refer to these; fallback: a
+    # model measured for the cost of a module without a rule (conf/bench_suite/fallbacks.yaml), no targets
+    family: str
     sequence: bool = False  # whether the inputs have a sequence length T
 
     @abstractmethod
@@ -59,7 +62,7 @@ class CausalLM(BenchModel):
 
     def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         ids = batch["input_ids"]
-        logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
+        logits = model(**batch).logits
         # Next-token targets with the last position ignored: no copy of the (B, T, V) logits is sliced off.
         targets = F.pad(ids[:, 1:], (0, 1), value=-100)
         tokens = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
@@ -185,6 +188,65 @@ class TimmViT(ImageClassifier):
             self.model_name, pretrained=False, num_classes=self.num_classes, img_size=self.image_size
         )
         return net.train()
+
+
+class TimmImage(ImageClassifier):
+    """Any timm image model by name, random weights; ``model_kwargs`` go to ``timm.create_model`` (lists as
+    tuples: timm's stage sizes are split with them)."""
+
+    family = "fallback"
+
+    def __init__(self, model_name: str, num_classes: int = 10, image_size: int = 32, **model_kwargs) -> None:
+        self.model_name, self.num_classes, self.image_size = model_name, num_classes, image_size
+        self.model_kwargs = {
+            key: tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+            for key, value in model_kwargs.items()
+        }
+
+    def build(self) -> nn.Module:
+        import timm
+
+        kwargs = {"pretrained": False, "num_classes": self.num_classes, **self.model_kwargs}
+        return timm.create_model(self.model_name, **kwargs).train()
+
+
+class HFImageClassifier(ImageClassifier):
+    """A Hugging Face image classifier from its ``model_type`` (``AutoConfig.for_model``: ``dinov2``,
+    ``clip_vision_model``, ``beit``, ``siglip_vision_model``...) and config fields, random weights."""
+
+    family = "fallback"
+
+    def __init__(self, architecture: str, num_classes: int = 10, image_size: int = 32, **config) -> None:
+        self.architecture, self.num_classes, self.image_size = architecture, num_classes, image_size
+        self.config = config
+
+    def build(self) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForImageClassification
+
+        config = AutoConfig.for_model(
+            self.architecture, image_size=self.image_size, num_labels=self.num_classes, **self.config
+        )
+        return AutoModelForImageClassification.from_config(config).train()
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return _classification_loss(model(pixel_values=batch["images"]).logits, batch["labels"])
+
+
+class HFCausalLM(CausalLM):
+    """A Hugging Face causal LM from its ``model_type`` (e.g. ``mamba``) and config fields, random weights."""
+
+    family = "fallback"
+    default_vocab = 32000
+
+    def __init__(self, architecture: str, **config: int | float | str | bool) -> None:
+        self.architecture, self.config = architecture, dict(config)
+
+    def build(self) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(self.architecture, **self.config)
+        ).train()
 
 
 class MLP(BenchModel):

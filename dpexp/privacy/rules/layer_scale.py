@@ -1,4 +1,11 @@
-"""Layer scale (Touvron et al. 2021, CaiT sec. 2.1) of timm's ``ConvNeXtBlock`` (Liu et al. 2022): the block
+"""Layer scale (Touvron et al. 2021, CaiT sec. 2.1): a learned per-channel scale of a residual branch.
+
+*Channels-last modules* (timm's ``LayerScale`` in ViT/DeiT-III/CaiT blocks, Hugging Face DINOv2/DINOv3's
+``LayerScale``): ``y = x * lambda`` over the last axis, so ``dlambda_i = sum_t dy_{i,t} * x_{i,t}``, summed
+over every axis between the batch and the channels (position-wise, as RMSNorm's scale). timm's in-place
+variant (``inplace=True``: ``x.mul_(gamma)``) overwrites the input the rule reads, and is refused.
+
+*ConvNeXt's block* (timm's ``ConvNeXtBlock``, Liu et al. 2022): the block
 owns ``gamma`` (C,) and computes ``v = u * gamma`` (per channel) from its branch output ``u``, then
 ``drop_path(v) + shortcut``.
 
@@ -17,7 +24,37 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import register_rule
+from dpexp.privacy.rules import as_sequence, register_rule
+
+_HF = "transformers.models"
+CHANNELS_LAST = [
+    "timm.layers.layer_scale.LayerScale",
+    f"{_HF}.dinov2.modeling_dinov2.Dinov2LayerScale",
+    f"{_HF}.dinov2_with_registers.modeling_dinov2_with_registers.Dinov2WithRegistersLayerScale",
+    f"{_HF}.dinov3_vit.modeling_dinov3_vit.DINOv3ViTLayerScale",
+]
+
+
+def _scale_parameter(module: nn.Module) -> str:
+    """The module's one parameter: ``gamma`` (timm) or ``lambda1`` (Hugging Face)."""
+    (name,) = [name for name, _ in module.named_parameters(recurse=False)]
+    return name
+
+
+def _check_channels_last(module: nn.Module) -> None:
+    if getattr(module, "inplace", False):
+        raise ValueError(
+            f"{type(module).__name__}(inplace=True) scales its input in place, so the per-example gradient "
+            "of its scale cannot be read from that input; build the model with inplace=False."
+        )
+
+
+@register_rule(*CHANNELS_LAST, check=_check_channels_last, position_wise=True)
+def channels_last_scale_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """``x``, ``dy``: (B, ..., C); returns ``dlambda`` (B, C)."""
+    return {_scale_parameter(module): Dense(as_sequence(dy * x).sum(1))}
 
 
 def _check(module: nn.Module) -> None:

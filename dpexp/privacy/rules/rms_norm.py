@@ -1,6 +1,6 @@
 """RMSNorm (Zhang & Sennrich 2019): ``y = w * x_hat`` with ``x_hat = x / sqrt(mean(x^2) + eps)`` over the
-feature axis, no centring, no bias; the norm of Llama, Qwen, Mistral, Phi-3, Granite, OLMo-2, Gemma (which
-scales by ``1 + w``), T5 and ``torch.nn.RMSNorm``.
+feature axis, no centring, no bias; the norm of Llama, Qwen, Mistral, Phi-3, Granite, Mamba, OLMo-2, Gemma
+(which scales by ``1 + w``), T5 and ``torch.nn.RMSNorm``.
 
 The per-example gradient of the scale is ``dw_i = sum_t dy_{i,t} * x_hat_{i,t}`` (also for Gemma's
 ``1 + w``), summed over every axis between the batch and the features, as for LayerNorm. The families differ
@@ -33,6 +33,7 @@ LLAMA_FORM = [
         ("mixtral", "Mixtral"),
         ("phi3", "Phi3"),
         ("granite", "Granite"),
+        ("mamba", "Mamba"),
     ]
 ]
 # forward: `(scale * x_hat_float32).to(x.dtype)` with scale = w (OLMo-2) or 1 + w (Gemma)

@@ -1,4 +1,5 @@
-"""nn.EmbeddingBag models for the oracle (tests/test_rules_embedding_bag.py) and sensitivity tests."""
+"""Small models around one layer family, shared by its oracle test (``tests/test_rules_<family>.py``) and the
+sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale."""
 
 from __future__ import annotations
 
@@ -48,3 +49,42 @@ def bag_loss(model: BagNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy, shape (B,)."""
     logits = model(batch["ids"], batch["lengths"], batch["weights"])
     return F.cross_entropy(logits, batch["y"], reduction="none")
+
+
+def _scale(kind: str, dim: int) -> nn.Module:
+    if kind == "timm":
+        from timm.layers import LayerScale
+
+        return LayerScale(dim, init_values=0.5)
+    from transformers import Dinov2Config
+    from transformers.models.dinov2.modeling_dinov2 import Dinov2LayerScale
+    from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTLayerScale
+
+    layer = {"dinov2": Dinov2LayerScale, "dinov3": DINOv3ViTLayerScale}[kind]
+    return layer(Dinov2Config(hidden_size=dim, layerscale_value=0.5))
+
+
+class ScaleNet(nn.Module):
+    """Embedding -> Linear -> layer scale (randomised away from its constant start) -> masked mean -> head;
+    ``flatten``: the scale sees the (B*T, d) rows, as OPT's MLP does."""
+
+    def __init__(self, kind: str, flatten: bool = False) -> None:
+        super().__init__()
+        self.flatten = flatten
+        self.emb = nn.Embedding(11, 6, padding_idx=0)
+        self.proj = nn.Linear(6, 6)
+        self.scale = _scale(kind, 6)
+        with torch.no_grad():
+            next(self.scale.parameters()).uniform_(0.2, 1.5)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(self.emb(ids)))
+        h = self.scale(h.flatten(0, 1)).view(h.shape) if self.flatten else self.scale(h)
+        keep = (ids != 0).unsqueeze(-1).to(h.dtype)
+        return self.head((h * keep).sum(1) / keep.sum(1).clamp_min(1))
+
+
+def scale_loss(model: ScaleNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy of a :class:`ScaleNet` on token ids, shape (B,)."""
+    return F.cross_entropy(model(batch["ids"]), batch["y"], reduction="none")
