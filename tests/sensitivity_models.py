@@ -313,6 +313,7 @@ NEW_CASES = [
     "gru_time_major_initial_state",
     "mha_cross_kdim_bias_kv_zero_attn",
     "convnext",
+    "convnextv2",
     "efficientnet_gn",
     "embedding_bag_rows_weighted",
     "embedding_bag_offsets_mean_padding",
@@ -370,8 +371,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "functional_linear":
         batch = {"x": _floats(gen, size, 6), "y": _labels(gen, size, 3)}
         return FunctionalLinearNet().double(), engine_models.classification_loss, batch, float_info
-    if name in ("convnext", "efficientnet_gn"):  # timm CNNs: layer scale, LayerNorm2d, GroupNormAct rules
-        builder = timm_cnn_models.convnext if name == "convnext" else timm_cnn_models.efficientnet
+    if name in ("convnext", "convnextv2", "efficientnet_gn"):  # timm CNNs: layer scale, GRN, LayerNorm2d...
+        builder = timm_cnn_models.BUILDERS["efficientnet" if name == "efficientnet_gn" else name]
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return builder(), engine_models.classification_loss, batch, float_info
     if name.startswith("embedding_bag"):  # rows: (B, L) bags; offsets: one 1-D input, include_last_offset

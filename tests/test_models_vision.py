@@ -89,6 +89,7 @@ DIGITS_INFO = TaskInfo("digits", "classification", num_labels=10, input_shape=(1
     [
         ({"model_name": "convnext_atto"}, CIFAR_INFO),
         ({"model_name": "convnext_atto", "image_size": [32, 32]}, DIGITS_INFO),
+        ({"model_name": "convnextv2_atto"}, CIFAR_INFO),
         ({"model_name": "efficientnet_b0", "norm_layer": "group_norm"}, CIFAR_INFO),
         ({"model_name": "efficientnet_b0", "norm_layer": "group_norm"}, DIGITS_INFO),
         ({"model_name": "mobilenetv2_050", "norm_layer": "group_norm"}, CIFAR_INFO),
@@ -96,6 +97,7 @@ DIGITS_INFO = TaskInfo("digits", "classification", num_labels=10, input_shape=(1
     ids=[
         "convnext-cifar10",
         "convnext-digits-resized",
+        "convnextv2-cifar10",
         "efficientnet-cifar10",
         "efficientnet-digits",
         "mnv2",

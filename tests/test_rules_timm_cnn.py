@@ -28,6 +28,8 @@ FAST = {
     ("convnext", "bk", "per_layer"),
     ("efficientnet", "ghost", "flat"),
     ("convnext_conv_mlp", "instantiate", "groups"),
+    ("convnextv2", "ghost", "per_layer"),
+    ("convnextv2_conv_mlp", "bk", "flat"),
 }
 
 

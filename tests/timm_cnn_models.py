@@ -1,6 +1,6 @@
-"""Tiny float64 timm CNNs (ConvNeXt, EfficientNet with GroupNorm) for the oracle and sensitivity tests: every
-module they hold has a per-example gradient rule (timm LayerNorm2d, ConvNeXt layer scale, GroupNormAct,
-depthwise and squeeze-excite convolutions)."""
+"""Tiny float64 timm CNNs (ConvNeXt, ConvNeXt-V2, EfficientNet with GroupNorm) for the oracle and sensitivity
+tests: every module they hold has a per-example gradient rule (timm LayerNorm2d, ConvNeXt layer scale, Global
+Response Normalization, GroupNormAct, depthwise and squeeze-excite convolutions)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from torch import nn
 from tests.engine_models import Batch, classification_loss
 
 
-def convnext(conv_mlp: bool = False) -> nn.Module:
+def convnext(conv_mlp: bool = False, grn: bool = False) -> nn.Module:
     """ConvNeXt (four stages of one block, widths 4-8, a 1x1 patch stem) on 8x8 images; layer scales and norm
-    scales drawn away from 0 (timm starts gamma at 1e-6, which would hide a wrong rule), signed."""
+    scales drawn away from 0 (timm starts gamma at 1e-6, which would hide a wrong rule), signed. ``grn``:
+    ConvNeXt-V2's blocks (Global Response Normalization in the MLP, no layer scale), GRN's scale and shift
+    drawn away from their zero start."""
     from timm.models.convnext import ConvNeXt
 
     model = ConvNeXt(
@@ -25,10 +27,16 @@ def convnext(conv_mlp: bool = False) -> nn.Module:
         patch_size=1,
         conv_mlp=conv_mlp,
         head_hidden_size=8,
+        use_grn=grn,
+        ls_init_value=None if grn else 1e-6,
     )
     gen = torch.Generator().manual_seed(1)
     for name, p in model.named_parameters():
-        if name.endswith("gamma") or (p.dim() == 1 and "norm" in name and name.endswith("weight")):
+        if (
+            name.endswith("gamma")
+            or (p.dim() == 1 and "norm" in name and name.endswith("weight"))
+            or ".grn." in name
+        ):
             with torch.no_grad():
                 p.copy_(
                     torch.empty_like(p).uniform_(0.5, 1.5, generator=gen)
@@ -58,6 +66,8 @@ def efficientnet() -> nn.Module:
 BUILDERS = {
     "convnext": convnext,
     "convnext_conv_mlp": partial(convnext, conv_mlp=True),
+    "convnextv2": partial(convnext, grn=True),
+    "convnextv2_conv_mlp": partial(convnext, conv_mlp=True, grn=True),
     "efficientnet": efficientnet,
 }
 

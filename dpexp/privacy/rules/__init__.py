@@ -123,6 +123,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     conv,
     embedding,
     embedding_bag,
+    grn,
     layer_scale,
     linear,
     norm,
