@@ -199,12 +199,14 @@ class ScaledInput(nn.Module):
         return self.fc(torch.tanh(x * self.scale))
 
 
-def vit(**kwargs) -> nn.Module:
+def vit(distilled: bool = False, **kwargs) -> nn.Module:
     """timm's VisionTransformer: cls_token/pos_embed owned by the model itself (the token rule), timm
-    LayerNorm. Dropout before the tap is harmless, but the oracle's loop needs a deterministic forward."""
+    LayerNorm. Dropout before the tap is harmless, but the oracle's loop needs a deterministic forward.
+    ``distilled``: DeiT's VisionTransformerDistilled (a distillation token after the class token)."""
+    from timm.models.deit import VisionTransformerDistilled
     from timm.models.vision_transformer import VisionTransformer
 
-    model = VisionTransformer(
+    model = (VisionTransformerDistilled if distilled else VisionTransformer)(
         img_size=8,
         patch_size=4,
         in_chans=3,
@@ -215,7 +217,8 @@ def vit(**kwargs) -> nn.Module:
         mlp_ratio=2.0,
         **kwargs,
     )
-    for token in (model.pos_embed, model.cls_token, model.reg_token):  # timm starts tokens at ~0
+    tokens = (model.pos_embed, model.cls_token, model.reg_token, getattr(model, "dist_token", None))
+    for token in tokens:  # timm starts tokens at ~0
         if token is not None:
             torch.nn.init.normal_(token, std=0.1)
     return model.double().eval()
@@ -237,13 +240,18 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
             "y": torch.randint(0, 3, (batch_size,), generator=gen),
         }
         return ScaledInput().double(), classification_loss, batch
-    if name in ("vit", "vit_registers"):
+    if name in ("vit", "vit_registers", "deit_distilled"):
         batch = {
             "x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
             "y": torch.randint(0, 3, (batch_size,), generator=gen),
         }
         # vit_registers: two register tokens and a position embedding that skips the prefix tokens (DeiT-3)
-        extra = {"reg_tokens": 2, "no_embed_class": True} if name == "vit_registers" else {}
+        # deit_distilled: class and distillation tokens, layer scale (DeiT-III's init_values) in the block
+        extra = {
+            "vit": {},
+            "vit_registers": {"reg_tokens": 2, "no_embed_class": True},
+            "deit_distilled": {"distilled": True, "init_values": 0.5},
+        }[name]
         return vit(**extra), classification_loss, batch
     if name == "wrn_block":
         batch = {
@@ -281,6 +289,7 @@ CASES = [
     "fallback",
     "vit",
     "vit_registers",
+    "deit_distilled",
     "flattened",
     "opt",
 ]

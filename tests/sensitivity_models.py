@@ -270,6 +270,7 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "fallback": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "vit": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "vit_registers": {"float_inputs": ("x",), "class_label": ("y", 3)},
+    "deit_distilled": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "wrn_block": {"float_inputs": ("x",), "class_label": ("y", 4)},
     "sequence": {"padding": {"ids": 0}},
     "gpt2": {"padding": LM_PADDING},

@@ -12,9 +12,11 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 Batch = dict[str, torch.Tensor]
@@ -218,7 +220,7 @@ class HFImageClassifier(ImageClassifier):
 
     def __init__(self, architecture: str, num_classes: int = 10, image_size: int = 32, **config) -> None:
         self.architecture, self.num_classes, self.image_size = architecture, num_classes, image_size
-        self.config = config
+        self.config = {key: _plain(value) for key, value in config.items()}  # nested configs as dicts
 
     def build(self) -> nn.Module:
         from transformers import AutoConfig, AutoModelForImageClassification
@@ -274,6 +276,11 @@ class MLP(BenchModel):
 
     def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return _classification_loss(model(batch["x"]), batch["labels"])
+
+
+def _plain(value: Any) -> Any:
+    """A value from the suite's YAML as plain Python (Hydra passes nested mappings as ``DictConfig``)."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _positions(batch_size: int, seq_len: int) -> torch.Tensor:

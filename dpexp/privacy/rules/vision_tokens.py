@@ -1,12 +1,13 @@
-"""Vision Transformers' own parameters: class token, register tokens and absolute position embedding (timm's
-``VisionTransformer`` and ``Beit``, Hugging Face's ``ViTEmbeddings``).
+"""Vision Transformers' own parameters: class, distillation and register tokens and absolute position
+embedding (timm's ``VisionTransformer``, DeiT's ``VisionTransformerDistilled`` and ``Beit``, Hugging Face's
+``ViTEmbeddings``).
 
 timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
-(or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``) and passes it to ``pos_drop``. With
-``dz_i = dL_i/dx_i`` of shape (T, d) at that point (the rule's tap), every one of these parameters is added
-to some positions, so its per-example gradient is a slice of ``dz_i``:
+(or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``) and passes it
+to ``pos_drop``. With ``dz_i = dL_i/dx_i`` of shape (T, d) at that point (the rule's tap), every one of these
+parameters is added to some positions, so its per-example gradient is a slice of ``dz_i``:
 
-    d cls_i = dz_i[0],   d reg_i = dz_i[1 : 1 + R],   d pos_i = dz_i[P_0 : P_0 + T_pos]
+    d cls_i = dz_i[0],   d reg_i (or d dist_i) = dz_i[1 : 1 + R],   d pos_i = dz_i[P_0 : P_0 + T_pos]
 
 with ``P_0 = 0``, or the number of prefix tokens under ``no_embed_class``. These are small (T x d per
 example), so they are held explicitly. Without the rule, the exact torch.func fallback would recompute the
@@ -21,7 +22,8 @@ from torch import nn
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import register_rule
 
-_TOKENS = ("cls_token", "reg_token", "pos_embed")
+_PREFIX = ("cls_token", "dist_token", "reg_token")  # in their order in the sequence
+_TOKENS = (*_PREFIX, "pos_embed")
 
 
 def _check(module: nn.Module) -> None:
@@ -44,14 +46,18 @@ def _check(module: nn.Module) -> None:
 
 
 @register_rule(
-    "timm.models.vision_transformer.VisionTransformer", "timm.models.beit.Beit", check=_check, tap="pos_drop"
+    "timm.models.vision_transformer.VisionTransformer",
+    "timm.models.deit.VisionTransformerDistilled",
+    "timm.models.beit.Beit",
+    check=_check,
+    tap="pos_drop",
 )
 def token_grads(module: nn.Module, x: torch.Tensor, dz: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``dz``: (B, T, d), the gradient with respect to the input of ``module.pos_drop``."""
     batch = dz.shape[0]
     grads: dict[str, PerExampleGrad] = {}
     offset = 0
-    for attr in ("cls_token", "reg_token"):
+    for attr in _PREFIX:
         token = getattr(module, attr, None)
         if token is not None:
             n = token.shape[1]
