@@ -72,6 +72,7 @@ class WandbSchema:
     project: str = MISSING
     entity: str | None = MISSING
     mode: WandbMode = MISSING
+    group: str | None = MISSING
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Entry point: reproduce one published table, or regenerate every table from the stored results.
 
     python -m dpexp.reproduce experiment=he2023_table11b scale=offline [launcher=basic|local|slurm]
-        [runs=results/runs] [out=results] [dry_run=true] [hydra.launcher.<key>=<value> ...]
+        [runs=results/runs] [out=results] [dry_run=true] [logger=none|wandb]
+        [hydra.launcher.<key>=<value> ...]
     python -m dpexp.reproduce tables [runs=results/runs] [out=results]
 
 The first form runs the experiment's grid (``conf/experiment/<name>.yaml`` at ``scale``) as Hydra multiruns
@@ -14,8 +15,9 @@ Then the store is re-indexed (``<out>/index.jsonl``) and the table rendered (``<
 tables``) re-indexes and renders the table of every experiment at scale offline and at every scale that has
 a runs folder, from the records alone. Launchers: ``basic`` (Hydra's, one run after another), ``local``
 (hydra-joblib-launcher, parallel processes: ``conf/hydra/launcher/local.yaml``), ``slurm``
-(hydra-submitit-launcher: ``conf/hydra/launcher/slurm.yaml``). Bad input is refused in one line naming the
-valid values (exit 2); exit 1 when some run of the grid did not complete.
+(hydra-submitit-launcher: ``conf/hydra/launcher/slurm.yaml``). ``logger=wandb`` mirrors every run to
+Weights & Biases (offline unless configured) in one group, ``<experiment>-<scale>``. Bad input is refused in
+one line naming the valid values (exit 2); exit 1 when some run of the grid did not complete.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from dpexp.runtime import code_version
 from dpexp.training.record import COMPLETED, DIVERGED, FAILED, INTERRUPTED, RUNNING
 
 LAUNCHERS = ("basic", "local", "slurm")  # Hydra's basic launcher; conf/hydra/launcher/{local,slurm}.yaml
+LOGGERS = ("none", "wandb")  # wandb: every run of the experiment in one wandb group, <experiment>-<scale>
 OPTIONS = {"experiment": None, "scale": None, "launcher": "basic", "runs": "results/runs", "out": "results",
-           "dry_run": "false"}  # fmt: skip
+           "dry_run": "false", "logger": "none"}  # fmt: skip
 RESUMABLE = (INTERRUPTED, FAILED, RUNNING)  # RUNNING here: a record no process holds (a killed run)
 BLOCKING = (DIVERGED, "running_now")
 
@@ -92,6 +95,8 @@ def parse_arguments(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
             raise ConfigError(f"unknown key {key}; valid keys: {', '.join(OPTIONS)} (and hydra.* overrides).")
     if options["launcher"] not in LAUNCHERS:
         raise ConfigError(f"launcher={options['launcher']} is not a launcher; valid: {', '.join(LAUNCHERS)}.")
+    if options["logger"] not in LOGGERS:
+        raise ConfigError(f"logger={options['logger']} is not a logger; valid: {', '.join(LOGGERS)}.")
     if options["dry_run"] not in ("true", "false"):
         raise ConfigError(f"dry_run={options['dry_run']}: valid values: true, false.")
     return options, passthrough
@@ -110,10 +115,11 @@ def execute(
     source_hash: str,
     launcher: str,
     passthrough: Sequence[str],
+    logging: Sequence[str] = (),
 ) -> None:
     """Launch the plan's new runs (one multirun over ``+point=...`` configs written under ``sweep_dir/
     .points``) and continue its resumable ones (one multirun over ``resume=...``)."""
-    launch = [f"hydra/launcher={launcher}", *passthrough] if launcher != "basic" else [*passthrough]
+    launch = [*([f"hydra/launcher={launcher}"] if launcher != "basic" else []), *passthrough, *logging]
     if plan.launch:
         point_dir = sweep_dir / ".points" / "point"
         point_dir.mkdir(parents=True, exist_ok=True)
@@ -193,8 +199,16 @@ def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
         for _, run_dir in plan.resume:
             print(f"  resume: {run_dir}")
         return 0
+    logging = [] if options["logger"] == "none" else ["logger=wandb", f"wandb.group={name}-{scale}"]
     execute(
-        plan, configs, run_keys, runs / name / scale, source["source_hash"], options["launcher"], passthrough
+        plan,
+        configs,
+        run_keys,
+        runs / name / scale,
+        source["source_hash"],
+        options["launcher"],
+        passthrough,
+        logging,
     )
     entries = index(runs, out)
     for path in render(name, scale, entries, out, source):

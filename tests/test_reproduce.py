@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from dpexp import reproduce
+from dpexp.config import ConfigError
 from dpexp.results import experiments, store
 
 TINY_EXPERIMENT = """
@@ -75,3 +77,23 @@ def test_reproduce_resumes_an_unfinished_run_in_its_own_directory(tiny_experimen
     assert "2 runs: 1 complete (skipped), 1 to resume, 0 to launch" in capsys.readouterr().out
     assert json.loads(record_path.read_text())["status"] == "completed"
     assert len(list(runs.rglob("metrics.json"))) == 2  # continued in place, no new run directory
+
+
+def test_logger_wandb_groups_every_run_of_the_experiment(tiny_experiment: Path, monkeypatch) -> None:
+    """logger=wandb reaches every launched and resumed run with the experiment's group; the group is run-local
+    (it changes no config hash)."""
+    calls = []
+    monkeypatch.setattr(reproduce, "_multirun", lambda overrides: calls.append(list(overrides)) or 0)
+    spec = experiments.load_experiment("tiny")
+    points = experiments.grid_points("tiny", spec, "offline")
+    configs = dict(zip(points, experiments.compose_points(points), strict=True))
+    keys = {p: store.config_key(experiments.resolved(c)) for p, c in configs.items()}
+    plan = reproduce.RunPlan(launch=points[:1], resume=[(points[1], str(tiny_experiment / "old"))])
+    logging = ["logger=wandb", "wandb.group=tiny-offline"]
+    reproduce.execute(plan, configs, keys, tiny_experiment / "sweep", "abc123", "local", [], logging)
+    assert len(calls) == 2 and all(call[-2:] == logging for call in calls)
+    assert "hydra/launcher=local" in calls[0] and calls[1][0].startswith("resume=")
+    grouped = OmegaConf.merge(configs[points[0]], {"logger": "wandb", "wandb": {"group": "tiny-offline"}})
+    assert store.config_key(experiments.resolved(grouped)) == keys[points[0]]
+    with pytest.raises(ConfigError, match="logger=mlflow is not a logger; valid: none, wandb"):
+        reproduce.parse_arguments(["experiment=tiny", "scale=offline", "logger=mlflow"])

@@ -136,8 +136,9 @@ def test_wandb_logger_mirrors_evaluations_offline(compose_config, tmp_path, monk
         return FakeRun()
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
-    run_training(compose_config([*TINY_RUN, "eval_every=1", "logger=wandb"]), tmp_path)
+    run_training(compose_config([*TINY_RUN, "eval_every=1", "logger=wandb", "wandb.group=sweep-a"]), tmp_path)
     assert calls["init"]["mode"] == "offline" and calls["init"]["project"] == "dpexp"
+    assert calls["init"]["group"] == "sweep-a"
     assert [step for step, _ in calls["log"]] == [1, 2, 3]
     assert "accuracy" in calls["log"][-1][1] and calls["summary"]["status"] == "completed"
     assert calls["exit_code"] == 0

@@ -191,8 +191,9 @@ class _Run:
         check_optim_values(cfg.optim)
         if _choice(cfg.logger) == "wandb":
             resolved = self.record.data["config"]
+            wandb = cfg.wandb
             self.record.add_sink(
-                WandbSink(cfg.wandb.project, cfg.wandb.entity, cfg.wandb.mode, resolved, self.run_dir)
+                WandbSink(wandb.project, wandb.entity, wandb.mode, wandb.group, resolved, self.run_dir)
             )
         self.checkpointer = Checkpointer(self.run_dir, CheckpointPolicy.from_config(cfg.checkpoint))
         self.budget = PrivacyBudget(accounting_limits(cfg.privacy))

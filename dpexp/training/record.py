@@ -228,14 +228,20 @@ class WandbSink:
     """Mirror evaluation entries and the final summary to Weights & Biases (offline unless configured)."""
 
     def __init__(
-        self, project: str, entity: str | None, mode: str, config: Mapping[str, Any], run_dir: Path
+        self,
+        project: str,
+        entity: str | None,
+        mode: str,
+        group: str | None,
+        config: Mapping[str, Any],
+        run_dir: Path,
     ) -> None:
         try:
             import wandb
         except ImportError as error:
             raise ImportError("logger=wandb needs the wandb extra: pip install -e '.[wandb]'") from error
         self._run = wandb.init(
-            project=project, entity=entity, mode=mode, config=dict(config), dir=str(run_dir)
+            project=project, entity=entity, mode=mode, group=group, config=dict(config), dir=str(run_dir)
         )
 
     def log(self, entry: Mapping[str, Any]) -> None:
