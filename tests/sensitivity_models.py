@@ -170,6 +170,58 @@ class InstanceNormNet(nn.Module):
         return self.head(F.relu(self.stats_norm(self.conv(x))).mean((2, 3)))
 
 
+class NormActConvNet(nn.Module):
+    """Convolution -> norm -> activation -> head, for the rules of InstanceNorm (affine, no running
+    statistics), PReLU, transposed and 3-D convolutions."""
+
+    def __init__(self, conv: nn.Module, norm: nn.Module, act: nn.Module, channels: int) -> None:
+        super().__init__()
+        self.conv, self.norm, self.act, self.head = conv, norm, act, nn.Linear(channels, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.norm(self.conv(x)))
+        return self.head(h.flatten(2).mean(2))
+
+
+class HFViTLogits(nn.Module):
+    """Hugging Face ViT classifier (its embeddings' class and position tokens by rule) returning logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification
+
+        config = ViTConfig(
+            image_size=8, patch_size=4, num_channels=3, hidden_size=8, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=12, num_labels=3, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        self.vit = ViTForImageClassification(config)
+        with torch.no_grad():
+            for token in (self.vit.vit.embeddings.cls_token, self.vit.vit.embeddings.position_embeddings):
+                token.normal_(0.0, 0.1)  # HF starts them at 0 or near it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vit(pixel_values=x).logits
+
+
+def _layer_case(name: str) -> tuple[nn.Module, tuple[int, ...]]:
+    """(model, input shape of one example) of the single-layer-family cases."""
+    if name == "instance_norm_affine_prelu":
+        conv, shape = nn.Conv2d(3, 4, 3), (3, 6, 6)
+        return NormActConvNet(conv, nn.InstanceNorm2d(4, affine=True), nn.PReLU(4, init=0.1), 4), shape
+    if name == "conv_transpose_grouped":
+        conv = nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, groups=2)
+        return NormActConvNet(conv, nn.GroupNorm(2, 4), nn.PReLU(), 4), (4, 3, 3)
+    if name == "conv3d":
+        return NormActConvNet(nn.Conv3d(2, 3, 2, padding=1), nn.Identity(), nn.Tanh(), 3), (2, 3, 3, 3)
+    if name == "hf_vit":
+        return HFViTLogits(), (3, 8, 8)
+    raise KeyError(name)
+
+
+LAYER_CASES = ("instance_norm_affine_prelu", "conv_transpose_grouped", "conv3d", "hf_vit")
+
+
 def llama(tied: bool) -> nn.Module:
     """Tiny random Llama: RMSNorm (no rule: fallback), rotary positions, grouped KV heads, no biases."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -320,6 +372,7 @@ NEW_CASES = [
     "embedding_bag_offsets_mean_padding",
     "layer_scale_dinov2",
     "layer_scale_timm_flattened",
+    *LAYER_CASES,
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -380,6 +433,10 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         args = ("sum", "rows", True, None, False) if "rows" in name else ("mean", "offsets", False, 0, True)
         info = {"float_inputs": ("weights",), "class_label": ("y", 3), "padding": {"ids": 0, "lengths": 1}}
         return BagNet(*args).double(), bag_loss, bag_batch(size, int(gen.initial_seed())), info
+    if name in LAYER_CASES:
+        model, shape = _layer_case(name)
+        batch = {"x": _floats(gen, size, *shape), "y": _labels(gen, size, 3)}
+        return model.double(), engine_models.classification_loss, batch, float_info
     if name.startswith("layer_scale"):  # channels-last layer scale, on (B, T, d) or flattened (B*T, d) rows
         ids = torch.randint(1, 11, (size, 6), generator=gen)
         ids[0, 4:] = 0
