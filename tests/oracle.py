@@ -92,3 +92,39 @@ def engine_update(
     optimizer.zero_grad()
     delta = {n: before[n] - p.detach() for n, p in model.named_parameters()}
     return delta, engine
+
+
+def check_clipped_step(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Batch,
+    micro_batches: list[list[int]],
+    strategy: str,
+    clipping: str,
+    groups: int | None = None,
+    rel: float = 1e-9,
+    floor: float = 1e-14,
+) -> None:
+    """One engine step at the median group norms as thresholds (so clipped and unclipped examples both occur)
+    equals the oracle's clipped mean, parameter by parameter, to ``rel`` relative error above an absolute
+    ``floor`` (parameters whose true gradient vanishes, such as attention's key bias)."""
+    from dpexp.privacy import PrivacyEngine
+
+    size = sum(len(index) for index in micro_batches)
+    partition = PrivacyEngine(
+        copy.deepcopy(model), batch_size=size, sample_size=10 * size, max_grad_norm=1.0, noise_multiplier=0.0,
+        clipping=clipping, groups=groups,
+    ).groups  # fmt: skip
+    grads = per_example_grads(model, loss_fn, batch)
+    norms = group_norms(grads, partition)
+    thresholds = norms.median(0).values.tolist()
+    clipped = norms > torch.tensor(thresholds)
+    assert clipped.any() and (~clipped).any()
+    expected = clipped_mean(grads, partition, thresholds, batch_size=size)
+    delta, _ = engine_update(
+        model, loss_fn, batch, micro_batches, batch_size=size, strategy=strategy, clipping=clipping,
+        groups=groups, thresholds=thresholds, max_grad_norm=1.0,
+    )  # fmt: skip
+    for param, want in expected.items():
+        diff = (delta[param] - want).norm()
+        assert diff < rel * want.norm() + floor, f"{strategy}/{clipping}: {param} error {diff:.2e}"

@@ -4,7 +4,6 @@ a flattened (B*T, d) input, a whole DINOv2, and the refusal of timm's in-place v
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -15,7 +14,7 @@ from torch import nn
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
 from tests.layer_models import ScaleNet, scale_loss
-from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
@@ -28,26 +27,7 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"ids": ids, "y": torch.randint(0, 3, (6,), generator=gen)}
 
 
-def _check(model: nn.Module, loss_fn, batch, strategy: str, clipping: str, groups: int | None) -> None:
-    partition = PrivacyEngine(
-        copy.deepcopy(model), batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0,
-        clipping=clipping, groups=groups,
-    ).groups  # fmt: skip
-    grads = per_example_grads(model, loss_fn, batch)
-    norms = group_norms(grads, partition)
-    thresholds = norms.median(0).values.tolist()
-    clipped = norms > torch.tensor(thresholds)
-    assert clipped.any() and (~clipped).any()
-    expected = clipped_mean(grads, partition, thresholds, batch_size=6)
-    delta, _ = engine_update(
-        model, loss_fn, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, backend=strategy, clipping=clipping,
-        groups=groups, thresholds=thresholds, max_grad_norm=1.0,
-    )  # fmt: skip
-    for param, want in expected.items():  # absolute floor: attention's key bias has a zero gradient
-        diff = (delta[param] - want).norm()
-        assert diff < 1e-9 * want.norm() + 1e-14, f"{strategy}/{clipping}: {param} error {diff:.2e}"
-
-
+MICRO = [[0, 1, 2], [3, 4, 5]]  # two micro-batches of one logical batch
 SETTINGS = [
     (strategy, clipping, groups)
     for strategy in ("bk", "ghost", "instantiate")
@@ -62,12 +42,14 @@ def test_layer_scale_matches_oracle(kind, strategy, clipping, groups):
     model = ScaleNet(kind).double()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")  # the scale must not take the fallback
-        _check(model, scale_loss, _batch(), strategy, clipping, groups)
+        check_clipped_step(model, scale_loss, _batch(), MICRO, strategy, clipping, groups)
 
 
 def test_layer_scale_on_flattened_rows_matches_oracle():
     torch.manual_seed(0)
-    _check(ScaleNet("timm", flatten=True).double(), scale_loss, _batch(), "bk", "per_layer", None)
+    check_clipped_step(
+        ScaleNet("timm", flatten=True).double(), scale_loss, _batch(), MICRO, "bk", "per_layer"
+    )
 
 
 class Classifier(nn.Module):
@@ -98,7 +80,7 @@ def test_dinov2_matches_oracle_and_only_its_embeddings_take_the_fallback():
 
     gen = torch.Generator().manual_seed(0)
     batch = {"x": torch.randn(6, 3, 8, 8, generator=gen, dtype=torch.float64), "y": torch.arange(6) % 3}
-    _check(model, loss, batch, "bk", "flat", None)
+    check_clipped_step(model, loss, batch, MICRO, "bk", "flat")
 
 
 def test_in_place_layer_scale_is_refused():

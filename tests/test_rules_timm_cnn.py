@@ -4,7 +4,6 @@ suite, and no module of these models on the torch.func fallback."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -14,7 +13,7 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, per_example_grads
 from tests.timm_cnn_models import BUILDERS, make_timm_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -33,32 +32,13 @@ FAST = {
 }
 
 
-def _groups(model: nn.Module, clipping: str, groups: int | None) -> list[list[str]]:
-    engine = PrivacyEngine(
-        copy.deepcopy(model), batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0,
-        clipping=clipping, groups=groups,
-    )  # fmt: skip
-    return engine.groups
-
-
 def _check(name: str, strategy: str, clipping: str, groups: int | None) -> None:
     model, loss_fn, batch = make_timm_case(name)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")  # a module on the fallback fails the test
-        partition = _groups(model, clipping, groups)
-    grads = per_example_grads(model, loss_fn, batch)
-    norms = group_norms(grads, partition)
-    thresholds = norms.median(0).values.tolist()
-    clipped = norms > torch.tensor(thresholds)
-    assert clipped.any() and (~clipped).any()
-    expected = clipped_mean(grads, partition, thresholds, batch_size=6)
-    delta, _ = engine_update(
-        model, loss_fn, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, backend=strategy, clipping=clipping,
-        groups=groups, thresholds=thresholds, max_grad_norm=1.0,
-    )  # fmt: skip
-    for param, want in expected.items():
-        err = (delta[param] - want).norm() / want.norm().clamp_min(1e-12)
-        assert err < 1e-7, f"{name}/{strategy}/{clipping}: {param} relative error {err:.2e}"
+        check_clipped_step(
+            model, loss_fn, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, groups, rel=1e-7
+        )
 
 
 @pytest.mark.parametrize(
