@@ -89,6 +89,8 @@ def engine_update(
         groups = None if privacy_groups is None else privacy_groups[index]
         engine.backward(loss_fn(model, slice_batch(batch, index)), privacy_groups=groups)
     optimizer.step()
+    attached = [n for n, p in model.named_parameters() if p.grad is not None and p.grad.requires_grad]
+    assert not attached, f"released gradients carry an autograd graph: {attached}"
     optimizer.zero_grad()
     delta = {n: before[n] - p.detach() for n, p in model.named_parameters()}
     return delta, engine

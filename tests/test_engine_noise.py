@@ -144,3 +144,34 @@ def test_zero_noise_reports_infinite_epsilon():
         )
     engine.steps = 5
     assert engine.get_epsilon(1e-5) == math.inf
+
+
+class UnusedBranch(nn.Module):
+    """A layer whose output the loss never reads (as a pooler an HF head skips): its group is finished after
+    autograd's backward, when gradient mode is on again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.unused, self.head = nn.Linear(4, 6), nn.Linear(6, 2), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        self.unused(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_sums_finished_after_backward_carry_no_graph_and_take_noise(clipping):
+    """The clipped sums finished after the backward are plain tensors: noise is added in place (this failed
+    with 'Output 0 of Split is a view' on Hugging Face CLIP) and the released gradients hold no graph."""
+    torch.manual_seed(0)
+    model = UnusedBranch()
+    engine = PrivacyEngine(
+        model, batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0, clipping=clipping
+    )
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 4)
+    engine.backward(nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 0]), reduction="none"))
+    optimizer.step()
+    assert all(p.grad is not None and not p.grad.requires_grad for p in model.parameters())
+    assert float(model.unused.weight.grad.abs().sum()) > 0  # noise reached the unused layer too

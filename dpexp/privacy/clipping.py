@@ -244,8 +244,12 @@ class Clipper:
             if state.pending[k] == 0:
                 self._finish_group(k)
 
+    @torch.no_grad()
     def finish_pending(self) -> None:
-        """Groups some of whose uses got no gradient (unused outputs) are finished with those at zero."""
+        """Groups some of whose uses got no gradient (unused outputs) are finished with those at zero. This
+        runs after autograd's backward, where gradient mode is on again: without ``no_grad`` the sums of
+        layers whose captured input requires gradients would carry an autograd graph (and their in-place
+        noise would fail)."""
         state = self._pass
         for k in range(len(self.groups)):
             if state.pending.get(k, 0) > 0 or k not in self.coef:
@@ -256,6 +260,7 @@ class Clipper:
         self._pass = None
 
     # ------------------------------------------------------------------ explicit examples
+    @torch.no_grad()
     def add_examples(self, grads: Mapping[str, PerExampleGrad], batch_size: int) -> None:
         """Clip and accumulate examples given by their per-example gradients (a parameter left out has
         gradient 0), group by group with the current thresholds, counted like any other examples."""
