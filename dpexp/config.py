@@ -60,6 +60,7 @@ class IndividualSchema:
 @dataclass
 class PrivacySchema:
     epsilon: float = MISSING
+    noise_multiplier: float | None = MISSING
     delta: float | None = MISSING
     delta_rule: str = MISSING  # a key of dpexp.privacy.accounting.DELTA_RULES
     accounting_memory_gib: float = MISSING

@@ -57,6 +57,7 @@ from dpexp.training.plan import (
     calibration_accountant,
     check_noise,
     check_run_keys,
+    direct_noise_multiplier,
     plan_run,
     target_epsilon,
 )
@@ -186,6 +187,7 @@ class _Run:
         calibration_accountant(cfg)  # refuse values that cannot work before loading any data
         target_epsilon(cfg)
         check_noise(cfg)
+        direct_noise_multiplier(cfg)
         check_run_keys(cfg)
         check_individual(cfg)
         check_optim_values(cfg.optim)
@@ -229,7 +231,7 @@ class _Run:
             fields = {k: v for k, v in fields.items() if k not in self.record.data}
         self.record.update(**fields, device=str(self.device))
         self.record.write()
-        if self.plan.target_epsilon is not None and _choice(cfg.sampling) == "shuffle":
+        if self.plan.noise_multipliers and _choice(cfg.sampling) == "shuffle":
             warnings.warn(
                 "sampling=shuffle: the accountants assume Poisson subsampling; epsilon is only indicative.",
                 stacklevel=1,
