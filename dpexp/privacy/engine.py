@@ -35,6 +35,7 @@ from dpexp.privacy.adaptive import (
     update_thresholds,
     update_thresholds_from_norms,
 )
+from dpexp.privacy.aggregation import SingleProcess, StepAggregation
 from dpexp.privacy.capture import Capture, Use, discover_layers
 from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, StrategyName, make_strategy
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
@@ -89,6 +90,11 @@ class PrivacyEngine:
             ``||c_i g_i|| <= s_g C_k`` holds for both). ``sampling``: the caller samples group g at rate q_g
             (the engine clips every example at C_k). :meth:`get_epsilon` is then the largest group's,
             :meth:`get_epsilon_by_group` every group's.
+        aggregation: the processes that share each logical step (data parallel: every process clips its own
+            share of the logical batch; :mod:`dpexp.privacy.aggregation`). Only the process with
+            ``draws_noise`` adds noise, then the noised clipped sums and the noised adaptive statistics are
+            summed over the processes before the division by B and the threshold update. Default: this
+            process alone.
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class PrivacyEngine:
         clip_function: ClipFunction = "standard",
         automatic_stability: float = 0.01,
         individual: IndividualPrivacy | None = None,
+        aggregation: StepAggregation | None = None,
     ) -> None:
         if backend is not None:
             warnings.warn("PrivacyEngine(backend=...) is now strategy=...", DeprecationWarning, stacklevel=2)
@@ -162,6 +169,7 @@ class PrivacyEngine:
                 "generator=None, or secure_mode=False for reproducible noise."
             )
         self.noise_allocation, self.generator, self.secure_mode = noise_allocation, generator, secure_mode
+        self.aggregation: StepAggregation = SingleProcess() if aggregation is None else aggregation
         self.steps = 0
 
         layers, self._params = discover_layers(model, generic_fallback)
@@ -409,26 +417,34 @@ class PrivacyEngine:
         )
 
     def _privatize(self) -> None:
-        """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step."""
+        """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step (drawn
+        by the one process of the aggregation that draws, then the sums of all its processes added)."""
         self._check_not_refused()
         stds = noise_stds(
             self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation
         )
         sums = self._clipper.take_sums()
-        for k, group in enumerate(self.groups):
-            std = float(stds[k])
-            for name in group:
-                grad = sums[name]
-                if std > 0:
-                    add_gaussian_noise_(grad, std, self.generator, self.secure_mode)
-                self._params[name].grad = grad.div_(self.batch_size)
+        if self.aggregation.draws_noise:
+            for k, group in enumerate(self.groups):
+                std = float(stds[k])
+                for name in group:
+                    if std > 0:
+                        add_gaussian_noise_(sums[name], std, self.generator, self.secure_mode)
+        self.aggregation.sum_([sums[name] for group in self.groups for name in group])
+        for name, grad in sums.items():
+            self._params[name].grad = grad.div_(self.batch_size)
 
     def _end_step(self) -> None:
         if self.adaptive is not None:
             norm_based = self.adaptive.method == "norm"
             std = self.count_noise_multiplier  # in units of the statistic's sensitivity (1/2, or beta C_k)
             std = std * self.adaptive.bound_factor * self.thresholds if norm_based else std
-            released = release_statistics(self._clipper.statistics, std, self.generator, self.secure_mode)
+            statistics = self._clipper.statistics
+            if self.aggregation.draws_noise:
+                released = release_statistics(statistics, std, self.generator, self.secure_mode)
+            else:
+                released = statistics.double().cpu()
+            self.aggregation.sum_([released])
             update = update_thresholds_from_norms if norm_based else update_thresholds
             self.thresholds = update(
                 self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm
