@@ -10,6 +10,8 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,16 +24,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
+from dpexp.backends import build_backend
+from dpexp.config import ConfigError, _hydra_subdir, _run_dir
 from dpexp.models.cnn import SmallCNN
 from dpexp.privacy import PrivacyEngine
-from dpexp.training.distributed import (
-    DataParallel,
-    DistributedConfig,
-    DistributedError,
-)
+from dpexp.training.distributed import DataParallel, DistributedConfig, DistributedError, start_data_parallel
 from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import run_training
-from tests.conftest import CONF_DIR, TINY_RUN
+from tests.conftest import CONF_DIR, REPO_ROOT, TINY_RUN
 
 WORLD = 2
 JOIN_S = 180  # guards the test against a hang; no timing is asserted
@@ -309,3 +309,96 @@ def test_ddp_trainer_equals_one_process(tmp_path):
                 assert torch.equal(ranks[0][key], ranks[1][key]), key
                 torch.testing.assert_close(ranks[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
             assert ddp["loss"] == pytest.approx(single["loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- config
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture
+def outside_torchrun(monkeypatch):
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (["distributed=ddp"], {}, r"distributed=ddp runs one process per rank under torchrun: torchrun"),
+        ([], {"WORLD_SIZE": "2", "MASTER_ADDR": "x"}, r"torchrun started 2 processes but distributed=none"),
+        (["distributed=ddp", "distributed.backend=mpi"], {}, r"distributed.backend=mpi: valid choices"),
+        (["distributed=ddp", "distributed.timeout_s=0"], {}, r"distributed.timeout_s must be a positive"),
+        (
+            ["distributed=ddp", "distributed.world_size=4"],
+            {"WORLD_SIZE": "2", "MASTER_ADDR": "x"},
+            r"distributed.world_size=4 but torchrun started 2 processes",
+        ),
+        (
+            ["distributed=ddp", "distributed.backend=nccl"],
+            {"WORLD_SIZE": "2", "MASTER_ADDR": "x", "RANK": "0"},
+            r"distributed.backend=nccl needs CUDA devices",
+        ),
+    ],
+)
+def test_distributed_config_is_refused_before_training(outside_torchrun, overrides, env, message):
+    for name, value in env.items():
+        outside_torchrun.setenv(name, value)
+    cfg = _compose(overrides)
+    with pytest.raises(ValueError, match=message) as info:
+        start_data_parallel(cfg.distributed, torch.device("cpu"))
+    assert "\n" not in str(info.value) and not dist.is_initialized()
+
+
+def test_one_process_needs_no_process_group(outside_torchrun):
+    assert start_data_parallel(_compose([]).distributed, torch.device("cpu")) is None
+    assert start_data_parallel(None, torch.device("cpu")) is None  # a run recorded before the group existed
+
+
+def test_only_engine_clips_run_data_parallel():
+    model = torch.nn.Linear(3, 2)
+    for clip in ("opacus", "nonprivate"):
+        with pytest.raises(ValueError, match=r"runs in one process: data-parallel training .* needs a dpexp"):
+            build_backend(
+                _compose([f"clip={clip}"]).clip,
+                model=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                batch_size=2,
+                sample_size=10,
+                noise_multiplier=1.0,
+                aggregation=object(),
+            )
+
+
+def test_every_rank_shares_one_run_directory(outside_torchrun):
+    """Under torchrun every rank composes its own config: the run directory is torchrun's run id, the same on
+    every rank, and only rank 0 writes Hydra's .hydra files."""
+    fresh = "outputs/runs/digits/bk/2026-01-01_00-00-00_abcdef"
+    assert _run_dir(None, fresh) == fresh and _run_dir("old/run", fresh) == "old/run"
+    outside_torchrun.setenv("TORCHELASTIC_RUN_ID", "b02ce877")
+    assert _run_dir(None, fresh) == "outputs/runs/digits/bk/ddp_b02ce877"
+    assert _hydra_subdir(None) == ".hydra"
+    outside_torchrun.setenv("RANK", "1")
+    assert _hydra_subdir(None) is None
+    outside_torchrun.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(ConfigError, match="--standalone or --rdzv-id"):
+        _run_dir(None, fresh)
+
+
+@pytest.mark.slow  # torchrun starts two interpreters that train: about a minute on a busy machine
+def test_torchrun_cli_writes_one_record(tmp_path):
+    """``torchrun ... -m dpexp.train distributed=ddp``: one run directory, one completed record from rank 0,
+    epsilon as planned for one process, the summary printed once."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dpexp.train", "distributed=ddp"]
+    command += [*TINY_RUN, "clip=bk", f"output.root={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=JOIN_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = list(tmp_path.glob("runs/digits/bk/ddp_*/metrics.json"))
+    assert len(records) == 1
+    record = json.loads(records[0].read_text())
+    assert record["status"] == "completed" and record["steps_done"] == 3
+    assert done.stdout.count("metrics: ") == 1
+    single = run_training(_compose([*TINY_RUN, "clip=bk"]), tmp_path / "one")
+    assert record["epsilon"] == single["epsilon"] and record["noise_multiplier"] == single["noise_multiplier"]
