@@ -141,6 +141,15 @@ class AdaptiveSchema:
 
 
 @dataclass
+class CoordinateSchema:
+    beta1: float
+    beta2: float
+    variance_floor: float
+    variance_ceiling: float
+    initial_variance: float
+
+
+@dataclass
 class EngineSchema:
     clipping: str
     strategy: str
@@ -153,6 +162,7 @@ class EngineSchema:
     verify_every_step: bool
     clip_function: str
     automatic_stability: float
+    coordinate: CoordinateSchema | None
 
 
 @dataclass
