@@ -168,6 +168,15 @@ class AdaptiveSchema:
 
 
 @dataclass
+class CoordinateSchema:
+    beta1: float
+    beta2: float
+    variance_floor: float
+    variance_ceiling: float
+    initial_variance: float
+
+
+@dataclass
 class EngineSchema:
     clipping: str
     strategy: str
@@ -180,6 +189,7 @@ class EngineSchema:
     verify_every_step: bool
     clip_function: str
     automatic_stability: float
+    coordinate: CoordinateSchema | None
 
 
 @dataclass

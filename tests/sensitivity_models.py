@@ -184,17 +184,21 @@ class NormActConvNet(nn.Module):
 
 
 class HFViTLogits(nn.Module):
-    """Hugging Face ViT classifier (its embeddings' class and position tokens by rule) returning logits."""
+    """Hugging Face ViT classifier (its embeddings' class and position tokens by rule) returning logits;
+    ``clip``: CLIP's vision tower and head instead (class embedding by rule, an unused post-LayerNorm)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clip: bool = False) -> None:
         super().__init__()
-        from transformers import ViTConfig, ViTForImageClassification
+        from transformers import CLIPConfig, CLIPForImageClassification, ViTConfig, ViTForImageClassification
 
+        sizes = {"image_size": 8, "patch_size": 4, "hidden_size": 8, "num_hidden_layers": 1,
+                 "num_attention_heads": 2, "intermediate_size": 12}  # fmt: skip
+        if clip:
+            self.vit = CLIPForImageClassification(CLIPConfig(vision_config=sizes, num_labels=3))
+            return
         config = ViTConfig(
-            image_size=8, patch_size=4, num_channels=3, hidden_size=8, num_hidden_layers=1,
-            num_attention_heads=2, intermediate_size=12, num_labels=3, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )  # fmt: skip
+            **sizes, num_channels=3, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        )
         self.vit = ViTForImageClassification(config)
         with torch.no_grad():
             for token in (self.vit.vit.embeddings.cls_token, self.vit.vit.embeddings.position_embeddings):
@@ -214,12 +218,12 @@ def _layer_case(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return NormActConvNet(conv, nn.GroupNorm(2, 4), nn.PReLU(), 4), (4, 3, 3)
     if name == "conv3d":
         return NormActConvNet(nn.Conv3d(2, 3, 2, padding=1), nn.Identity(), nn.Tanh(), 3), (2, 3, 3, 3)
-    if name == "hf_vit":
-        return HFViTLogits(), (3, 8, 8)
+    if name in ("hf_vit", "hf_clip"):
+        return HFViTLogits(clip=name == "hf_clip"), (3, 8, 8)
     raise KeyError(name)
 
 
-LAYER_CASES = ("instance_norm_affine_prelu", "conv_transpose_grouped", "conv3d", "hf_vit")
+LAYER_CASES = ("instance_norm_affine_prelu", "conv_transpose_grouped", "conv3d", "hf_vit", "hf_clip")
 
 
 def llama(tied: bool) -> nn.Module:

@@ -343,7 +343,6 @@ def test_fallback_suite_models_have_exactly_the_named_rule_less_modules() -> Non
         "dinov2": {"Dinov2Embeddings"},
         "beit": {"BeitEmbeddings", "BeitLayer"},
         "swin": {"WindowAttention"},
-        "clip": {"CLIPVisionEmbeddings"},
         "mamba": {"MambaMixer"},
     }
     cfg = _compose("bench_suite=fallbacks")

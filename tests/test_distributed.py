@@ -97,6 +97,17 @@ ENGINE_CASES = {
         },
     },
     "instantiate_flat": {"clipping": "flat", "strategy": "instantiate"},
+    "adaclip": {  # coordinate-wise (AdaCliP): its transform follows the released (summed) gradients
+        "clipping": "per_layer",
+        "strategy": "instantiate",
+        "coordinate": {
+            "beta1": 0.99,
+            "beta2": 0.9,
+            "variance_floor": 1e-12,
+            "variance_ceiling": 1.0,
+            "initial_variance": 1e-4,
+        },
+    },
 }
 STEPS = 2
 N_EXAMPLES = 13  # odd: the ranks' shares differ in size

@@ -1,5 +1,6 @@
-"""Rules for InstanceNorm (affine), PReLU and Hugging Face ViT's class and position tokens against the
-brute-force oracle, for every backend x flat/per-layer clipping; no fallback left on these models."""
+"""Rules for InstanceNorm (affine), PReLU, Hugging Face ViT's class and position tokens and CLIP's class
+embedding against the brute-force oracle, for every backend x flat/per-layer clipping; no fallback left on
+these models."""
 
 from __future__ import annotations
 
@@ -42,11 +43,21 @@ def _cases() -> dict:
         batch = {"x": torch.randn(6, 3, 8, 8, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
         return model, batch
 
+    def hf_clip():  # its post_layernorm is unused by the classification head
+        from transformers import CLIPConfig, CLIPForImageClassification
+
+        vision = {"image_size": 8, "patch_size": 4, "hidden_size": 8, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "intermediate_size": 12}  # fmt: skip
+        model = CLIPForImageClassification(CLIPConfig(vision_config=vision, num_labels=3))
+        batch = {"x": torch.randn(6, 3, 8, 8, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
+        return model, batch
+
     return {
         "instance_norm": lambda: vision(nn.InstanceNorm2d(4, affine=True), nn.Tanh()),
         "prelu_shared": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU()),
         "prelu_per_channel": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU(4, init=0.1)),
         "hf_vit": hf_vit,
+        "hf_clip": hf_clip,
     }
 
 
@@ -75,7 +86,7 @@ def test_rule_matches_oracle(name, backend, clipping, recwarn):
     groups = engine.groups
     engine.detach()
     assert not [w for w in recwarn if "fallback" in str(w.message)]
-    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-3).tolist()  # unused layers: 0
     expected = clipped_mean(grads, groups, thresholds, batch_size=6)
     delta, _ = engine_update(
         model, _loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, backend=backend, clipping=clipping,

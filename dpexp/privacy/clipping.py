@@ -29,7 +29,7 @@ The book-keeping strategy keeps instantiated per-example gradients, so that the 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,6 +41,7 @@ from dpexp.privacy.capture import Forward, Use
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
 
 StrategyName = Literal["bk", "ghost", "instantiate"]
+Transform = Callable[[str, PerExampleGrad], PerExampleGrad]  # (parameter name, per-example gradient)
 
 
 @dataclass
@@ -173,7 +174,9 @@ class Clipper:
     (``"norm"``).
 
     ``groups`` partition the trainable parameters (:mod:`dpexp.privacy.grouping`), ``thresholds`` has shape
-    (K,), ``shared`` names the parameters used by more than one layer.
+    (K,), ``shared`` names the parameters used by more than one layer. ``transform``: every per-example
+    gradient is mapped by it before its norm and sum (AdaCliP's standardisation,
+    :mod:`dpexp.privacy.coordinate`), which is affine, so only parameters with a single use are accepted.
     """
 
     def __init__(
@@ -188,8 +191,10 @@ class Clipper:
         stability: float = 0.01,
         statistic: str = "count",
         bound_factor: float = 1.0,
+        transform: Transform | None = None,
     ) -> None:
         self.groups, self.params, self.shared = groups, params, shared
+        self.transform = transform
         self.statistic, self.bound_factor = statistic, bound_factor
         self.function, self.stability = function, stability
         self.group_of = {name: k for k, group in enumerate(groups) for name in group}
@@ -224,17 +229,19 @@ class Clipper:
         """One use's per-example gradients: norm contributions (first pass; groups whose last use this was
         are clipped), or clipped sums with the known factors (second pass)."""
         state, layer = self._pass, use.layer
+        single_use = state.calls[layer.name] == 1  # then its unshared parameters need no cross term
         if state.second:
             for attr, grad in grads.items():
                 name = layer.params.get(attr)
                 if name is not None:
+                    grad = self._transformed(name, grad, single_use)
                     self._accumulate(name, self._clipped_sum(grad, self.group_of[name]))
             return
-        single_use = state.calls[layer.name] == 1  # then its unshared parameters need no cross term
         for attr, grad in grads.items():
             name = layer.params.get(attr)
             if name is None:
                 continue  # frozen parameter of a layer with trainable ones (e.g. a frozen bias)
+            grad = self._transformed(name, grad, single_use)
             delivery = Delivery(
                 fused=state.pending[self.group_of[name]] == 1, alone=single_use and name not in self.shared
             )
@@ -264,6 +271,7 @@ class Clipper:
     def add_examples(self, grads: Mapping[str, PerExampleGrad], batch_size: int) -> None:
         """Clip and accumulate examples given by their per-example gradients (a parameter left out has
         gradient 0), group by group with the current thresholds, counted like any other examples."""
+        grads = {name: self._transformed(name, grad, True) for name, grad in grads.items()}
         for k, group in enumerate(self.groups):
             present = [name for name in group if name in grads]
             norm_sq = sum(grads[n].norm_sq(self.norm_mode).double() for n in present) if present else None
@@ -282,6 +290,18 @@ class Clipper:
         self.statistics.zero_()
 
     # ------------------------------------------------------------------ internals
+    def _transformed(self, name: str, grad: PerExampleGrad, single_use: bool) -> PerExampleGrad:
+        if self.transform is None:
+            return grad
+        if not single_use or name in self.shared:
+            raise ValueError(
+                f"parameter {name!r} is used more than once in a forward (a tied weight or a layer called "
+                "repeatedly); coordinate-wise clipping (AdaCliP) standardises a parameter's whole "
+                "per-example gradient, (sum_u g_u - a) / b, which the engine forms for single uses only. "
+                "Untie or freeze it, or use a norm-based clipping method."
+            )
+        return self.transform(name, grad)
+
     def _add_norm_contribution(self, name: str, grad: PerExampleGrad) -> None:
         """``||sum_u g_u||^2 = sum_u ||g_u||^2 + 2 sum_{u<v} <g_u, g_v>`` over the uses of a parameter."""
         state = self._pass

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy import accounting
+from dpexp.privacy import coordinate as coordinate_clipping
 from dpexp.privacy.adaptive import (
     SENSITIVITY,
     AdaptiveConfig,
@@ -41,7 +42,7 @@ from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, Strate
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
 from dpexp.privacy.individual import IndividualPrivacy, check_group_indices
 from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
-from dpexp.privacy.per_example import NormMode, PerExampleGrad
+from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
 from dpexp.privacy.verification import VerificationError, Verifier, check_use
 
 
@@ -90,6 +91,13 @@ class PrivacyEngine:
             ``||c_i g_i|| <= s_g C_k`` holds for both). ``sampling``: the caller samples group g at rate q_g
             (the engine clips every example at C_k). :meth:`get_epsilon` is then the largest group's,
             :meth:`get_epsilon_by_group` every group's.
+        coordinate: coordinate-wise adaptive clipping, AdaCliP (Pichapati et al. 2019; Monir et al. 2024,
+            sec. 3.2.3; :mod:`dpexp.privacy.coordinate`): each example's gradient is standardised
+            coordinate by coordinate, ``(g_i - a) / b``, before it is clipped to C_k; noise is added in those
+            coordinates and the released mean mapped back (``b w + a``); ``a`` and ``b`` follow the released
+            gradients (no privacy cost). Every per-example gradient is instantiated (the transform has no
+            factored form), with any strategy and clipping mode; parameters used twice in a forward, adaptive
+            thresholds, automatic clipping and individual privacy are refused.
         aggregation: the processes that share each logical step (data parallel: every process clips its own
             share of the logical batch; :mod:`dpexp.privacy.aggregation`). Only the process with
             ``draws_noise`` adds noise, then the noised clipped sums and the noised adaptive statistics are
@@ -121,6 +129,7 @@ class PrivacyEngine:
         clip_function: ClipFunction = "standard",
         automatic_stability: float = 0.01,
         individual: IndividualPrivacy | None = None,
+        coordinate: coordinate_clipping.CoordinateConfig | Mapping[str, Any] | None = None,
         aggregation: StepAggregation | None = None,
     ) -> None:
         if backend is not None:
@@ -150,6 +159,26 @@ class PrivacyEngine:
                 "(clip.engine.adaptive=null), or the sampling variant"
             )
         self.individual = individual
+        self.coordinate = (
+            coordinate_clipping.CoordinateConfig(**coordinate)
+            if isinstance(coordinate, Mapping)
+            else coordinate
+        )
+        clashes = [
+            (feature, fix)
+            for feature, fix, on in [
+                ("adaptive thresholds", "clip.engine.adaptive=null", adaptive is not None),
+                ("automatic clipping", "clip.engine.clip_function=standard", clip_function != "standard"),
+                ("individual privacy", "privacy.individual.variant=none", individual is not None),
+            ]
+            if on and self.coordinate is not None
+        ]
+        if clashes:
+            feature, fix = clashes[0]
+            raise ValueError(
+                f"coordinate-wise clipping (AdaCliP) adapts its own transform and does not combine with "
+                f"{feature}: set {fix}, or clip.engine.coordinate=null"
+            )
         schedule = None if isinstance(noise_multiplier, numbers.Real) else tuple(map(float, noise_multiplier))
         sigmas = (float(noise_multiplier),) if schedule is None else schedule
         if not sigmas or not all(sigma >= 0 for sigma in sigmas):
@@ -195,7 +224,13 @@ class PrivacyEngine:
             automatic_stability,
             statistic="norm" if norm_based else "count",
             bound_factor=self.adaptive.bound_factor if norm_based else 1.0,
+            transform=None if self.coordinate is None else self._standardise,
         )
+        if self.coordinate is not None:  # m_0 = 0, v_0 = initial_variance (AdaCliP's state)
+            self._mean = {n: torch.zeros_like(p.detach()) for n, p in self._params.items()}
+            start = self.coordinate.initial_variance
+            self._variance = {n: torch.full_like(p.detach(), start) for n, p in self._params.items()}
+            self._refresh_scales()
 
         self._verifier = Verifier(model, self._params, owners, verify_every_step)
         self._capture = Capture(
@@ -214,6 +249,18 @@ class PrivacyEngine:
         if len(values) != len(self.groups) or any(c <= 0 for c in values):
             raise ValueError(f"need {len(self.groups)} positive thresholds (one per group), got {values}")
         return torch.tensor(values, dtype=torch.float64)
+
+    def _refresh_scales(self) -> None:
+        """AdaCliP's ``b_t`` of every parameter from the variance estimates, normalised within each group."""
+        self._scale = {}
+        for group in self.groups:
+            scales = coordinate_clipping.group_scales([self._variance[n] for n in group], self.coordinate)
+            self._scale.update(zip(group, scales, strict=True))
+
+    def _standardise(self, name: str, grad: PerExampleGrad) -> PerExampleGrad:
+        """``(g_i - a) / b`` of one parameter's per-example gradients, instantiated (the transform is
+        elementwise, so it has no factored form)."""
+        return Dense(coordinate_clipping.standardise(grad.instantiate(), self._mean[name], self._scale[name]))
 
     # ------------------------------------------------------------------ state
     @property
@@ -431,8 +478,20 @@ class PrivacyEngine:
                     if std > 0:
                         add_gaussian_noise_(sums[name], std, self.generator, self.secure_mode)
         self.aggregation.sum_([sums[name] for group in self.groups for name in group])
-        for name, grad in sums.items():
-            self._params[name].grad = grad.div_(self.batch_size)
+        released, noise_std = {}, {}
+        for k, group in enumerate(self.groups):
+            std = float(stds[k])
+            for name in group:
+                grad = sums[name].div_(self.batch_size)
+                if self.coordinate is not None:  # back from the standardised coordinates
+                    grad = coordinate_clipping.unstandardise(grad, self._mean[name], self._scale[name])
+                    released[name], noise_std[name] = grad, self._scale[name] * (std / self.batch_size)
+                self._params[name].grad = grad
+        if self.coordinate is not None:  # the next transform, from released values only (equal on all ranks)
+            self._mean, self._variance = coordinate_clipping.update_moments(
+                self._mean, self._variance, released, noise_std, self.coordinate
+            )
+            self._refresh_scales()
 
     def _end_step(self) -> None:
         if self.adaptive is not None:
@@ -491,11 +550,14 @@ class PrivacyEngine:
         state the caller saves; secure mode has no state to save: its redone steps draw fresh noise)."""
         if self._clipper.sums:
             raise RuntimeError("PrivacyEngine.state_dict() between steps only: clipped sums are pending")
-        return {
+        state = {
             "steps": self.steps,
             "thresholds": self.thresholds.clone(),
             "generator": None if self.generator is None else self.generator.get_state(),
         }
+        if self.coordinate is not None:
+            state["coordinate"] = {"mean": _cloned(self._mean), "variance": _cloned(self._variance)}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of an engine built the same way."""
@@ -506,8 +568,14 @@ class PrivacyEngine:
             )
         if (state["generator"] is None) != (self.generator is None):
             raise ValueError("the state and this engine disagree on whether the noise has its own generator")
+        if ("coordinate" in state) != (self.coordinate is not None):
+            raise ValueError("the state and this engine disagree on coordinate-wise clipping (AdaCliP)")
         self.steps = int(state["steps"])
         self.thresholds = thresholds.to(self.thresholds)
+        if self.coordinate is not None:
+            self._mean = {n: t.to(self._mean[n]) for n, t in state["coordinate"]["mean"].items()}
+            self._variance = {n: t.to(self._variance[n]) for n, t in state["coordinate"]["variance"].items()}
+            self._refresh_scales()
         if self.generator is not None:
             self.generator.set_state(state["generator"])
 
@@ -520,3 +588,7 @@ class PrivacyEngine:
         for p in self._params.values():
             p.requires_grad_(True)
         return self.model
+
+
+def _cloned(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in tensors.items()}
