@@ -187,7 +187,7 @@ class Wide(torch.nn.Module):
         return self.b(self.a(x))
 
 
-def _noise_worker(rank: int, port: int, sigma: float, out: str) -> None:
+def _noise_worker(rank: int, port: int, sigma: float, secure: bool, out: str) -> None:
     parallel = _join_group(rank, port)
     torch.manual_seed(0)  # the same model on both ranks; the noise comes from torch's global generator
     model = Wide()
@@ -199,6 +199,7 @@ def _noise_worker(rank: int, port: int, sigma: float, out: str) -> None:
         max_grad_norm=2.0,
         noise_multiplier=sigma,
         clipping="per_layer",
+        secure_mode=secure,
         aggregation=parallel,
     )
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
@@ -213,17 +214,64 @@ def _noise_worker(rank: int, port: int, sigma: float, out: str) -> None:
     parallel.close()
 
 
-def test_ddp_noise_is_drawn_once_per_step(tmp_path):
+@pytest.mark.parametrize("secure", [False, True])
+def test_ddp_noise_is_drawn_once_per_step(tmp_path, secure):
     """The noise of a step on two ranks has the single-process variance sigma^2 C^2 (8500 coordinates: the
     sample variance is within 3% of it with overwhelming probability), not twice it (one draw per rank), and
-    every rank applies the same noise."""
+    every rank applies the same noise; also from the secure sampler, which no shared seed could replay."""
     sigma, clip = 1.5, 2.0
     out = tmp_path / "noise.pt"
-    assert _spawn(_noise_worker, sigma, str(out)) == [0] * WORLD
+    assert _spawn(_noise_worker, sigma, secure, str(out)) == [0] * WORLD
     noise = torch.load(out)
     variance = float(noise.var())
     assert variance == pytest.approx((sigma * clip) ** 2, rel=0.1)
     assert abs(float(noise.mean())) < 0.1
+
+
+class Layers(torch.nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(*[torch.nn.Linear(2, 2, bias=False) for _ in range(40)])  # K = 40 groups
+
+
+def _count_noise_worker(rank: int, port: int, out: str) -> None:
+    parallel = _join_group(rank, port)
+    torch.manual_seed(0)
+    model = Layers()
+    config = {"target_quantile": 0.5, "quantile_lr": 0.01, "budget_fraction": 0.5, "rescale_to_global": False}
+    engine = PrivacyEngine(
+        model,
+        batch_size=4,
+        sample_size=100,
+        max_grad_norm=1.0,
+        noise_multiplier=2.0,
+        clipping="per_layer",
+        adaptive=config,
+        aggregation=parallel,
+    )
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    released = []
+    for _ in range(25):  # empty logical batches: the released centred counts are the count noise alone
+        before = engine.thresholds.clone()
+        optimizer.step()
+        # Algorithm 1, line 15: C' = C exp(-eta (b / B + 1/2 - 1/2)), so b = -B log(C' / C) / eta
+        released.append(-engine.batch_size * (engine.thresholds / before).log() / config["quantile_lr"])
+    counts = torch.cat(released)
+    gathered = [torch.empty_like(engine.thresholds) for _ in range(WORLD)]
+    dist.all_gather(gathered, engine.thresholds)
+    assert torch.equal(gathered[0], gathered[1]), "the ranks moved their thresholds differently"
+    if rank == 0:
+        torch.save({"counts": counts, "std": engine.count_noise_multiplier}, out)
+    parallel.close()
+
+
+def test_ddp_adaptive_count_noise_is_drawn_once_per_step(tmp_path):
+    """The released clip counts of adaptive thresholds (He et al. Algorithm 1, line 10) on two ranks carry one
+    draw of the count noise, std sigma_b (40 groups x 25 steps: the sample variance within 15% of sigma_b^2),
+    not one per rank; both ranks move their thresholds identically."""
+    out = tmp_path / "counts.pt"
+    assert _spawn(_count_noise_worker, str(out)) == [0] * WORLD
+    saved = torch.load(out)
+    assert float(saved["counts"].var()) == pytest.approx(saved["std"] ** 2, rel=0.15)
 
 
 # ---------------------------------------------------------------------------------------------- failures
