@@ -174,6 +174,11 @@ def run_audit(
     audit = cfg.audit
     if cfg.get("resume") is not None:
         raise ConfigError("resume: an audit trains once from the start (its canaries are not checkpointed)")
+    if cfg.distributed.name != "none":
+        raise ConfigError(
+            f"distributed={cfg.distributed.name}: an audit runs in one process (every rank would insert the "
+            "white-box canaries into its own share); use distributed=none"
+        )
     if audit.variant == "white_box":
         canaries: WhiteBoxCanaries | InputCanaries = WhiteBoxCanaries(
             audit.canaries, audit.magnitude, audit.seed

@@ -179,3 +179,10 @@ def test_audit_refusal_is_one_line_with_exit_status_2(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "audit.canaries=0" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_audit_refuses_data_parallel_training(audit_config, tmp_path):
+    """Every rank would insert the canaries into its own share: an audit runs in one process."""
+    with pytest.raises(ValueError, match=r"distributed=ddp: an audit runs in one process") as info:
+        run_audit(audit_config(["distributed=ddp"]), tmp_path)
+    assert "\n" not in str(info.value) and not (tmp_path / "metrics.json").exists()
