@@ -209,6 +209,12 @@ def _noise_worker(rank: int, port: int, sigma: float, secure: bool, out: str) ->
     gathered = [torch.empty_like(noise) for _ in range(WORLD)]
     dist.all_gather(gathered, noise)
     assert torch.equal(gathered[0], gathered[1]), "the ranks applied different noise"
+    parallel.check_same("the parameters", list(model.parameters()))
+    if rank == 1:  # a rank whose model drifted: every rank refuses to go on
+        with torch.no_grad():
+            model.b.bias[0] += 1e-6
+    with pytest.raises(DistributedError, match=r"the parameters differ across the 2 ranks"):
+        parallel.check_same("the parameters", list(model.parameters()))
     if rank == 0:
         torch.save(noise, out)
     parallel.close()
@@ -218,7 +224,8 @@ def _noise_worker(rank: int, port: int, sigma: float, secure: bool, out: str) ->
 def test_ddp_noise_is_drawn_once_per_step(tmp_path, secure):
     """The noise of a step on two ranks has the single-process variance sigma^2 C^2 (8500 coordinates: the
     sample variance is within 3% of it with overwhelming probability), not twice it (one draw per rank), and
-    every rank applies the same noise; also from the secure sampler, which no shared seed could replay."""
+    every rank applies the same noise (and a rank whose model drifts is caught); also from the secure sampler,
+    which no shared seed could replay."""
     sigma, clip = 1.5, 2.0
     out = tmp_path / "noise.pt"
     assert _spawn(_noise_worker, sigma, secure, str(out)) == [0] * WORLD

@@ -19,6 +19,9 @@ so every rank moves its thresholds identically. The plan (N, B, q, T, sigma) is 
 the accounting is identical. Every rank evaluates the (same) model, so that none waits at its next collective
 for the evaluation of another; only rank 0 records it and writes the run record and checkpoints.
 
+After every step the ranks compare their parameters (:meth:`DataParallel.check_same`: sums and sums of
+squares, one small all-reduce) and stop if they differ: the engine's guarantee holds for one model.
+
 A rank that fails ends the job instead of hanging it: its peers' next collective fails when its connection
 closes, or at the latest after ``distributed.timeout_s``, with a :class:`DistributedError` naming that key.
 """
@@ -168,6 +171,21 @@ class DataParallel:
                 f"{int(size)}): every rank must run the same config (seed, data) on the same data set."
             )
         return indices[self.rank :: self.world_size]
+
+    def check_same(self, what: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse to go on unless ``tensors`` are the same on every rank, as far as their sums and sums of
+        squares tell (in float64; one all-reduce of 4 numbers): every rank must step the same model."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for tensor in tensors:
+            values = tensor.detach().double()
+            total += torch.stack([values.sum(), values.pow(2).sum()]).to(self.device)
+        both = torch.cat([total, -total])
+        self._collective(f"comparing {what}", dist.all_reduce, both, dist.ReduceOp.MAX)
+        if not torch.equal(both[:2], -both[2:]):
+            raise DistributedError(
+                f"rank {self.rank}: {what} differ across the {self.world_size} ranks (sums from "
+                f"{(-both[2:]).tolist()} to {both[:2].tolist()}): the ranks no longer train one model"
+            )
 
     def broadcast_module(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers on every rank: all ranks start from one model."""

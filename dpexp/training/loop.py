@@ -335,6 +335,7 @@ class _Run:
         self.backend.step()
         if self.parallel is not None:
             self.parallel.sum_([step_loss])
+            self.parallel.check_same("the parameters after the step", self.params)
         self.scheduler.step()
         self.step += 1
         self.steps_accounted += 1
