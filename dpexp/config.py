@@ -11,9 +11,11 @@ against the dataclasses below (the values and their documentation live in the YA
 from __future__ import annotations
 
 import inspect
+import os
 import secrets
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
+from pathlib import PurePath
 from typing import Any, get_args, get_origin, get_type_hints
 
 import hydra
@@ -24,8 +26,31 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 # The token is random per run (cached in the run's config; Hydra copies the cache to the jobs of a sweep),
 # so runs started in the same second never share a directory.
 OmegaConf.register_new_resolver("dpexp.token", lambda: secrets.token_hex(3), use_cache=True)
-OmegaConf.register_new_resolver("dpexp.run_dir", lambda resume, fresh: fresh if resume is None else resume)
-OmegaConf.register_new_resolver("dpexp.hydra_subdir", lambda resume: ".hydra" if resume is None else None)
+
+
+def _run_dir(resume: str | None, fresh: str) -> str:
+    """The run directory: ``resume``'s, else ``fresh``; under torchrun (``distributed=ddp``) every rank's
+    process composes its own config, so the fresh name is torchrun's run id, the same on every rank."""
+    if resume is not None:
+        return resume
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return fresh
+    if run_id == "none":
+        raise ConfigError(
+            "under torchrun every rank needs the same run directory: start it with --standalone or "
+            "--rdzv-id=<name> (or set hydra.run.dir)"
+        )
+    return str(PurePath(fresh).parent / f"ddp_{run_id}")
+
+
+def _hydra_subdir(resume: str | None) -> str | None:
+    """Hydra's .hydra directory: written by a fresh run's rank 0 only."""
+    return ".hydra" if resume is None and int(os.environ.get("RANK", "0")) == 0 else None
+
+
+OmegaConf.register_new_resolver("dpexp.run_dir", _run_dir)
+OmegaConf.register_new_resolver("dpexp.hydra_subdir", _hydra_subdir)
 
 
 class ConfigError(ValueError):
@@ -60,6 +85,7 @@ class IndividualSchema:
 @dataclass
 class PrivacySchema:
     epsilon: float = MISSING
+    noise_multiplier: float | None = MISSING
     delta: float | None = MISSING
     delta_rule: str = MISSING  # a key of dpexp.privacy.accounting.DELTA_RULES
     accounting_memory_gib: float = MISSING
@@ -102,6 +128,7 @@ class Schema:
     accountant: Any = MISSING
     noise: Any = MISSING
     optim: Any = MISSING
+    distributed: Any = MISSING
     seed: int = MISSING
     privacy: PrivacySchema = field(default_factory=PrivacySchema)
     epochs: float | None = MISSING
@@ -216,6 +243,14 @@ class OptimSchema:
 
 
 @dataclass
+class DistributedSchema:
+    name: str
+    backend: str
+    timeout_s: float
+    world_size: int | None
+
+
+@dataclass
 class AuditSchema:
     variant: str
     canaries: int
@@ -232,6 +267,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "accountant": AccountantSchema,
     "noise": NoiseSchema,
     "optim": OptimSchema,
+    "distributed": DistributedSchema,
     "audit": AuditSchema,
 }
 INSTANTIATED_GROUPS = ("task", "model")

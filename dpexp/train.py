@@ -15,6 +15,7 @@ and ``resume=<run dir>`` continues it.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,9 @@ def main(cfg: DictConfig) -> None:
         print(message, file=sys.stderr)
         REPORTED.append(message)
         return
-    print(summary(record))
-    print(f"metrics: {output_dir}/metrics.json")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun (distributed=ddp) rank 0 speaks for the job
+        print(summary(record))
+        print(f"metrics: {output_dir}/metrics.json")
 
 
 def _train(cfg: DictConfig) -> dict[str, Any]:

@@ -115,6 +115,51 @@ def test_isolated_run_measures_its_own_peak_memory() -> None:
     assert result["n_params"] == 8 * 16 + 16 + 16 * 3 + 3
 
 
+def test_data_parallel_run_times_two_ranks_and_plans_after_the_single_process_round() -> None:
+    """world_size=2: two gloo processes each run half of the logical batch (the engine's all-reduce in the
+    step); the record is rank 0's, labelled ``bk/ddp2`` and compared with the one-process baseline."""
+    spec = {
+        "model": {"_target_": "dpexp.bench.models.MLP", "in_features": 8, "hidden": [16], "num_classes": 3},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "clip": {"name": "bk", "method": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
+        "batch_size": 6,
+        "seq_len": None,
+        "warmup": 1,
+        "steps": 2,
+        "device": "cpu",
+        "threads": 1,
+        "amp": None,
+        "noise_multiplier": 1.0,
+        "sample_size": 100,
+        "seed": 0,
+        "preload": [],
+        "world_size": 2,
+    }
+    result = bench.run_isolated(spec, timeout_s=120)
+    assert result["status"] == "ok", result
+    assert result["world_size"] == 2 and len(result["step_s"]) == 2
+    odd = bench.run_isolated({**spec, "batch_size": 5}, timeout_s=120)
+    assert odd["status"] == "error" and "not divisible by world_size 2" in odd["error"]
+    inprocess = bench.run_config(spec)
+    assert inprocess["status"] == "error" and "isolation=subprocess" in inprocess["error"]
+
+    runs = bench.plan(_compose("bench_suite=ddp_cpu"), "cpu")
+    assert [(r["method"], r["world_size"]) for r in runs] == [
+        ("nonprivate", 1), ("bk", 1), ("perlayer", 1), ("nonprivate", 1), ("bk", 2), ("perlayer", 2)
+    ]  # fmt: skip
+    common = {"model_name": "m", "batch_size": 4, "seq_len": None, "status": "ok", "peak_mem_mb": None}
+    timed = [
+        {**common, "method": "nonprivate", "world_size": 1, "step_s": [1.0]},
+        {**common, "method": "bk", "world_size": 1, "step_s": [2.0]},
+        {**common, "method": "bk", "world_size": 2, "step_s": [1.25]},
+    ]
+    for run in timed:
+        run.update(pre_step_mem_mb=None, mem_kind=None, n_params=1)
+    records = {r["method"]: r for r in bench.aggregate(timed)}
+    assert records["bk/ddp2"]["world_size"] == 2 and records["bk"]["world_size"] == 1
+    assert records["bk/ddp2"]["ratios"]["throughput"] == pytest.approx(0.8)
+
+
 class BatchNormMLP(MLP):
     """An MLP with BatchNorm, which mixes the examples of a batch: the privacy engine must refuse it."""
 

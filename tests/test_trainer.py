@@ -221,3 +221,56 @@ def test_secure_mode_noise_ignores_the_seed(compose_config, tmp_path):
     assert first["status"] == second["status"] == "completed"
     assert first["config"]["clip"]["engine"]["secure_mode"] is True
     assert first["loss"] != second["loss"]
+
+
+def test_noise_multiplier_set_directly_skips_calibration(compose_config):
+    """privacy.noise_multiplier fixes sigma (the schedule scale): no calibration, T as planned, no target."""
+    base = ["batch_size=100", "steps=30"]
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("sigma set directly must not be calibrated")
+
+    plan = plan_run(compose_config([*base, "privacy.noise_multiplier=1.3"]), 1000, solve=refuse)
+    assert plan.noise_multipliers == [1.3] * 30 and plan.target_epsilon is None and plan.steps == 30
+    decay = plan_run(
+        compose_config([*base, "privacy.noise_multiplier=2.0", "noise=exponential", "noise.rate=0.5"]), 1000
+    )
+    assert (
+        decay.noise_multiplier == 2.0
+        and decay.noise_multipliers[-1] < 2.0
+        and len(decay.noise_multipliers) == 30
+    )
+    with pytest.warns(UserWarning, match=r"privacy.noise_multiplier=0: no noise"):
+        zero = plan_run(compose_config([*base, "privacy.noise_multiplier=0"]), 1000, solve=refuse)
+    assert zero.noise_multipliers == [0.0] * 30
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["privacy.noise_multiplier=-1"], r"privacy.noise_multiplier must be a finite sigma >= 0, or null"),
+        (["privacy.noise_multiplier=inf"], r"privacy.noise_multiplier must be a finite sigma >= 0"),
+        (["privacy.noise_multiplier=1", "clip=nonprivate"], r"clip=nonprivate adds none"),
+        (["privacy.noise_multiplier=1", "noise.initial=2"], r"both fix sigma: set one"),
+    ],
+)
+def test_noise_multiplier_set_directly_refuses_bad_values(compose_config, overrides, message):
+    with pytest.raises(ValueError, match=message) as info:
+        plan_run(compose_config(["steps=3", *overrides]), 1000)
+    assert "\n" not in str(info.value)
+
+
+def test_run_with_noise_multiplier_set_directly_reports_its_epsilon(compose_config, tmp_path):
+    """The record keeps the sigma given and the epsilon the accountants make of it; at sigma 0, inf."""
+    record = run_training(
+        compose_config([*TINY_RUN, "clip=bk", "privacy.noise_multiplier=2.0"]), tmp_path / "a"
+    )
+    assert record["status"] == "completed" and record["target_epsilon"] is None
+    assert record["noise_multipliers"] == [2.0] * 3
+    expected = accounting.get_epsilon(2.0, record["sample_rate"], 3, record["delta"], accountant="rdp")
+    assert record["epsilon"]["rdp"] == pytest.approx(expected, rel=1e-12) and 0 < expected < math.inf
+    with pytest.warns(UserWarning, match="no privacy"):
+        zero = run_training(
+            compose_config([*TINY_RUN, "clip=bk", "privacy.noise_multiplier=0"]), tmp_path / "b"
+        )
+    assert zero["status"] == "completed" and zero["epsilon"]["rdp"] == math.inf

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from dpexp.backends.base import TrainingBackend, check_per_example_loss
+from dpexp.privacy.aggregation import StepAggregation
 from dpexp.privacy.individual import IndividualPrivacy
 
 # clip.method -> the module whose ``build`` wraps the model; a new backend is one module and one line here
@@ -43,6 +44,7 @@ def build_backend(
     sample_size: int,
     noise_multiplier: float,
     individual: IndividualPrivacy | None = None,
+    aggregation: StepAggregation | None = None,
 ) -> TrainingBackend:
     """Wrap ``model`` and ``optimizer`` with the backend of ``clip_cfg["method"]``.
 
@@ -50,6 +52,8 @@ def build_backend(
     ``noise_multiplier`` sigma (noise std sigma * C on the summed clipped gradient; ignored by nonprivate).
     Build ``optimizer`` over the model's trainable parameters before calling this. ``individual``:
     individualized privacy (:mod:`dpexp.privacy.individual`), which only the ``dpexp`` method has.
+    ``aggregation``: the processes of a data-parallel job that share every logical step
+    (:mod:`dpexp.privacy.aggregation`; the protocol in :mod:`dpexp.backends.base`), also ``dpexp`` only.
     """
     if isinstance(clip_cfg, DictConfig):  # the engine and Opacus expect plain dicts and lists
         clip_cfg = OmegaConf.to_container(clip_cfg, resolve=True)
@@ -61,6 +65,14 @@ def build_backend(
             f"clip.method={method} has no individualized privacy: privacy.individual needs a dpexp clip "
             "(e.g. clip=bk)."
         )
+    if aggregation is not None and method != "dpexp":
+        raise ValueError(
+            f"clip.method={method} runs in one process: data-parallel training (distributed=ddp) needs a "
+            "dpexp clip (e.g. clip=bk)."
+        )
+    extra: dict[str, Any] = {} if individual is None else {"individual": individual}
+    if aggregation is not None:
+        extra["aggregation"] = aggregation
     return importlib.import_module(METHODS[method]).build(
         clip_cfg,
         model=model,
@@ -68,7 +80,7 @@ def build_backend(
         batch_size=batch_size,
         sample_size=sample_size,
         noise_multiplier=noise_multiplier,
-        **({} if individual is None else {"individual": individual}),
+        **extra,
     )
 
 

@@ -9,6 +9,13 @@ A logical step of DP-SGD (Abadi et al. 2016) with micro-batch accumulation is::
 
 so noise is added exactly once per logical step and the sum is divided by the expected batch size B, never by
 the realised Poisson batch size.
+
+Data parallel (``distributed=ddp``, :mod:`dpexp.training.distributed`): every process runs the protocol above
+on its own share of the same logical batch (possibly none), and every process calls ``backend.step()`` once
+per logical step. The backend, built with an ``aggregation`` (:mod:`dpexp.privacy.aggregation`), lets only
+one process draw the noise and sums the noised clipped sums over the processes inside ``step()``, before the
+division by B: the same release as one process clipping the whole batch. ``step()`` is therefore a collective
+call; a process that skips it stalls the others until the job's timeout.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from torch import nn
 
 from dpexp.backends.base import TrainingBackend, check_per_example_loss
 from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.aggregation import StepAggregation
 from dpexp.privacy.individual import IndividualPrivacy
 
 
@@ -27,6 +28,7 @@ class EngineBackend(TrainingBackend):
         noise_multiplier: float,
         engine_kwargs: Mapping[str, Any],
         individual: IndividualPrivacy | None = None,
+        aggregation: StepAggregation | None = None,
     ) -> None:
         self.engine = PrivacyEngine(
             model,
@@ -35,6 +37,7 @@ class EngineBackend(TrainingBackend):
             max_grad_norm=max_grad_norm,
             noise_multiplier=noise_multiplier,
             individual=individual,
+            aggregation=aggregation,
             **engine_kwargs,
         )
         self.model = model
@@ -67,6 +70,7 @@ def build(
     sample_size: int,
     noise_multiplier: float,
     individual: IndividualPrivacy | None = None,
+    aggregation: StepAggregation | None = None,
 ) -> EngineBackend:
     return EngineBackend(
         model,
@@ -77,4 +81,5 @@ def build(
         noise_multiplier=noise_multiplier,
         engine_kwargs=clip_cfg["engine"],
         individual=individual,
+        aggregation=aggregation,
     )

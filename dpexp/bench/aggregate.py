@@ -45,6 +45,11 @@ def _paired_throughput(runs: list[dict[str, Any]], index: int) -> float | None:
     return baseline / statistics.median(runs[index]["step_s"])
 
 
+def method_label(method: str, world_size: int) -> str:
+    """``method``, or ``method/ddp<P>`` for a run on P data-parallel processes."""
+    return method if world_size == 1 else f"{method}/ddp{world_size}"
+
+
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per (model, method, batch, seq): pooled timings and memory, and ratios to the baseline.
 
@@ -54,10 +59,12 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     compare across rounds. The memory ratios use the baseline runs adjacent to the method's runs (for the
     baseline itself: all of its runs, ratio 1).
     ``step_mem`` is the memory a step adds on top of the built model (peak - pre-step).
+    Data-parallel runs (``world_size`` > 1: the logical batch split over that many processes) are records of
+    their own, ``<method>/ddp<world_size>`` (:func:`method_label`), compared with the one-process baseline.
     """
     records: dict[tuple, dict[str, Any]] = {}
     for index, run in enumerate(runs):
-        key = (*_group_key(run), run["method"])
+        key = (*_group_key(run), method_label(run["method"], run.get("world_size", 1)))
         record = records.setdefault(key, {"runs": [], "baseline_runs": set()})
         record["runs"].append(index)
         if run["method"] == BASELINE:
@@ -75,6 +82,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "method": method,
             "batch_size": batch_size,
             "seq_len": seq_len,
+            "world_size": mine[0].get("world_size", 1),
             "runs": record["runs"],
             "baseline_runs": sorted(record["baseline_runs"]),
         }

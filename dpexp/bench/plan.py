@@ -23,6 +23,18 @@ def interleave(methods: list[str], baseline_every: int) -> list[str]:
     return order
 
 
+def _methods_and_world_sizes(
+    methods: list[str], world_sizes: list[int], baseline_every: int
+) -> list[tuple[str, int]]:
+    """One round: the interleaved methods in one process, then every private method on each larger number
+    of data-parallel processes (the baseline runs in one process only)."""
+    if any(w < 1 for w in world_sizes):
+        raise ValueError(f"world_sizes must be >= 1, got {world_sizes}")
+    order = [(method, 1) for method in interleave(methods, baseline_every)] if 1 in world_sizes else []
+    private = [m for m in methods if m != BASELINE]
+    return order + [(method, w) for w in world_sizes if w > 1 for method in private]
+
+
 def plan(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
     """Every run in execution order: groups (model, batch, seq) one after another, ``repeats`` rounds each."""
     suite = cfg.bench_suite
@@ -37,10 +49,13 @@ def plan(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
                 f"{model_name}: unknown methods {unknown}; defined in conf/bench.yaml: {sorted(cfg.methods)}"
             )
         seq_lens = list(entry.get("seq_lens") or [None])
+        world_sizes = [int(w) for w in entry.get("world_sizes") or [1]]
         for batch_size in entry.batch_sizes:
             for seq_len in seq_lens:
                 for repeat in range(suite.repeats):
-                    for method in interleave(methods, suite.baseline_every):
+                    for method, world_size in _methods_and_world_sizes(
+                        methods, world_sizes, suite.baseline_every
+                    ):
                         runs.append(
                             {
                                 "model_name": model_name,
@@ -51,6 +66,7 @@ def plan(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
                                 "batch_size": int(batch_size),
                                 "seq_len": None if seq_len is None else int(seq_len),
                                 "repeat": repeat,
+                                "world_size": world_size,
                                 "warmup": int(suite.warmup),
                                 "steps": int(suite.steps),
                                 "device": device,

@@ -17,7 +17,7 @@ import torch
 from hydra.utils import instantiate, to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from dpexp.bench.aggregate import aggregate
+from dpexp.bench.aggregate import aggregate, method_label
 from dpexp.bench.machine import machine_info
 from dpexp.bench.measure import _set_threads, run_config, run_isolated
 from dpexp.bench.plan import plan
@@ -76,7 +76,7 @@ def run_suite(cfg: DictConfig) -> dict[str, Any]:
             index + 1,
             len(specs),
             spec["model_name"],
-            spec["method"],
+            method_label(spec["method"], spec["world_size"]),
             spec["batch_size"],
             spec["seq_len"],
             _summary(result),

@@ -36,6 +36,7 @@ from dpexp.privacy.adaptive import (
     update_thresholds,
     update_thresholds_from_norms,
 )
+from dpexp.privacy.aggregation import SingleProcess, StepAggregation
 from dpexp.privacy.capture import Capture, Use, discover_layers
 from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, StrategyName, make_strategy
 from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
@@ -97,6 +98,11 @@ class PrivacyEngine:
             gradients (no privacy cost). Every per-example gradient is instantiated (the transform has no
             factored form), with any strategy and clipping mode; parameters used twice in a forward, adaptive
             thresholds, automatic clipping and individual privacy are refused.
+        aggregation: the processes that share each logical step (data parallel: every process clips its own
+            share of the logical batch; :mod:`dpexp.privacy.aggregation`). Only the process with
+            ``draws_noise`` adds noise, then the noised clipped sums and the noised adaptive statistics are
+            summed over the processes before the division by B and the threshold update. Default: this
+            process alone.
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class PrivacyEngine:
         automatic_stability: float = 0.01,
         individual: IndividualPrivacy | None = None,
         coordinate: coordinate_clipping.CoordinateConfig | Mapping[str, Any] | None = None,
+        aggregation: StepAggregation | None = None,
     ) -> None:
         if backend is not None:
             warnings.warn("PrivacyEngine(backend=...) is now strategy=...", DeprecationWarning, stacklevel=2)
@@ -191,6 +198,7 @@ class PrivacyEngine:
                 "generator=None, or secure_mode=False for reproducible noise."
             )
         self.noise_allocation, self.generator, self.secure_mode = noise_allocation, generator, secure_mode
+        self.aggregation: StepAggregation = SingleProcess() if aggregation is None else aggregation
         self.steps = 0
 
         layers, self._params = discover_layers(model, generic_fallback)
@@ -456,23 +464,28 @@ class PrivacyEngine:
         )
 
     def _privatize(self) -> None:
-        """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step."""
+        """``p.grad = (sum_i clip(g_i) + z) / B``, ``z ~ N(0, std_k^2)`` per group: noise once per step (drawn
+        by the one process of the aggregation that draws, then the sums of all its processes added)."""
         self._check_not_refused()
         stds = noise_stds(
             self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation
         )
         sums = self._clipper.take_sums()
+        if self.aggregation.draws_noise:
+            for k, group in enumerate(self.groups):
+                std = float(stds[k])
+                for name in group:
+                    if std > 0:
+                        add_gaussian_noise_(sums[name], std, self.generator, self.secure_mode)
+        self.aggregation.sum_([sums[name] for group in self.groups for name in group])
         released, noise_std = {}, {}
         for k, group in enumerate(self.groups):
-            std = float(stds[k])
             for name in group:
-                grad = sums[name]
-                if std > 0:
-                    add_gaussian_noise_(grad, std, self.generator, self.secure_mode)
-                grad = grad.div_(self.batch_size)
+                grad = sums[name].div_(self.batch_size)
                 if self.coordinate is not None:  # back from the standardised coordinates
                     grad = coordinate_clipping.unstandardise(grad, self._mean[name], self._scale[name])
-                    released[name], noise_std[name] = grad, self._scale[name] * (std / self.batch_size)
+                    released[name] = grad
+                    noise_std[name] = self._scale[name] * (float(stds[k]) / self.batch_size)
                 self._params[name].grad = grad
         if self.coordinate is not None:  # the next transform, from released values only
             self._mean, self._variance = coordinate_clipping.update_moments(
@@ -485,7 +498,12 @@ class PrivacyEngine:
             norm_based = self.adaptive.method == "norm"
             std = self.count_noise_multiplier  # in units of the statistic's sensitivity (1/2, or beta C_k)
             std = std * self.adaptive.bound_factor * self.thresholds if norm_based else std
-            released = release_statistics(self._clipper.statistics, std, self.generator, self.secure_mode)
+            statistics = self._clipper.statistics
+            if self.aggregation.draws_noise:
+                released = release_statistics(statistics, std, self.generator, self.secure_mode)
+            else:
+                released = statistics.double().cpu()
+            self.aggregation.sum_([released])
             update = update_thresholds_from_norms if norm_based else update_thresholds
             self.thresholds = update(
                 self.thresholds, released, self.batch_size, self.adaptive, self.max_grad_norm

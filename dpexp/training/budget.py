@@ -83,12 +83,12 @@ class PrivacyBudget:
 
     def epsilon(self, plan: RunPlan, sigmas: Sequence[float], accountant: str) -> float | None:
         """Epsilon of steps at noise multipliers ``sigmas``, those accounted so far (None for a non-private
-        run, 0 before the first step); remembered by their number, which only grows during a run. With
-        individualized privacy the largest group's (:meth:`group_epsilons`): the guarantee every example
-        has."""
+        run, 0 before the first step, inf with a sigma of 0); remembered by their number, which only grows
+        during a run. With individualized privacy the largest group's (:meth:`group_epsilons`): the guarantee
+        every example has."""
         if plan.individual is not None:
             return max(self.group_epsilons(plan, sigmas, accountant))
-        if plan.target_epsilon is None:
+        if not plan.noise_multipliers:  # non-private
             return None
         if not sigmas:
             return 0.0

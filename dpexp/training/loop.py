@@ -43,6 +43,7 @@ from dpexp.runtime import code_version, resolve_device
 from dpexp.tasks.base import Task
 from dpexp.training.budget import PrivacyBudget, accounting_limits
 from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
+from dpexp.training.distributed import DataParallel, start_data_parallel
 from dpexp.training.hooks import RunHooks
 from dpexp.training.individual import check_individual, individual_of, privacy_groups
 from dpexp.training.optim import (
@@ -57,6 +58,7 @@ from dpexp.training.plan import (
     calibration_accountant,
     check_noise,
     check_run_keys,
+    direct_noise_multiplier,
     plan_run,
     target_epsilon,
 )
@@ -113,24 +115,30 @@ def run_training(
     """
     started = time.perf_counter()
     with InterruptGuard() as guard:
-        code = code_version()
-        if resume:
-            record = RunRecord.reopen(output_dir)
-            if record.data.get("code_version", {}).get("source_hash") != code["source_hash"]:
-                record.update(resumed_by_code=[*record.data.get("resumed_by_code", []), code])
-        else:
-            resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-            fields = {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "code_version": code}
-            record = RunRecord.create(output_dir, {**fields, "config": resolved})
-        run = _Run(cfg, record, dict(choices or {}), hooks or RunHooks(), started)
+        parallel = start_data_parallel(cfg.get("distributed"), resolve_device(cfg.device))
+        writer = parallel is None or parallel.rank == 0  # only rank 0 writes the record and checkpoints
         try:
-            run.run(guard, resume)
-        except BaseException as error:
-            run.stop(error)
-            raise
+            code = code_version()
+            if resume:
+                record = RunRecord.reopen(output_dir, writer=writer)
+                if record.data.get("code_version", {}).get("source_hash") != code["source_hash"]:
+                    record.update(resumed_by_code=[*record.data.get("resumed_by_code", []), code])
+            else:
+                resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+                fields = {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "code_version": code}
+                record = RunRecord.create(output_dir, {**fields, "config": resolved}, writer=writer)
+            run = _Run(cfg, record, dict(choices or {}), hooks or RunHooks(), started, parallel)
+            try:
+                run.run(guard, resume)
+            except BaseException as error:
+                run.stop(error)
+                raise
+            finally:
+                run.close()
+                record.close()
         finally:
-            run.close()
-            record.close()
+            if parallel is not None:
+                parallel.close()
     return record.data
 
 
@@ -138,9 +146,16 @@ class _Run:
     """State of one training run; :meth:`run` fills ``record``."""
 
     def __init__(
-        self, cfg: DictConfig, record: RunRecord, choices: dict[str, str], hooks: RunHooks, started: float
+        self,
+        cfg: DictConfig,
+        record: RunRecord,
+        choices: dict[str, str],
+        hooks: RunHooks,
+        started: float,
+        parallel: DataParallel | None = None,
     ) -> None:
         self.cfg = cfg
+        self.parallel = parallel  # this process' rank of a data-parallel job (distributed=ddp), or None
         self.record = record
         self.choices = choices
         self.hooks = hooks
@@ -170,7 +185,7 @@ class _Run:
             self._at_boundary = True
             self._train(guard)
         except RunInterrupted as interrupt:
-            if self._at_boundary and not interrupt.mid_step:
+            if self._at_boundary and not interrupt.mid_step and self.record.writer:
                 self.save_checkpoint()
             raise
         finally:
@@ -183,13 +198,16 @@ class _Run:
         cfg = self.cfg
         check_config(cfg)
         self.device = resolve_device(cfg.device)
+        if self.parallel is not None:  # cuda -> this rank's GPU
+            self.device = self.parallel.training_device
         calibration_accountant(cfg)  # refuse values that cannot work before loading any data
         target_epsilon(cfg)
         check_noise(cfg)
+        direct_noise_multiplier(cfg)
         check_run_keys(cfg)
         check_individual(cfg)
         check_optim_values(cfg.optim)
-        if _choice(cfg.logger) == "wandb":
+        if _choice(cfg.logger) == "wandb" and self.record.writer:
             resolved = self.record.data["config"]
             wandb = cfg.wandb
             self.record.add_sink(
@@ -202,6 +220,8 @@ class _Run:
         factory: ModelFactory = instantiate(cfg.model, "model")
         self.task.setup(factory)
         self.model = factory.build(self.task.info).to(self.device)
+        if self.parallel is not None:
+            self.parallel.broadcast_module(self.model)
         self.model.train()
         self.dataset = self.hooks.training_set(self.task, self.task.train_dataset)
         self.privacy_groups = privacy_groups(cfg, self.task, self.dataset)
@@ -229,7 +249,7 @@ class _Run:
             fields = {k: v for k, v in fields.items() if k not in self.record.data}
         self.record.update(**fields, device=str(self.device))
         self.record.write()
-        if self.plan.target_epsilon is not None and _choice(cfg.sampling) == "shuffle":
+        if self.plan.noise_multipliers and _choice(cfg.sampling) == "shuffle":
             warnings.warn(
                 "sampling=shuffle: the accountants assume Poisson subsampling; epsilon is only indicative.",
                 stacklevel=1,
@@ -251,6 +271,7 @@ class _Run:
                 else self.plan.noise_multipliers
             ),
             individual=individual,
+            aggregation=self.parallel,
         )
         sampling_rates = individual is not None and individual.variant == "sampling"
         self.sampler = build_batch_sampler(
@@ -274,7 +295,7 @@ class _Run:
         bar = tqdm(
             total=plan.steps,
             initial=self.step,
-            disable=not cfg.progress,
+            disable=not cfg.progress or not self.record.writer,
             desc=self.record.data["task"],
             dynamic_ncols=True,
         )
@@ -289,7 +310,7 @@ class _Run:
                     self._train_step(next(batches), lengths)
                 bar.update()
                 self._report(bar)
-                if self.checkpointer.due(self.step):
+                if self.record.writer and self.checkpointer.due(self.step):
                     with self._outside_training():
                         self.save_checkpoint()
         finally:
@@ -300,9 +321,11 @@ class _Run:
         self.model.train()
 
     def _train_step(self, indices: list[int], lengths: list[int] | None) -> None:
-        """One logical step: micro-batches, the privatised update, the counters; stops a diverged run."""
+        """One logical step: micro-batches, the privatised update, the counters; stops a diverged run. Under
+        data parallelism this rank runs its share of the batch; the loss is summed over the ranks."""
         step_loss = torch.zeros((), device=self.device)
-        for micro in split_micro_batches(indices, self.plan.physical_batch_size, lengths):
+        share = indices if self.parallel is None else self.parallel.share(indices)
+        for micro in split_micro_batches(share, self.plan.physical_batch_size, lengths):
             batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
             loss = self.task.per_example_loss(self.backend.model, batch)
             groups = None if self.privacy_groups is None else self.privacy_groups[micro].to(self.device)
@@ -310,6 +333,8 @@ class _Run:
             step_loss += loss.detach().sum()
         self.hooks.before_step(self.step + 1)
         self.backend.step()
+        if self.parallel is not None:
+            self.parallel.sum_([step_loss])
         self.scheduler.step()
         self.step += 1
         self.steps_accounted += 1
@@ -349,7 +374,8 @@ class _Run:
                 )
         history = self.record.data["history"]
         evaluated = bool(history) and history[-1]["step"] == step
-        if ((cfg.eval_every and step % cfg.eval_every == 0) or last) and not evaluated:
+        due = (cfg.eval_every and step % cfg.eval_every == 0) or last
+        if due and not evaluated and self.record.writer:  # ranks > 0 of a data-parallel job do not evaluate
             with self._outside_training():
                 self._evaluate()
 

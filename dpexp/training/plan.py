@@ -5,6 +5,9 @@ steps T, delta, and the noise multiplier sigma solved for the target epsilon wit
 With a noise schedule (``noise`` group, :mod:`dpexp.privacy.noise_schedule`) sigma is the first step's and
 every step has its own; with ``noise.initial`` given instead of solved, T is where the budget is spent.
 
+With ``privacy.noise_multiplier`` sigma is set directly (the schedule's scale, no calibration, T as planned)
+and the run only reports the epsilon it spends.
+
 With individualized privacy (``privacy.individual``, :mod:`dpexp.privacy.individual`) sigma and every
 group's sample rate q_g and clipping scale s_g are solved for the group budgets epsilon_g (the plan's
 ``individual``), and ``target_epsilon`` is the largest of them."""
@@ -12,6 +15,7 @@ group's sample rate q_g and clipping scale s_g are solved for the group budgets 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,10 +39,10 @@ class RunPlan:
     steps: int  # T
     epochs: float  # T * q
     delta: float
-    target_epsilon: float | None  # None for non-private runs
+    target_epsilon: float | None  # None for non-private runs and for sigma set directly
     noise_multiplier: float  # sigma of the first step (0 for non-private runs)
     noise_schedule: str  # constant | time | exponential | step | polynomial
-    noise_multipliers: list[float]  # sigma of every step (empty for non-private runs)
+    noise_multipliers: list[float]  # sigma of every step (empty exactly for non-private runs)
     stopped_at_budget: bool  # T is where noise.initial's schedule spends the budget (budget-based stopping)
     # individualized privacy: variant, epsilons, group_sizes, sample_rates (q_g), scales (s_g) and
     # noise_multipliers (sigma / s_g, the first step's) of every group; None without it
@@ -113,9 +117,43 @@ def check_noise(cfg: DictConfig) -> None:
         )
 
 
-def target_epsilon(cfg: DictConfig) -> float | None:
-    """``privacy.epsilon`` of a private run, refused unless a finite number > 0; None if not private."""
+def direct_noise_multiplier(cfg: DictConfig) -> float | None:
+    """``privacy.noise_multiplier``: sigma set directly (the noise schedule's scale), skipping calibration;
+    None when sigma is solved for ``privacy.epsilon``. Refused unless a finite number >= 0, on a non-private
+    run, beside ``noise.initial`` (another fixed sigma) or individualized privacy (which solves its own);
+    0 warns: no privacy at all."""
+    sigma = cfg.privacy.get("noise_multiplier")
+    if sigma is None:
+        return None
+    if not (sigma >= 0 and math.isfinite(sigma)):
+        raise ValueError(
+            f"privacy.noise_multiplier must be a finite sigma >= 0, or null to solve it for privacy.epsilon; "
+            f"got {sigma}."
+        )
     if not is_private(cfg.clip):
+        raise ValueError("privacy.noise_multiplier sets a private run's noise; clip=nonprivate adds none.")
+    if cfg.noise.initial is not None:
+        raise ValueError(
+            f"privacy.noise_multiplier={sigma} and noise.initial={cfg.noise.initial} both fix sigma: set one "
+            "(noise.initial stops the run where privacy.epsilon is spent; privacy.noise_multiplier does not)."
+        )
+    if variant_of(cfg) is not None:
+        raise ValueError(
+            "privacy.noise_multiplier: individualized privacy (privacy.individual) solves sigma for the "
+            "group budgets; set privacy.noise_multiplier=null."
+        )
+    if sigma == 0:
+        warnings.warn(
+            "privacy.noise_multiplier=0: no noise, no privacy (epsilon = inf); use only for testing.",
+            stacklevel=1,
+        )
+    return float(sigma)
+
+
+def target_epsilon(cfg: DictConfig) -> float | None:
+    """``privacy.epsilon`` of a private run, refused unless a finite number > 0; None if not private or if
+    sigma is set directly (:func:`direct_noise_multiplier`: epsilon is then only reported)."""
+    if not is_private(cfg.clip) or cfg.privacy.get("noise_multiplier") is not None:
         return None
     epsilon = cfg.privacy.epsilon
     if not (epsilon > 0 and math.isfinite(epsilon)):
@@ -160,6 +198,7 @@ def plan_run(
         )
     delta = resolve_delta(cfg.privacy.delta, cfg.privacy.delta_rule, sample_size)
     epsilon = target_epsilon(cfg)
+    direct = direct_noise_multiplier(cfg)
     noise = cfg.noise
     sigmas: list[float] = []
     stopped = False
@@ -191,6 +230,9 @@ def plan_run(
             "scales": list(chosen.scales),
             "noise_multipliers": [scale / s for s in chosen.scales],
         }
+    elif direct is not None:
+        shape = schedule_shape(noise.name, steps, sample_rate, noise.rate, noise.period, noise.end_fraction)
+        sigmas = [direct * f for f in shape]
     elif epsilon is not None:
         name, approximate = calibration_accountant(cfg)
         shape = schedule_shape(noise.name, steps, sample_rate, noise.rate, noise.period, noise.end_fraction)

@@ -54,13 +54,17 @@ class RunRecord:
     holds the directory's lock until :meth:`close`, so no two processes run one run. ``status`` is ``running``
     until :meth:`complete` or :meth:`fail`; task metrics of the latest evaluation are stored at the top level
     (e.g. ``accuracy``) and every evaluation is appended to ``history``.
+
+    ``writer=False``: the record of a run that another process writes (the ranks > 0 of a data-parallel job:
+    :mod:`dpexp.training.distributed`); it keeps the fields in memory, never writes and holds no lock.
     """
 
-    def __init__(self, path: Path, data: dict[str, Any]) -> None:
+    def __init__(self, path: Path, data: dict[str, Any], *, writer: bool = True) -> None:
         self.path = path
         self.data = data
+        self.writer = writer
         self._sinks: list[Any] = []
-        self._lock: int | None = _lock(path.parent)
+        self._lock: int | None = _lock(path.parent) if writer else None
 
     def close(self) -> None:
         """Release the directory's lock (the record can still be read)."""
@@ -69,11 +73,15 @@ class RunRecord:
             self._lock = None
 
     @classmethod
-    def create(cls, output_dir: str | os.PathLike, fields: Mapping[str, Any]) -> RunRecord:
+    def create(
+        cls, output_dir: str | os.PathLike, fields: Mapping[str, Any], *, writer: bool = True
+    ) -> RunRecord:
         """A new record in ``output_dir``; RunDirectoryError if a run already keeps its record there."""
         path = Path(output_dir) / METRICS_FILE
+        record = cls(path, {"status": RUNNING, "error": None, **fields, "history": []}, writer=writer)
+        if not writer:
+            return record
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = cls(path, {"status": RUNNING, "error": None, **fields, "history": []})
         try:
             with path.open("x") as handle:
                 handle.write(record._text(strict=True))
@@ -87,12 +95,12 @@ class RunRecord:
         return record
 
     @classmethod
-    def reopen(cls, output_dir: str | os.PathLike) -> RunRecord:
+    def reopen(cls, output_dir: str | os.PathLike, *, writer: bool = True) -> RunRecord:
         """The record of the run in ``output_dir``, to resume it (refused for a completed or diverged run)."""
         path = Path(output_dir) / METRICS_FILE
         if not path.is_file():
             raise RunDirectoryError(f"resume={output_dir}: no {METRICS_FILE} there, so no run to continue.")
-        record = cls(path, {})
+        record = cls(path, {}, writer=writer)
         record.data = json.loads(path.read_text())
         status = record.data.get("status")
         if status in (COMPLETED, DIVERGED):
@@ -157,8 +165,10 @@ class RunRecord:
 
     def write(self, strict: bool = True) -> None:
         """Rewrite the file atomically. ``strict``: a value JSON cannot hold raises TypeError; otherwise (the
-        record of a failed run) it is stored as its ``repr``, so that the failure is still recorded."""
-        write_json_atomic(self.path, self._text(strict))
+        record of a failed run) it is stored as its ``repr``, so that the failure is still recorded. A record
+        with ``writer=False`` writes nothing."""
+        if self.writer:
+            write_json_atomic(self.path, self._text(strict))
 
     def _text(self, strict: bool) -> str:
         bulky = ("history", "config")  # written last, after the scalar fields

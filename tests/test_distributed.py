@@ -1,0 +1,404 @@
+"""Data-parallel private training (distributed=ddp) on two CPU processes with gloo: one logical step
+equals the single-process update at noise 0 (engine, every clipping mode; and the trainer), the noise is
+drawn once per step across ranks (its variance), the epsilon is the single-process one, and a rank that
+fails or stalls ends its peers with a clear error instead of a hang."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+
+from dpexp.backends import build_backend
+from dpexp.config import ConfigError, _hydra_subdir, _run_dir
+from dpexp.models.cnn import SmallCNN
+from dpexp.privacy import PrivacyEngine
+from dpexp.training.distributed import DataParallel, DistributedConfig, DistributedError, start_data_parallel
+from dpexp.training.hooks import RunHooks
+from dpexp.training.loop import run_training
+from tests.conftest import CONF_DIR, REPO_ROOT, TINY_RUN
+
+WORLD = 2
+JOIN_S = 180  # guards the test against a hang; no timing is asserted
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(worker: Callable[..., None], *args: Any) -> list[int]:
+    """Run ``worker(rank, port, *args)`` in WORLD fresh processes; their exit codes (each joined under a
+    guard against a hang, then killed if still alive)."""
+    context = mp.get_context("spawn")
+    port = _free_port()
+    processes = [context.Process(target=worker, args=(rank, port, *args)) for rank in range(WORLD)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + JOIN_S
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 1))
+    hung = [p for p in processes if p.is_alive()]
+    for process in hung:
+        process.kill()
+        process.join()
+    assert not hung, "a rank hung"
+    return [p.exitcode for p in processes]
+
+
+def _env(rank: int, port: int) -> None:
+    """torchrun's environment for ``rank`` (so that the trainer's checks and ``env://`` work)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+
+
+def _join_group(rank: int, port: int, timeout_s: float = 60.0) -> DataParallel:
+    _env(rank, port)
+    return DataParallel(DistributedConfig("ddp", "gloo", timeout_s, WORLD), torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------- engine
+ENGINE_CASES = {
+    "bk_flat": {"clipping": "flat", "strategy": "bk"},
+    "ghost_flat": {"clipping": "flat", "strategy": "ghost"},
+    "bk_per_layer": {"clipping": "per_layer", "strategy": "bk"},
+    "groups": {"clipping": "groups", "groups": 2, "strategy": "bk", "noise_allocation": "equal_budget"},
+    "adaptive_per_layer": {
+        "clipping": "per_layer",
+        "strategy": "bk",
+        "adaptive": {
+            "target_quantile": 0.5,
+            "quantile_lr": 0.3,
+            "budget_fraction": 0.1,
+            "rescale_to_global": False,
+        },
+    },
+    "instantiate_flat": {"clipping": "flat", "strategy": "instantiate"},
+}
+STEPS = 2
+N_EXAMPLES = 13  # odd: the ranks' shares differ in size
+
+
+def _model_and_data() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = SmallCNN((1, 6, 6), 3, channels=[4, 4], num_groups=2, activation="tanh").double()
+    x = torch.randn(STEPS, N_EXAMPLES, 1, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (STEPS, N_EXAMPLES))
+    return model, x, y
+
+
+def _train(model, x, y, kwargs, indices, aggregation=None, sigma=0.0):
+    """STEPS engine steps (SGD, lr 0.5) on the examples ``indices`` of every step; the engine."""
+    engine = PrivacyEngine(
+        model,
+        batch_size=10,
+        sample_size=100,
+        max_grad_norm=0.3,  # small: most examples are clipped
+        noise_multiplier=sigma,
+        aggregation=aggregation,
+        **kwargs,
+    )
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.5))
+    for step in range(STEPS):
+        for micro in (indices[:4], indices[4:]):  # two micro-batches (the second possibly empty)
+            if micro:
+                engine.backward(F.cross_entropy(model(x[step][micro]), y[step][micro], reduction="none"))
+        optimizer.step()
+        optimizer.zero_grad()
+    return engine
+
+
+def _engine_worker(rank: int, port: int, cases: list[str]) -> None:
+    parallel = _join_group(rank, port)
+    model, x, y = _model_and_data()
+    everyone = list(range(N_EXAMPLES))
+    for case in cases:
+        kwargs = ENGINE_CASES[case]
+        single = copy.deepcopy(model)
+        reference = _train(single, x, y, kwargs, everyone)  # one process, the whole batch
+        ranked = copy.deepcopy(model)
+        engine = _train(ranked, x, y, kwargs, parallel.share(everyone), aggregation=parallel)
+        moved = sum(
+            float((a - b).abs().sum()) for a, b in zip(single.parameters(), model.parameters(), strict=True)
+        )
+        assert moved > 0, case
+        for (name, got), want in zip(ranked.named_parameters(), single.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"{case}: {name}")
+        torch.testing.assert_close(engine.thresholds, reference.thresholds, rtol=1e-12, atol=0)
+        if "adaptive" in kwargs:
+            assert not torch.equal(engine.thresholds, engine._initial_thresholds(None)), case
+    parallel.close()
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_ddp_steps_at_noise_zero_equal_the_single_process_steps():
+    """Two ranks, each clipping its share (7 and 6 examples) of every logical batch, give the parameters
+    (and adaptive thresholds) of one process clipping the whole batch: flat, per-layer, group-wise and
+    adaptive clipping, bk, ghost and instantiated norms, two steps."""
+    assert _spawn(_engine_worker, sorted(ENGINE_CASES)) == [0] * WORLD
+
+
+class Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(100, 60)  # d = 6060
+        self.b = torch.nn.Linear(60, 40)  # d = 2440
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _noise_worker(rank: int, port: int, sigma: float, out: str) -> None:
+    parallel = _join_group(rank, port)
+    torch.manual_seed(0)  # the same model on both ranks; the noise comes from torch's global generator
+    model = Wide()
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    engine = PrivacyEngine(
+        model,
+        batch_size=4,
+        sample_size=100,
+        max_grad_norm=2.0,
+        noise_multiplier=sigma,
+        clipping="per_layer",
+        aggregation=parallel,
+    )
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    optimizer.step()  # an empty logical batch on both ranks: the update is the noise / B
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    noise = (before - after) * engine.batch_size
+    gathered = [torch.empty_like(noise) for _ in range(WORLD)]
+    dist.all_gather(gathered, noise)
+    assert torch.equal(gathered[0], gathered[1]), "the ranks applied different noise"
+    if rank == 0:
+        torch.save(noise, out)
+    parallel.close()
+
+
+def test_ddp_noise_is_drawn_once_per_step(tmp_path):
+    """The noise of a step on two ranks has the single-process variance sigma^2 C^2 (8500 coordinates: the
+    sample variance is within 3% of it with overwhelming probability), not twice it (one draw per rank), and
+    every rank applies the same noise."""
+    sigma, clip = 1.5, 2.0
+    out = tmp_path / "noise.pt"
+    assert _spawn(_noise_worker, sigma, str(out)) == [0] * WORLD
+    noise = torch.load(out)
+    variance = float(noise.var())
+    assert variance == pytest.approx((sigma * clip) ** 2, rel=0.1)
+    assert abs(float(noise.mean())) < 0.1
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def _failing_worker(rank: int, port: int, mode: str, out: str) -> None:
+    parallel = _join_group(rank, port, timeout_s=5.0)
+    model = torch.nn.Linear(3, 2)
+    engine = PrivacyEngine(
+        model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0, aggregation=parallel
+    )
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    if rank == 1:
+        if mode == "crash":
+            os._exit(3)  # dies without a word, its connections closed by the kernel
+        time.sleep(30)  # stalls beyond the timeout; killed by the test once rank 0 has given up
+        os._exit(4)
+    try:
+        optimizer.step()
+    except DistributedError as error:
+        Path(out).write_text(str(error))
+        os._exit(0)
+    os._exit(5)  # the step completed without the other rank: wrong
+
+
+@pytest.mark.parametrize("mode", ["crash", "stall"])
+def test_a_failing_rank_ends_the_job_with_a_clear_error(tmp_path, mode):
+    """Rank 1 crashes (or stalls) before the step's all-reduce: rank 0 does not hang but fails with a
+    DistributedError naming the timeout key (distributed.timeout_s=5 here)."""
+    out = tmp_path / "error.txt"
+    context = mp.get_context("spawn")
+    port = _free_port()
+    processes = [
+        context.Process(target=_failing_worker, args=(r, port, mode, str(out))) for r in range(WORLD)
+    ]
+    for process in processes:
+        process.start()
+    processes[0].join(JOIN_S)
+    assert not processes[0].is_alive(), "rank 0 hung"
+    processes[1].kill()
+    processes[1].join()
+    assert processes[0].exitcode == 0
+    message = out.read_text()
+    assert "rank 0 of 2: summing the step's clipped sums failed" in message
+    assert "distributed.timeout_s=5" in message and "\n" not in message
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class _SaveModel(RunHooks):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def finished(self, model, task):
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, self.path)
+        return {}
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+TRAINER_RUNS = {
+    "zero": [*TINY_RUN, "clip=bk", "privacy.noise_multiplier=0", "batch_size=64"],
+    "calibrated": [*TINY_RUN, "clip=adaptive_perlayer", "batch_size=64"],
+}
+
+
+def _trainer_worker(rank: int, port: int, root: str, second_port: int) -> None:
+    for name, overrides, run_port in zip(
+        TRAINER_RUNS, TRAINER_RUNS.values(), (port, second_port), strict=True
+    ):
+        _env(rank, run_port)  # each run starts and ends its own process group
+        cfg = _compose([*overrides, "distributed=ddp"])
+        run_training(cfg, Path(root) / name / "ddp", hooks=_SaveModel(f"{root}/{name}_rank{rank}.pt"))
+
+
+@pytest.mark.slow  # four short training runs, two of them on two processes: about a minute
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ddp_trainer_equals_one_process(tmp_path):
+    """``run_training`` with distributed=ddp on two ranks: at privacy.noise_multiplier=0 its model equals
+    the single-process run's (float32, up to reduction order) and is the same on both ranks; only rank 0
+    writes metrics.json, whose plan and epsilon (all three accountants) equal the single-process run's, for
+    a calibrated sigma with adaptive per-layer thresholds."""
+    assert _spawn(_trainer_worker, str(tmp_path), _free_port()) == [0] * WORLD
+    for name, overrides in TRAINER_RUNS.items():
+        single = run_training(
+            _compose(overrides), tmp_path / name / "one", hooks=_SaveModel(f"{tmp_path}/{name}_single.pt")
+        )
+        ddp = json.loads((tmp_path / name / "ddp" / "metrics.json").read_text())
+        assert ddp["status"] == "completed" and ddp["config"]["distributed"]["name"] == "ddp"
+        for key in ("sample_size", "batch_size", "steps", "noise_multipliers", "examples_seen", "delta"):
+            assert ddp[key] == single[key], key
+        if name == "calibrated":
+            assert ddp["epsilon"] == single["epsilon"] and math.isfinite(ddp["epsilon"]["rdp"])
+        else:
+            assert ddp["epsilon"]["rdp"] == "Infinity" and single["epsilon"]["rdp"] == math.inf
+            ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt") for r in range(WORLD)]
+            want = torch.load(tmp_path / f"{name}_single.pt")
+            for key, value in want.items():
+                assert torch.equal(ranks[0][key], ranks[1][key]), key
+                torch.testing.assert_close(ranks[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
+            assert ddp["loss"] == pytest.approx(single["loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- config
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture
+def outside_torchrun(monkeypatch):
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (["distributed=ddp"], {}, r"distributed=ddp runs one process per rank under torchrun: torchrun"),
+        ([], {"WORLD_SIZE": "2", "MASTER_ADDR": "x"}, r"torchrun started 2 processes but distributed=none"),
+        (["distributed=ddp", "distributed.backend=mpi"], {}, r"distributed.backend=mpi: valid choices"),
+        (["distributed=ddp", "distributed.timeout_s=0"], {}, r"distributed.timeout_s must be a positive"),
+        (
+            ["distributed=ddp", "distributed.world_size=4"],
+            {"WORLD_SIZE": "2", "MASTER_ADDR": "x"},
+            r"distributed.world_size=4 but torchrun started 2 processes",
+        ),
+        (
+            ["distributed=ddp", "distributed.backend=nccl"],
+            {"WORLD_SIZE": "2", "MASTER_ADDR": "x", "RANK": "0"},
+            r"distributed.backend=nccl needs CUDA devices",
+        ),
+    ],
+)
+def test_distributed_config_is_refused_before_training(outside_torchrun, overrides, env, message):
+    for name, value in env.items():
+        outside_torchrun.setenv(name, value)
+    cfg = _compose(overrides)
+    with pytest.raises(ValueError, match=message) as info:
+        start_data_parallel(cfg.distributed, torch.device("cpu"))
+    assert "\n" not in str(info.value) and not dist.is_initialized()
+
+
+def test_one_process_needs_no_process_group(outside_torchrun):
+    assert start_data_parallel(_compose([]).distributed, torch.device("cpu")) is None
+    assert start_data_parallel(None, torch.device("cpu")) is None  # a run recorded before the group existed
+
+
+def test_only_engine_clips_run_data_parallel():
+    model = torch.nn.Linear(3, 2)
+    for clip in ("opacus", "nonprivate"):
+        with pytest.raises(ValueError, match=r"runs in one process: data-parallel training .* needs a dpexp"):
+            build_backend(
+                _compose([f"clip={clip}"]).clip,
+                model=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                batch_size=2,
+                sample_size=10,
+                noise_multiplier=1.0,
+                aggregation=object(),
+            )
+
+
+def test_every_rank_shares_one_run_directory(outside_torchrun):
+    """Under torchrun every rank composes its own config: the run directory is torchrun's run id, the same on
+    every rank, and only rank 0 writes Hydra's .hydra files."""
+    fresh = "outputs/runs/digits/bk/2026-01-01_00-00-00_abcdef"
+    assert _run_dir(None, fresh) == fresh and _run_dir("old/run", fresh) == "old/run"
+    outside_torchrun.setenv("TORCHELASTIC_RUN_ID", "b02ce877")
+    assert _run_dir(None, fresh) == "outputs/runs/digits/bk/ddp_b02ce877"
+    assert _hydra_subdir(None) == ".hydra"
+    outside_torchrun.setenv("RANK", "1")
+    assert _hydra_subdir(None) is None
+    outside_torchrun.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(ConfigError, match="--standalone or --rdzv-id"):
+        _run_dir(None, fresh)
+
+
+@pytest.mark.slow  # torchrun starts two interpreters that train: about a minute on a busy machine
+def test_torchrun_cli_writes_one_record(tmp_path):
+    """``torchrun ... -m dpexp.train distributed=ddp``: one run directory, one completed record from rank 0,
+    epsilon as planned for one process, the summary printed once."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dpexp.train", "distributed=ddp"]
+    command += [*TINY_RUN, "clip=bk", f"output.root={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=JOIN_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = list(tmp_path.glob("runs/digits/bk/ddp_*/metrics.json"))
+    assert len(records) == 1
+    record = json.loads(records[0].read_text())
+    assert record["status"] == "completed" and record["steps_done"] == 3
+    assert done.stdout.count("metrics: ") == 1
+    single = run_training(_compose([*TINY_RUN, "clip=bk"]), tmp_path / "one")
+    assert record["epsilon"] == single["epsilon"] and record["noise_multiplier"] == single["noise_multiplier"]
