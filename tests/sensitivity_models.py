@@ -265,6 +265,40 @@ def t5(layers: int = 1) -> nn.Module:
     return T5ForConditionalGeneration(config).double().eval()
 
 
+def deberta_v2(
+    share_att_key: bool, norm_rel_ebd: str = "layer_norm", pos_att_type=("p2c", "c2p")
+) -> nn.Module:
+    """Tiny random DeBERTa-v2 classifier (2 layers, relative attention). The relative embeddings
+    ``encoder.rel_embeddings.weight`` are read directly, normalised by ``encoder.LayerNorm`` (norm_rel_ebd)
+    and projected in every layer by its ``query_proj``/``key_proj`` (``share_att_key``, as real checkpoints)
+    or ``pos_query_proj``/``pos_key_proj``: shared by all examples until they meet the batch
+    (dpexp.privacy.shared). ``initializer_range`` 0.3 instead of 0.02, so that the shared path carries a
+    sizeable part of every example's gradient."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    config = DebertaV2Config(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=16,
+        relative_attention=True,
+        position_buckets=8,
+        max_relative_positions=16,
+        pos_att_type=list(pos_att_type),
+        share_att_key=share_att_key,
+        norm_rel_ebd=norm_rel_ebd,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        type_vocab_size=0,
+        num_labels=2,
+        pad_token_id=1,
+        initializer_range=0.3,
+    )
+    return DebertaV2ForSequenceClassification(config).double().eval()
+
+
 def distilbert() -> nn.Module:
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
