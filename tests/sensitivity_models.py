@@ -407,6 +407,8 @@ NEW_CASES = [
     "layer_scale_dinov2",
     "layer_scale_timm_flattened",
     *LAYER_CASES,
+    "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
+    "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -441,6 +443,13 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "labels": target,
         }
         return t5(), seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
+    if name.startswith("deberta_v2"):
+        batch = engine_models._padded_text(size, 6, 32, gen)
+        batch["labels"] = _labels(gen, size, 2)
+        shared_key = name == "deberta_v2_shared_key"
+        model = deberta_v2(shared_key, "layer_norm" if shared_key else "none")
+        info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
+        return model, engine_models.seq_classification_loss, batch, info
     float_info = {"float_inputs": ("x",), "class_label": ("y", 3)}
     if name.startswith("flat_time_major"):
         batch = {"x": _floats(gen, size, length, 4), "y": _labels(gen, size, 3)}
