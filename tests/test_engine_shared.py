@@ -115,6 +115,9 @@ class _SharedBias(nn.Module):
         elif self.combine == "add_and_cat":
             h = h + table
             h = torch.cat([h, table.expand(h.shape[0], -1, -1)], 1)
+        elif self.combine == "two_sizes":  # also meets a (1, T, d) batch mean: expanded to 1 there
+            h = h + table
+            h = h + table * h.mean(0, keepdim=True)
         elif self.combine == "time_major":
             h = (h.transpose(0, 1) + table.sum(0)).transpose(0, 1)  # broadcast over (T, B, d): dim 0 is time
         return self.head(h).sum(1)
@@ -156,6 +159,11 @@ def test_shared_tensor_with_a_use_that_is_not_split_is_refused():
     """Added (split) and concatenated with the batch (not split): the parts miss the concatenated use."""
     with pytest.raises(VerificationError, match=r"layer 'bias' .* does not split .*cat"):
         _bias_step("add_and_cat", 5)
+
+
+def test_shared_tensor_meeting_the_batch_with_two_sizes_is_refused():
+    with pytest.raises(VerificationError, match=r"layer 'bias' .* leading sizes (4 and 1|1 and 4)"):
+        _bias_step("two_sizes", 5)
 
 
 @pytest.mark.parametrize("length", [4, 6])  # 4 = the batch size: only the probe can tell

@@ -209,6 +209,14 @@ class SharedOutput:
         output.register_hook(self._total)  # not on root: the products through f stop at root
 
     def add(self, part: torch.Tensor) -> None:
+        """One meeting's ``dS_i`` (b, *S.shape); every meeting of a backward must have the same b."""
+        if self._parts is not None and self._parts.shape != part.shape:
+            sizes = f"{self._parts.shape[0]} and {part.shape[0]}"
+            raise _refusal(
+                f"the output of layer {self.name!r} is shared by all examples and met the batch with leading "
+                f"sizes {sizes} in one backward (in {sorted(set(self.meetings))}): they cannot both be the "
+                "examples. Freeze the layer's parameters."
+            )
         self._parts = part if self._parts is None else self._parts + part
 
     def _total(self, grad: torch.Tensor) -> None:
