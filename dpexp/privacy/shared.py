@@ -29,7 +29,8 @@ rule gives ``rule(x_N, dN_i)`` for its parameters (a layer used on the batch too
 outside its module's forward (P) is declared with :func:`register_shared_weight`: where the owner passes it
 to one of its submodules, the argument becomes a shared tensor whose gradient is delivered to the
 ``nn.Embedding`` that holds it, through its own rule on the indices ``0..n-1`` (``Embedding(arange(n)) =
-P`` exactly, for a table without ``padding_idx``).
+P`` exactly, for a table without ``padding_idx``); a frozen table's weight is only followed
+(:func:`follow`), so that the trainable layers it reaches still know their input is shared.
 
 How S and its batch-free descendants are followed: the output is returned as a :class:`SharedTensor`
 (a tensor subclass whose ``__torch_function__`` wraps the results of operations on it), for the training
