@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,10 +29,14 @@ from dpexp.backends import build_backend
 from dpexp.config import ConfigError, _hydra_subdir, _run_dir
 from dpexp.models.cnn import SmallCNN
 from dpexp.privacy import PrivacyEngine
+from dpexp.training.checkpoint import load_checkpoint
 from dpexp.training.distributed import DataParallel, DistributedConfig, DistributedError, start_data_parallel
 from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import run_training
+from dpexp.training.resume import load_run_config
+from dpexp.training.signals import RunInterrupted
 from tests.conftest import CONF_DIR, REPO_ROOT, TINY_RUN
+from tests.test_checkpoint import identical
 
 WORLD = 2
 JOIN_S = 180  # guards the test against a hang; no timing is asserted
@@ -97,6 +102,17 @@ ENGINE_CASES = {
         },
     },
     "instantiate_flat": {"clipping": "flat", "strategy": "instantiate"},
+    "adaclip": {  # coordinate-wise (AdaCliP): its transform follows the released (summed) gradients
+        "clipping": "per_layer",
+        "strategy": "instantiate",
+        "coordinate": {
+            "beta1": 0.99,
+            "beta2": 0.9,
+            "variance_floor": 1e-12,
+            "variance_ceiling": 1.0,
+            "initial_variance": 1e-4,
+        },
+    },
 }
 STEPS = 2
 N_EXAMPLES = 13  # odd: the ranks' shares differ in size
@@ -402,3 +418,46 @@ def test_torchrun_cli_writes_one_record(tmp_path):
     assert done.stdout.count("metrics: ") == 1
     single = run_training(_compose([*TINY_RUN, "clip=bk"]), tmp_path / "one")
     assert record["epsilon"] == single["epsilon"] and record["noise_multiplier"] == single["noise_multiplier"]
+
+
+class _SignalAt(RunHooks):
+    """SIGTERM to this rank in the middle of step ``step``: the run stops at that step's end."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def before_step(self, step: int) -> None:
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+RESUMED_RUN = ["steps=6", "eval_every=2", "checkpoint.every=3", "progress=false", "batch_size=32", "clip=bk"]
+
+
+def _resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
+    cfg = _compose([*RESUMED_RUN, "distributed=ddp"])
+    _env(rank, port)
+    run_training(cfg, Path(root) / "whole")
+    _env(rank, ports[0])
+    with pytest.raises(RunInterrupted):
+        run_training(cfg, Path(root) / "parts", hooks=_SignalAt(4))
+    _env(rank, ports[1])
+    run_training(load_run_config(Path(root) / "parts"), Path(root) / "parts", resume=True)
+
+
+@pytest.mark.slow  # three short runs on two processes
+def test_interrupted_ddp_run_resumes_as_an_uninterrupted_one(tmp_path):
+    """Both ranks stop at the end of step 4 (SIGTERM), rank 0 writes the checkpoint, and ``resume`` on two
+    ranks ends where the uninterrupted data-parallel run ends: record, model, optimizer, sampler, engine."""
+    assert _spawn(_resume_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
+    whole, parts = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "parts"))
+    assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
+    timing = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}
+    for key in set(whole) - timing - {"history"}:
+        assert parts[key] == whole[key], key
+    assert [h["step"] for h in parts["history"]] == [2, 4, 6]
+    assert [h["accuracy"] for h in parts["history"]] == [h["accuracy"] for h in whole["history"]]
+    final = [load_checkpoint(tmp_path / d / "checkpoints" / "step_00000006.pt") for d in ("whole", "parts")]
+    for part in ("model", "optimizer", "backend", "sampler"):
+        assert identical(final[0][part], final[1][part]), part
+    assert not list((tmp_path / "parts").glob("checkpoints/*rank*"))

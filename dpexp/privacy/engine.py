@@ -480,14 +480,14 @@ class PrivacyEngine:
         self.aggregation.sum_([sums[name] for group in self.groups for name in group])
         released, noise_std = {}, {}
         for k, group in enumerate(self.groups):
+            std = float(stds[k])
             for name in group:
                 grad = sums[name].div_(self.batch_size)
                 if self.coordinate is not None:  # back from the standardised coordinates
                     grad = coordinate_clipping.unstandardise(grad, self._mean[name], self._scale[name])
-                    released[name] = grad
-                    noise_std[name] = self._scale[name] * (float(stds[k]) / self.batch_size)
+                    released[name], noise_std[name] = grad, self._scale[name] * (std / self.batch_size)
                 self._params[name].grad = grad
-        if self.coordinate is not None:  # the next transform, from released values only
+        if self.coordinate is not None:  # the next transform, from released values only (equal on all ranks)
             self._mean, self._variance = coordinate_clipping.update_moments(
                 self._mean, self._variance, released, noise_std, self.coordinate
             )

@@ -16,7 +16,8 @@ one draw only while every rank's generator stayed in step, which dropout (a diff
 micro-batches per rank) and secure mode (the OS CSPRNG, never seeded) both break; rank 0's draw is one draw
 by construction and costs no extra collective. Adaptive thresholds release their clip counts the same way,
 so every rank moves its thresholds identically. The plan (N, B, q, T, sigma) is the single process' plan, so
-the accounting is identical; only rank 0 evaluates and writes the run record and checkpoints.
+the accounting is identical. Every rank evaluates the (same) model, so that none waits at its next collective
+for the evaluation of another; only rank 0 records it and writes the run record and checkpoints.
 
 A rank that fails ends the job instead of hanging it: its peers' next collective fails when its connection
 closes, or at the latest after ``distributed.timeout_s``, with a :class:`DistributedError` naming that key.

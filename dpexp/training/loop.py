@@ -374,8 +374,7 @@ class _Run:
                 )
         history = self.record.data["history"]
         evaluated = bool(history) and history[-1]["step"] == step
-        due = (cfg.eval_every and step % cfg.eval_every == 0) or last
-        if due and not evaluated and self.record.writer:  # ranks > 0 of a data-parallel job do not evaluate
+        if ((cfg.eval_every and step % cfg.eval_every == 0) or last) and not evaluated:
             with self._outside_training():
                 self._evaluate()
 
