@@ -169,6 +169,9 @@ def render(
     figure = out / "figures" / f"{stem}_epsilon.png"
     if tables.epsilon_figure(spec, scale, cells, figure):
         written.append(figure)
+    curves = out / "figures" / f"{stem}_curves.png"
+    if spec.get("curves") and tables.curve_figure(spec, scale, cells, entries, source["source_hash"], curves):
+        written.append(curves)
     return written
 
 

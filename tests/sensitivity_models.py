@@ -269,6 +269,40 @@ def t5(layers: int = 1) -> nn.Module:
     return T5ForConditionalGeneration(config).double().eval()
 
 
+def deberta_v2(
+    share_att_key: bool, norm_rel_ebd: str = "layer_norm", pos_att_type=("p2c", "c2p")
+) -> nn.Module:
+    """Tiny random DeBERTa-v2 classifier (2 layers, relative attention). The relative embeddings
+    ``encoder.rel_embeddings.weight`` are read directly, normalised by ``encoder.LayerNorm`` (norm_rel_ebd)
+    and projected in every layer by its ``query_proj``/``key_proj`` (``share_att_key``, as real checkpoints)
+    or ``pos_query_proj``/``pos_key_proj``: shared by all examples until they meet the batch
+    (dpexp.privacy.shared). ``initializer_range`` 0.3 instead of 0.02, so that the shared path carries a
+    sizeable part of every example's gradient."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    config = DebertaV2Config(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=16,
+        relative_attention=True,
+        position_buckets=8,
+        max_relative_positions=16,
+        pos_att_type=list(pos_att_type),
+        share_att_key=share_att_key,
+        norm_rel_ebd=norm_rel_ebd,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        type_vocab_size=0,
+        num_labels=2,
+        pad_token_id=1,
+        initializer_range=0.3,
+    )
+    return DebertaV2ForSequenceClassification(config).double().eval()
+
+
 def distilbert() -> nn.Module:
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
@@ -377,6 +411,8 @@ NEW_CASES = [
     "layer_scale_dinov2",
     "layer_scale_timm_flattened",
     *LAYER_CASES,
+    "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
+    "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -411,6 +447,13 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "labels": target,
         }
         return t5(), seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
+    if name.startswith("deberta_v2"):
+        batch = engine_models._padded_text(size, 6, 32, gen)
+        batch["labels"] = _labels(gen, size, 2)
+        shared_key = name == "deberta_v2_shared_key"
+        model = deberta_v2(shared_key, "layer_norm" if shared_key else "none")
+        info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
+        return model, engine_models.seq_classification_loss, batch, info
     float_info = {"float_inputs": ("x",), "class_label": ("y", 3)}
     if name.startswith("flat_time_major"):
         batch = {"x": _floats(gen, size, length, 4), "y": _labels(gen, size, 3)}

@@ -1,4 +1,5 @@
-"""Shared tensors that meet the batch later (dpexp.privacy.shared): T5's relative attention bias against the
+"""Shared tensors that meet the batch later (dpexp.privacy.shared): T5's relative attention bias and
+DeBERTa-v2's relative embeddings (a shared graph through LayerNorm and the attention projections) against the
 brute-force oracle, and the refusals where the mechanism does not apply."""
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine, VerificationError
-from dpexp.privacy.shared import register_shared
+from dpexp.privacy.shared import register_shared, register_shared_weight
 from tests import engine_models
-from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
-from tests.sensitivity_models import seq2seq_loss, t5
+from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, per_example_grads
+from tests.sensitivity_models import deberta_v2, seq2seq_loss, t5
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
@@ -114,6 +115,9 @@ class _SharedBias(nn.Module):
         elif self.combine == "add_and_cat":
             h = h + table
             h = torch.cat([h, table.expand(h.shape[0], -1, -1)], 1)
+        elif self.combine == "two_sizes":  # also meets a (1, T, d) batch mean: expanded to 1 there
+            h = h + table
+            h = h + table * h.mean(0, keepdim=True)
         elif self.combine == "time_major":
             h = (h.transpose(0, 1) + table.sum(0)).transpose(0, 1)  # broadcast over (T, B, d): dim 0 is time
         return self.head(h).sum(1)
@@ -157,6 +161,11 @@ def test_shared_tensor_with_a_use_that_is_not_split_is_refused():
         _bias_step("add_and_cat", 5)
 
 
+def test_shared_tensor_meeting_the_batch_with_two_sizes_is_refused():
+    with pytest.raises(VerificationError, match=r"layer 'bias' .* leading sizes (4 and 1|1 and 4)"):
+        _bias_step("two_sizes", 5)
+
+
 @pytest.mark.parametrize("length", [4, 6])  # 4 = the batch size: only the probe can tell
 def test_shared_tensor_meeting_a_time_major_tensor_is_refused(length):
     """Expanded to dim 0 of a (T, B, d) tensor: its rows are time steps, not examples (the size check at
@@ -165,22 +174,162 @@ def test_shared_tensor_meeting_a_time_major_tensor_is_refused(length):
         _bias_step("time_major", length)
 
 
-def test_deberta_v2_relative_embeddings_are_refused_with_their_cause():
-    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+# ------------------------------------------------------------------------------------------ DeBERTa-v2
+REL = "deberta.encoder.rel_embeddings.weight"
+REL_NORM = "deberta.encoder.LayerNorm.weight"
 
-    config = DebertaV2Config(
-        vocab_size=32,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=12,
-        max_position_embeddings=16,
-        relative_attention=True,
-        position_buckets=4,
-        pos_att_type=["p2c", "c2p"],
+
+def _deberta_case(share_att_key: bool, norm: str, length: int, pos_att_type=("p2c", "c2p")):
+    """A tiny float64 DeBERTa-v2 classifier and a padded batch of 4."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    batch = engine_models._padded_text(4, length, 32, gen)
+    batch["labels"] = torch.tensor([0, 1, 1, 0])
+    return deberta_v2(share_att_key, norm, pos_att_type), batch
+
+
+# micro-batches of two and one examples: the projections are repeated twice, then once
+DEBERTA_MICRO_BATCHES = [[0, 1], [2], [3]]
+
+
+@pytest.mark.parametrize(
+    "share_att_key,norm,strategy,clipping,groups",
+    [
+        (True, "layer_norm", "bk", "per_layer", None),
+        (True, "none", "ghost", "flat", None),
+        (False, "layer_norm", "instantiate", "groups", 2),
+        (False, "none", "bk", "flat", None),
+    ],
+)
+def test_deberta_v2_relative_embeddings_match_oracle(share_att_key, norm, strategy, clipping, groups):
+    """Every parameter on the shared path (the embeddings read directly, their LayerNorm, the projections'
+    shared use) has its per-example gradient, and the step equals the oracle's."""
+    model, batch = _deberta_case(share_att_key, norm, length=6)
+    grads = per_example_grads(model, engine_models.seq_classification_loss, batch)
+    projection = "query_proj" if share_att_key else "pos_query_proj"
+    on_path = [REL, f"deberta.encoder.layer.1.attention.self.{projection}.weight"]
+    on_path += [REL_NORM] if norm == "layer_norm" else []
+    assert all(float(g[name].norm()) > 1e-3 for g in grads for name in on_path)
+    check_clipped_step(
+        model, engine_models.seq_classification_loss, batch, DEBERTA_MICRO_BATCHES, strategy, clipping, groups
     )
-    model = DebertaV2ForSequenceClassification(config)
-    with pytest.raises(ValueError, match=r"'deberta.encoder' \(DebertaV2Encoder, relative_attention=True\)"):
+
+
+def test_deberta_v2_with_an_unused_shared_projection_matches_oracle():
+    """c2p only with share_att_key: every layer still projects the embeddings with query_proj, whose
+    result never reaches the loss (that use gets no gradient and its group is finished without it)."""
+    model, batch = _deberta_case(True, "layer_norm", length=6, pos_att_type=("c2p",))
+    check_clipped_step(
+        model, engine_models.seq_classification_loss, batch, DEBERTA_MICRO_BATCHES, "bk", "per_layer"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share_att_key", [True, False])
+@pytest.mark.parametrize("norm", ["layer_norm", "none"])
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("clipping,groups", [("flat", None), ("per_layer", None), ("groups", 2)])
+@pytest.mark.parametrize("length", [4, 6])  # 4 = the batch size
+def test_deberta_v2_every_strategy_and_clipping_matches_oracle(
+    share_att_key, norm, strategy, clipping, groups, length
+):
+    model, batch = _deberta_case(share_att_key, norm, length)
+    check_clipped_step(
+        model, engine_models.seq_classification_loss, batch, DEBERTA_MICRO_BATCHES, strategy, clipping, groups
+    )
+
+
+def test_deberta_v2_frozen_relative_embeddings_train_the_rest():
+    """rel_embeddings frozen: its LayerNorm and the projections still get their shared uses' gradients."""
+    model, batch = _deberta_case(True, "layer_norm", length=5)
+    model.deberta.encoder.rel_embeddings.requires_grad_(False)
+    check_clipped_step(
+        model, engine_models.seq_classification_loss, batch, [[0, 1, 2, 3]], "ghost", "per_layer"
+    )
+
+
+# ------------------------------------------------------------------------ refusals of shared graphs
+class _SharedRows(nn.Module):
+    """A (T, d) table read directly (``self.table.weight``), passed to ``norm`` and projected by ``proj``,
+    repeated along dim 0 and added to the (B, T, d) features: DeBERTa-v2's shared graph in small. ``mode``
+    breaks it: ``flipped`` gives example i the block of example B-1-i, ``extra_use`` also uses the weight
+    outside the submodules, ``no_rule`` projects it with a layer without a rule."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.table = nn.Embedding(5, 4)
+        self.norm = nn.LayerNorm(4)
+        self.proj = _NoRule() if mode == "no_rule" else nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        rows = (
+            self.proj(self.norm(self.table.weight)).repeat(h.shape[0], 1).view(h.shape)
+        )  # a block per example
+        h = h + (rows.flip(0) if self.mode == "flipped" else rows)
+        if self.mode == "extra_use":
+            h = h + self.table.weight.mean()
+        return self.head(h).sum(1)
+
+
+class _NoRule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+register_shared_weight(_SharedRows, "table")
+
+
+def _rows_step(mode: str):
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = _SharedRows(mode).double()
+    batch = {"x": torch.randn(4, 5, 3, generator=gen, dtype=torch.float64), "y": torch.tensor([0, 1, 1, 0])}
+
+    def loss(m, b):
+        return F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+
+    grads = per_example_grads(model, loss, batch)
+    expected = clipped_mean(grads, [list(grads[0])], [0.05], batch_size=4)
+    delta, _ = engine_update(model, loss, batch, [[0, 1, 2, 3]], batch_size=4, max_grad_norm=0.05)
+    return delta, expected
+
+
+def test_declared_shared_weight_repeated_to_the_batch_matches_oracle():
+    delta, expected = _rows_step("plain")
+    assert float(expected["table.weight"].norm()) > 0
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
+
+
+def test_shared_repeat_whose_blocks_are_not_the_examples_is_refused():
+    """Block i of the repetition goes to example B-1-i: the probe sees row i of the table's per-example
+    output gradient scale with another example's weight."""
+    with pytest.raises(VerificationError, match=r"row \d+ of its output gradient depends on other examples"):
+        _rows_step("flipped")
+
+
+def test_shared_weight_also_used_outside_the_submodules_is_refused():
+    """The weight also enters the features through a plain ``mean()``, a use no hook sees: check 2 (the
+    engine's sums against autograd's) names it."""
+    with pytest.raises(VerificationError, match=r"parameter 'table.weight'"):
+        _rows_step("extra_use")
+
+
+def test_layer_without_rule_on_a_shared_tensor_is_refused():
+    with pytest.raises(ValueError, match=r"layer 'proj' \(_NoRule\) is called on a tensor shared .*'table'"):
+        _rows_step("no_rule")
+
+
+def test_shared_weight_with_padding_idx_is_refused():
+    model = _SharedRows("plain")
+    model.table.padding_idx = 0
+    with pytest.raises(ValueError, match=r"table \(Embedding\) is declared a weight .* without padding_idx"):
         PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
-    model.deberta.requires_grad_(False)  # only the classifier trains: nothing shared reaches it
-    PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)

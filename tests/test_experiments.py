@@ -27,6 +27,22 @@ def test_every_paper_table_of_the_first_round_has_an_offline_and_a_paper_scale()
         assert set(experiments.load_experiment(name).scales) == {"offline", "paper"}
 
 
+SURVEY_DATA = {
+    "monir2024_table8": "mnist",
+    "monir2024_figure11": "mnist",
+    "monir2024_figure12": "cifar10",
+    "monir2024_table10": "cifar10",
+}  # fmt: skip  (Monir et al. 2024, sec. 6: each table's data set)
+
+
+def test_the_survey_experiments_run_offline_on_digits_and_at_paper_scale_on_the_surveys_data() -> None:
+    for name, task in SURVEY_DATA.items():
+        spec = experiments.load_experiment(name)
+        assert set(spec.scales) == {"offline", "paper"}
+        assert "task=digits" in spec.scales.offline.overrides and "digits" in spec.scales.offline.note
+        assert f"task={task}" in spec.scales.paper.overrides
+
+
 def covering(points: list[experiments.Point]) -> list[experiments.Point]:
     """A few points that between them set every value every sweep sets (each group option, each number)."""
     chosen, seen = [], set()

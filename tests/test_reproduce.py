@@ -18,6 +18,7 @@ title: "Tiny: flat vs non-private on digits"
 paper: "A test"
 metric: accuracy
 percent: true
+curves: true
 published: {file: cifar10, path: "setups.he2023.table11.{row}.{column}"}
 rows:
   - {label: "Flat clipping, fixed", key: flat_fixed, match: {clip: bk}}
@@ -57,6 +58,7 @@ def test_reproduce_runs_the_grid_once_then_skips_it(tiny_experiment: Path, capsy
     assert "| Flat clipping, fixed |" in table and "63.1 ± 0.2" in table and "(n=1)" in table
     assert "Scale: offline." in table
     assert (out / "tables" / "tiny_offline.tex").read_text().startswith("\\begin{table}")
+    assert (out / "figures" / "tiny_offline_curves.png").read_bytes()[:4] == b"\x89PNG"  # from the records
 
     assert reproduce.main(arguments) == 0
     assert "2 runs: 2 complete (skipped), 0 to resume, 0 to launch" in capsys.readouterr().out

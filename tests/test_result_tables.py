@@ -82,3 +82,36 @@ def test_a_cell_without_runs_says_so_and_no_figure_is_drawn(tmp_path: Path) -> N
     cells = tables.build_cells(SPEC, POINTS, KEYS, [], "new")
     assert tables.cell_texts(cells[0][0]) == ("not run", "63.1 ± 0.2", "-")
     assert not tables.epsilon_figure(SPEC, "offline", cells, tmp_path / "f.png")
+
+
+def test_curves_draw_each_seeds_current_completed_run_of_the_best_setting(tmp_path: Path) -> None:
+    entries = [
+        _entry("dp", 0, 0.60),
+        _entry("dp", 1, 0.64),
+        _entry("dp", 1, None, status="failed"),
+        _entry("dp", 2, 0.9, code="old"),
+        _entry("np_small", 0, 0.70),
+        _entry("np_large", 0, 0.80),
+    ]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    read = []
+
+    def history(run_dir: str) -> list[dict]:
+        read.append(run_dir)
+        if "np_" in run_dir:
+            return [{"step": 3, "epsilon": None, "accuracy": 0.8}]
+        return [{"step": 1, "epsilon": 1.0, "accuracy": 0.3}, {"step": 3, "epsilon": 3.0, "accuracy": 0.6}]
+
+    assert tables.curve_figure(SPEC, "offline", cells, entries, "new", tmp_path / "c.png", history)
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    # the private row: seeds 0 and 1, completed and current; the non-private row: the tuned lr only
+    assert read == ["runs/dp-0-new-completed", "runs/dp-1-new-completed", "runs/np_large-0-new-completed"]
+
+
+def test_no_curves_without_evaluations(tmp_path: Path) -> None:
+    entries = [_entry("dp", 0, 0.60)]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    assert not tables.curve_figure(SPEC, "offline", cells, entries, "new", tmp_path / "c.png", lambda _: [])
+    empty = tables.build_cells(SPEC, POINTS, KEYS, [], "new")
+    assert not tables.curve_figure(SPEC, "offline", empty, [], "new", tmp_path / "c.png")
+    assert not (tmp_path / "c.png").exists()

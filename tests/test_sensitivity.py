@@ -11,8 +11,8 @@ settings (so each setting appears at least twice), with every neighbour kind the
 cross product is marked slow. Cases that were silent privacy violations before the engine verified its
 assumptions (time-major layers at T = B, shared tensors in the fallback, hand-tied and F.linear-only
 weights, running statistics) now pass by a refusal naming the module or parameter; T5's relative attention
-bias, refused too at first, now passes privately (its per-example gradient is taken where it meets the
-batch, dpexp.privacy.shared).
+bias and DeBERTa-v2's relative embeddings, refused too at first, now pass privately (their per-example
+gradients are taken where they meet the batch, dpexp.privacy.shared).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.rules import CallLayout, LayerRule, rule_for, supported_types
 from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
-from dpexp.privacy.shared import check_uncovered, share, shared_modules
+from dpexp.privacy.shared import SharedTensor, follow, plain, share, shared_modules, shared_weights
 
 
 @dataclass
@@ -54,7 +54,6 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     layers: list[Layer] = []
     claimed: set[int] = set()  # submodules whose parameters a parent's rule covers (LayerRule.claims)
     for mod_name, module in model.named_modules():
-        check_uncovered(mod_name, module)
         if isinstance(module, _BatchNorm):
             raise ValueError(
                 f"module {mod_name!r} ({type(module).__name__}) mixes examples in a batch, which breaks "
@@ -230,6 +229,10 @@ class Capture:
             model.register_forward_pre_hook(self._model_called, with_kwargs=True),
             model.register_forward_hook(self._model_returned),
         ]
+        by_module = {id(layer.module): layer for layer in layers}
+        for owner, table in shared_weights(model):  # the weight becomes shared where the owner passes it
+            hook = partial(self._shared_weight_passed, by_module.get(id(table)), table.weight)
+            self._handles += [m.register_forward_pre_hook(hook, with_kwargs=True) for m in owner.modules()]
         for layer in layers:
             tap = layer.rule.tap if layer.rule is not None else None
             if tap is None:
@@ -260,6 +263,8 @@ class Capture:
     ) -> Any:
         if not self._recording():
             return None
+        if args and isinstance(args[0], SharedTensor):
+            return self._called_on_shared(layer, args, kwargs, output)
         if layer.rule is not None and layer.rule.call is not None:
             return self._called_with_layout(layer, layer.rule.call, args, kwargs, output)
         if not torch.is_tensor(output):
@@ -275,6 +280,52 @@ class Capture:
         if layer.rule is None:
             use.output = output
         return self._record(use, output)
+
+    def _called_on_shared(
+        self, layer: Layer, args: tuple, kwargs: dict[str, Any], output: Any
+    ) -> torch.Tensor:
+        """A layer called on a tensor shared by all examples (DeBERTa-v2's ``query_proj`` on the relative
+        embeddings): its output is shared in turn, a node of the same shared graph (dpexp.privacy.shared)."""
+        others = [t for t in (*args[1:], *kwargs.values()) if torch.is_tensor(t)]
+        if layer.rule is None or layer.rule.call is not None or others or not torch.is_tensor(output):
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer.module).__name__}) is called on a tensor shared by all "
+                f"examples (from {[node.name for node in args[0].lineage]}); the privacy engine splits the "
+                "gradient of a shared input only for a layer with a rule, one tensor argument and one tensor "
+                "output. Freeze its parameters or those of the shared layers."
+            )
+        x = plain(args[0]).detach()
+        use = Use(layer, (x,), {}, _versions((x,), {}))
+        self.forward.uses.append(use)
+        deliver = partial(self._deliver_shared, use)
+        return share(layer.name, self._anchored(plain(output)), x, deliver, parents=args[0].lineage)
+
+    def _shared_weight_passed(
+        self,
+        layer: Layer | None,
+        weight: nn.Parameter,
+        module: nn.Module,
+        args: tuple,
+        kwargs: dict[str, Any],
+    ) -> tuple | None:
+        """Forward pre-hook on every submodule of the owner of a weight declared with
+        ``register_shared_weight``: where the weight itself is passed, it becomes a shared tensor whose
+        per-example gradient is delivered to its Embedding ``layer`` (input ``arange(n)``: the identity), or
+        one that is only followed if the Embedding is frozen (None)."""
+        if not self._recording() or not any(a is weight for a in (*args, *kwargs.values())):
+            return None
+        source = weight.view_as(weight)  # no leaf: a node's hook must not stay on the parameter
+        if layer is None:
+            shared = follow(source)
+        else:
+            indices = torch.arange(weight.shape[0], device=weight.device)
+            use = Use(layer, (indices,), {}, _versions((indices,), {}))
+            self.forward.uses.append(use)
+            shared = share(layer.name, self._anchored(source), indices, partial(self._deliver_shared, use))
+        return (
+            tuple(shared if a is weight else a for a in args),
+            {k: shared if v is weight else v for k, v in kwargs.items()},
+        )
 
     def _deliver_shared(self, use: Use, x: torch.Tensor, dy: torch.Tensor) -> None:
         """A shared layer's per-example output gradients (B, ...), with its input expanded to the batch."""

@@ -1,4 +1,4 @@
-"""Layers whose output is shared by all examples and meets the batch later.
+"""Tensors shared by all examples that meet the batch later.
 
 T5's ``relative_attention_bias`` is an ``nn.Embedding`` called on a (q, k) tensor of relative-position
 buckets: its output S, shape (q, k, heads), has no example dimension. It becomes the bias (1, heads, q, k)
@@ -15,27 +15,46 @@ vector-Jacobian product through f (``torch.autograd.grad(..., is_grads_batched=T
 place where S meets the batch (every attention layer), is example i's gradient of S. The layer's rule then
 runs unchanged on its input expanded to the batch: ``dW_i = rule(x, dS_i)``.
 
-How S and its batch-free descendants are followed: the layer's output is returned as a :class:`SharedTensor`
+Shared *subgraphs*. DeBERTa-v2 (He et al. 2021, DeBERTa, section 3.1: the c2p and p2c terms of disentangled
+attention) reads its relative position embeddings P = ``rel_embeddings.weight`` (2k, d) directly, normalises
+them (``LayerNorm``, optional) and projects them in every layer, with that layer's ``query_proj`` and
+``key_proj`` (``share_att_key``, the same Linear layers that project the batch) or with ``pos_query_proj`` /
+``pos_key_proj``; the projections (h, 2k, d_head) are repeated ``B`` times along dim 0 and meet the
+(B*h, T, d_head) queries and keys in a ``bmm``. Every layer on that path is a node of one batch-free graph:
+a layer called on a shared tensor (its input is a :class:`SharedTensor`) makes its output shared in turn.
+At every meeting the batched product ``J^T dX_i`` is taken to the output of *every* node the meeting
+descends from at once, so each node N receives ``dN_i`` summed over all paths and meetings below it, and its
+rule gives ``rule(x_N, dN_i)`` for its parameters (a layer used on the batch too, such as DeBERTa's
+``query_proj``, then has one more use, added per example as for any parameter used twice). A weight read
+outside its module's forward (P) is declared with :func:`register_shared_weight`: where the owner passes it
+to one of its submodules, the argument becomes a shared tensor whose gradient is delivered to the
+``nn.Embedding`` that holds it, through its own rule on the indices ``0..n-1`` (``Embedding(arange(n)) =
+P`` exactly, for a table without ``padding_idx``); a frozen table's weight is only followed
+(:func:`follow`), so that the trainable layers it reaches still know their input is shared.
+
+How S and its batch-free descendants are followed: the output is returned as a :class:`SharedTensor`
 (a tensor subclass whose ``__torch_function__`` wraps the results of operations on it), for the training
 forwards the engine records only. S meets the batch at a broadcasting operation where X (its shape padded
-with leading 1s) has size 1 in dim 0 and the result does not, or another operand needs a gradient (an
-activation; with a micro-batch of one the expansion is to size 1); other operations on X alone, or with
-constants (a causal mask), keep it a SharedTensor. The batch size is never compared with anything here:
-whether dim 0 of the expanded tensors is the example index is established by the engine's verification:
-the size check of every use, the probe (row i of
-every output gradient scales by its example's weight ``v_i``) and check 2 (``sum_i v_i g_i`` of every
-parameter against autograd). On every backward, the per-example parts must also add up to the gradient
-autograd delivers to S, so a use of S that this module did not see (an operation it does not split) is
-refused, naming the operations.
+with leading 1s) has size 1 in dim 0 and the result does not, or another operand is an activation (needs a
+gradient and is no ``nn.Parameter``; with a micro-batch of one the expansion is to size 1), and at
+``X.repeat(r, 1, ..., 1)`` (a repetition along dim 0 only: DeBERTa-v2's ``query_layer.size(0) // heads``
+copies, expanded to (r, *X.shape) and flattened); other operations on X alone, with parameters (a Linear
+inside a shared layer) or with constants (a causal mask), keep it a SharedTensor. The batch size is never
+compared with anything here: whether dim 0 of the expanded tensors is the example index is established by
+the engine's verification: the size check of every use, the probe (row i of every output gradient scales by
+its example's weight ``v_i``) and check 2 (``sum_i v_i g_i`` of every parameter against autograd). On every
+backward, the per-example parts must also add up to the gradient autograd delivers to every node, so a use
+of a shared tensor that this module did not see (an operation it does not split) is refused, naming the
+operations.
 
 Which layers produce shared outputs is declared by the type of the module that owns them
-(:func:`register_shared`); :func:`check_uncovered` refuses known shared structures this does not cover
-(DeBERTa-v2's relative embeddings).
+(:func:`register_shared`, :func:`register_shared_weight`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,22 +65,35 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from dpexp.privacy.precision import tolerance
 
 _SHARED: dict[str, tuple[str, ...]] = {}  # qualified owner type -> attribute names of its shared layers
+_SHARED_WEIGHTS: dict[str, tuple[str, ...]] = {}  # qualified owner type -> Embeddings whose weight it reads
 
 
 def _qualified_name(module_type: type) -> str:
     return f"{module_type.__module__}.{module_type.__qualname__}"
 
 
+def _key(owner_type: type[nn.Module] | str) -> str:
+    return owner_type if isinstance(owner_type, str) else _qualified_name(owner_type)
+
+
 def register_shared(owner_type: type[nn.Module] | str, *attrs: str) -> None:
     """Declare that the submodules ``attrs`` of every module of ``owner_type`` (a class or its qualified
     name) are called on inputs without an example dimension, their outputs shared by all examples."""
-    key = owner_type if isinstance(owner_type, str) else _qualified_name(owner_type)
-    _SHARED[key] = (*_SHARED.get(key, ()), *attrs)
+    _SHARED[_key(owner_type)] = (*_SHARED.get(_key(owner_type), ()), *attrs)
+
+
+def register_shared_weight(owner_type: type[nn.Module] | str, *attrs: str) -> None:
+    """Declare that every module of ``owner_type`` reads the weight of its ``nn.Embedding`` submodules
+    ``attrs`` directly (outside their forward) and passes it, shared by all examples, to its submodules."""
+    _SHARED_WEIGHTS[_key(owner_type)] = (*_SHARED_WEIGHTS.get(_key(owner_type), ()), *attrs)
 
 
 register_shared("transformers.models.t5.modeling_t5.T5Attention", "relative_attention_bias")
 register_shared("transformers.models.mt5.modeling_mt5.MT5Attention", "relative_attention_bias")
 register_shared("transformers.models.umt5.modeling_umt5.UMT5Attention", "relative_attention_bias")
+register_shared_weight(
+    "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder", "rel_embeddings"
+)
 
 
 def shared_modules(model: nn.Module) -> set[int]:
@@ -75,24 +107,24 @@ def shared_modules(model: nn.Module) -> set[int]:
     return found
 
 
-def check_uncovered(name: str, module: nn.Module) -> None:
-    """Refuse shared tensors that are known to meet the batch in a way this module does not split, where
-    they reach trainable parameters."""
-    kind = _qualified_name(type(module))
-    trainable = any(p.requires_grad for p in module.parameters())
-    if (
-        kind == "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder"
-        and getattr(module, "relative_attention", False)
-        and trainable
-    ):
-        raise ValueError(
-            f"module {name!r} (DebertaV2Encoder, relative_attention=True): its relative position embeddings "
-            "(rel_embeddings.weight, read outside the Embedding's forward, then LayerNorm) are shared by all "
-            "examples and go through every layer's query_proj/key_proj, the same Linear layers that process "
-            "the batch, before they meet the batch in the attention scores; the privacy engine cannot split "
-            "their per-example gradients (not supported yet). Use a model without relative attention "
-            "(config.relative_attention=False), e.g. RoBERTa or BERT."
-        )
+def shared_weights(model: nn.Module) -> list[tuple[nn.Module, nn.Embedding]]:
+    """(owner, embedding) for every weight declared by :func:`register_shared_weight` in ``model``; refuses a
+    declared table that is not an ``nn.Embedding`` without ``padding_idx`` (its rule on ``arange(n)`` would
+    then not be the identity)."""
+    found = []
+    for name, module in model.named_modules():
+        for attr in _SHARED_WEIGHTS.get(_qualified_name(type(module)), ()):
+            table = getattr(module, attr, None)
+            if table is None:
+                continue
+            if type(table) is not nn.Embedding or table.padding_idx is not None:
+                raise ValueError(
+                    f"module {name}.{attr} ({type(table).__name__}) is declared a weight read directly and "
+                    "shared by all examples; the engine splits its gradient only for an nn.Embedding without "
+                    "padding_idx. Freeze its parameters."
+                )
+            found.append((module, table))
+    return found
 
 
 # -------------------------------------------------------------------------------------------- meeting ops
@@ -118,8 +150,18 @@ _ELEMENTWISE = {
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
 
 
-def _plain(value: Any) -> Any:
-    return value.as_subclass(torch.Tensor) if isinstance(value, SharedTensor) else value
+def plain(value: Any) -> Any:
+    """``value`` as a plain tensor if it is a :class:`SharedTensor` (an alias in the same autograd graph)."""
+    if not isinstance(value, SharedTensor):
+        return value
+    with torch._C.DisableTorchFunctionSubclass():
+        return value.as_subclass(torch.Tensor)
+
+
+def _activation(t: torch.Tensor) -> bool:
+    """A tensor that carries examples: it needs a gradient and is not a parameter (parameters need one on
+    the engine's verified forwards, and combined with a shared tensor they keep it shared)."""
+    return t.requires_grad and not isinstance(t, nn.Parameter)
 
 
 def _target_shape(func: Callable, args: tuple, kwargs: dict[str, Any]) -> torch.Size | None:
@@ -137,9 +179,21 @@ def _target_shape(func: Callable, args: tuple, kwargs: dict[str, Any]) -> torch.
     return None
 
 
+def _repeats(func: Callable, args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """r for ``X.repeat(r, 1, ..., 1)`` (a repetition of X along dim 0 only, as many counts as X has dims),
+    else None."""
+    if func is not torch.Tensor.repeat or kwargs or len(args) < 2:
+        return None
+    counts = tuple(args[1]) if len(args) == 2 and not isinstance(args[1], int) else args[1:]
+    if len(counts) != args[0].dim() or any(int(c) != 1 for c in counts[1:]):
+        return None
+    return int(counts[0])
+
+
 class SharedOutput:
-    """One call of a shared layer: its output S (``root``), the per-example parts of its gradient as the
-    places where S meets the batch report them, and their delivery once autograd has S's whole gradient.
+    """One node of a shared graph: the output S (``root``) of one call of a shared layer (or a weight read
+    directly), the per-example parts of its gradient as the places where its descendants meet the batch
+    report them, and their delivery once autograd has S's whole gradient.
 
     ``deliver(per_example_input, dS)`` receives the layer's input expanded to the batch and ``dS`` of shape
     (B, *S.shape), whose row i is example i's gradient of S.
@@ -149,35 +203,34 @@ class SharedOutput:
         self, name: str, output: torch.Tensor, root: torch.Tensor, x: torch.Tensor, deliver: Callable
     ) -> None:
         self.name, self.root, self.x, self._deliver = name, root, x, deliver
-        self.meetings: list[str] = []  # operations where S met the batch (split)
-        self.unsplit: list[str] = []  # operations combining S with tensors that need a gradient (not split)
+        self.meetings: list[str] = []  # operations where S or a descendant met the batch (split)
+        self.unsplit: list[str] = []  # operations combining them with activations (not split)
         self._parts: torch.Tensor | None = None  # sum of dS_i over the meetings seen in this backward
+        self.splitting = False  # a product J^T dX_i to an older node passes through ``output`` (no total)
         output.register_hook(self._total)  # not on root: the products through f stop at root
 
-    def meet(self, x: torch.Tensor, size: int, op: str) -> torch.Tensor:
-        """``x`` (a descendant of S, leading size 1) expanded to ``size`` in dim 0, its gradient hooked."""
-        expanded = x.expand(size, *x.shape[1:])
-        expanded.register_hook(lambda grad: self._part(x, grad))
-        self.meetings.append(op)
-        return expanded
-
-    def _part(self, x: torch.Tensor, grad: torch.Tensor) -> None:
-        """``dS_i = J_f^T dX_i`` for every example i at once: a batched vector-Jacobian product through the
-        batch-free chain f from S to ``x``."""
-        (part,) = torch.autograd.grad(
-            x, self.root, grad.unsqueeze(1), retain_graph=True, is_grads_batched=True
-        )
+    def add(self, part: torch.Tensor) -> None:
+        """One meeting's ``dS_i`` (b, *S.shape); every meeting of a backward must have the same b."""
+        if self._parts is not None and self._parts.shape != part.shape:
+            sizes = f"{self._parts.shape[0]} and {part.shape[0]}"
+            raise _refusal(
+                f"the output of layer {self.name!r} is shared by all examples and met the batch with leading "
+                f"sizes {sizes} in one backward (in {sorted(set(self.meetings))}): they cannot both be the "
+                "examples. Freeze the layer's parameters."
+            )
         self._parts = part if self._parts is None else self._parts + part
 
     def _total(self, grad: torch.Tensor) -> None:
         """S's whole gradient has arrived: every meeting of this backward has reported. The parts must add up
         to it; then the per-example gradients go to the engine."""
+        if self.splitting:
+            return
         parts, self._parts = self._parts, None
         if parts is None:
             raise _refusal(
                 f"the output of layer {self.name!r} is shared by all examples but never met the batch in an "
                 f"operation the engine splits per example (elementwise arithmetic, torch.where, matmul, "
-                f"scaled_dot_product_attention with a bias broadcast over dim 0)"
+                f"scaled_dot_product_attention with a bias broadcast over dim 0, repeat along dim 0)"
                 + (
                     f"; it was combined with per-example tensors in {sorted(set(self.unsplit))}"
                     * bool(self.unsplit)
@@ -197,6 +250,43 @@ class SharedOutput:
         self._deliver(self.x.expand(parts.shape[0], *self.x.shape), parts)
 
 
+Lineage = tuple[SharedOutput, ...]  # the nodes a shared tensor descends from, oldest first
+
+
+def _meet(lineage: Lineage, x: torch.Tensor, size: int, op: str) -> torch.Tensor:
+    """``x`` (a batch-free descendant of ``lineage``, leading size 1) expanded to ``size`` in dim 0, its
+    gradient hooked to hand every node its per-example part."""
+    expanded = x.expand(size, *x.shape[1:])
+    if lineage:  # else a frozen shared tensor (:func:`follow`): no gradient to split
+        expanded.register_hook(partial(_split, lineage, x))
+    for node in lineage:
+        node.meetings.append(op)
+    return expanded
+
+
+def _split(lineage: Lineage, x: torch.Tensor, grad: torch.Tensor) -> None:
+    """``dN_i = J^T dX_i`` for every node N and example i at once: one batched vector-Jacobian product through
+    the batch-free graph from the nodes' outputs to ``x``. The product to an older node passes through the
+    outputs of the newer ones (all in ``lineage``), whose hooks must not take it for their gradient."""
+    for node in lineage:
+        node.splitting = True
+    try:
+        parts = torch.autograd.grad(
+            x,
+            [node.root for node in lineage],
+            grad.unsqueeze(1),
+            retain_graph=True,
+            is_grads_batched=True,
+            allow_unused=True,
+        )
+    finally:
+        for node in lineage:
+            node.splitting = False
+    for node, part in zip(lineage, parts, strict=True):
+        if part is not None:
+            node.add(part)
+
+
 def _refusal(message: str) -> Exception:
     from dpexp.privacy.verification import VerificationError  # verification imports capture, which imports us
 
@@ -204,68 +294,82 @@ def _refusal(message: str) -> Exception:
 
 
 class SharedTensor(torch.Tensor):
-    """A batch-free descendant of a shared layer's output. Operations on it return SharedTensors, except where
-    it meets the batch: a broadcasting operation whose result has it broadcast over dim 0, and either the
-    result's dim 0 is not 1 or another operand needs a gradient (a per-example activation). There it is
-    expanded (:meth:`SharedOutput.meet`) and the result is a plain tensor. Any other operation combining it
-    with a tensor that needs a gradient is recorded as not split and returns a plain tensor: the parts then
-    miss that use, and :meth:`SharedOutput._total` refuses."""
+    """A batch-free descendant of shared outputs. Operations on it return SharedTensors, except where it meets
+    the batch: a broadcasting operation whose result has it broadcast over dim 0, and either the result's
+    dim 0 is not 1 or another operand is an activation, or a repetition along dim 0. There it is expanded
+    (:func:`_meet`) and the result is a plain tensor. Any other operation combining it with an activation is
+    recorded as not split and returns a plain tensor: the parts then miss that use, and
+    :meth:`SharedOutput._total` refuses."""
 
-    _source: SharedOutput
+    lineage: Lineage
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         flat, spec = tree_flatten((args, kwargs or {}))
-        shared = {i for i, a in enumerate(flat) if isinstance(a, SharedTensor)}
+        shared = [i for i, a in enumerate(flat) if isinstance(a, SharedTensor)]
         if not shared:
             return super().__torch_function__(func, types, args, kwargs)
-        source = flat[min(shared)]._source
+        lineage = tuple(dict.fromkeys(node for i in shared for node in flat[i].lineage))
         with torch._C.DisableTorchFunctionSubclass():
-            flat = [_plain(a) for a in flat]
+            flat = [plain(a) for a in flat]
             others = [t for i, t in enumerate(flat) if torch.is_tensor(t) and i not in shared]
-            met = _meet(source, func, flat, shared, others, spec)
+            met = _met(lineage, func, flat, set(shared), others, spec)
             if met is not None:
-                args, kwargs = tree_unflatten(met, spec)
-                return func(*args, **kwargs)
+                return met
             args, kwargs = tree_unflatten(flat, spec)
             out = func(*args, **kwargs)
-        if any(t.requires_grad for t in others):  # combined with activations without a split: not shared
-            source.unsplit.append(_op_name(func))
+        if any(_activation(t) for t in others):  # combined with activations without a split: not shared
+            for node in lineage:
+                node.unsplit.append(_op_name(func))
             return out
-        return tree_map(lambda t: _wrap(t, source) if torch.is_tensor(t) else t, out)
+        return tree_map(lambda t: _wrap(t, lineage) if torch.is_tensor(t) else t, out)
 
 
 def _op_name(func: Callable) -> str:
     return getattr(func, "__name__", repr(func))
 
 
-def _wrap(t: torch.Tensor, source: SharedOutput) -> SharedTensor:
+def _wrap(t: torch.Tensor, lineage: Lineage) -> SharedTensor:
     shared = t.as_subclass(SharedTensor)
-    shared._source = source
+    shared.lineage = lineage
     return shared
 
 
-def _meet(
-    source: SharedOutput, func: Callable, flat: list, shared: set[int], others: list, spec: Any
-) -> list | None:
-    """The flattened arguments with the shared operands expanded where they meet the batch, or None."""
+def _met(lineage: Lineage, func: Callable, flat: list, shared: set[int], others: list, spec: Any) -> Any:
+    """The result of ``func`` with the shared operands expanded where they meet the batch, or None."""
     args, kwargs = tree_unflatten(flat, spec)
+    repeats = _repeats(func, args, kwargs)
+    if repeats is not None and 0 in shared:
+        x = args[0]
+        return _meet(lineage, x.unsqueeze(0), repeats, "repeat").flatten(0, 1)
     target = _target_shape(func, args, kwargs)
     if target is None or len(target) == 0:
         return None
-    if target[0] == 1 and not any(t.requires_grad for t in others):
+    if target[0] == 1 and not any(_activation(t) for t in others):
         return None  # still batch-free (a constant mask, or a micro-batch of one before the activations)
     out, met = list(flat), False
     for i in shared:
         value = flat[i]
         padded = value.reshape((1,) * (len(target) - value.dim()) + tuple(value.shape))
         if padded.shape[0] == 1:
-            out[i], met = source.meet(padded, target[0], _op_name(func)), True
-    return out if met else None
+            out[i], met = _meet(lineage, padded, target[0], _op_name(func)), True
+    if not met:
+        return None
+    args, kwargs = tree_unflatten(out, spec)
+    return func(*args, **kwargs)
 
 
-def share(name: str, output: torch.Tensor, x: torch.Tensor, deliver: Callable) -> SharedTensor:
-    """Follow a shared layer's output (which needs a gradient) to where it meets the batch; returns the
-    tensor the layer's caller receives instead (numerically the same)."""
+def share(
+    name: str, output: torch.Tensor, x: torch.Tensor, deliver: Callable, parents: Lineage = ()
+) -> SharedTensor:
+    """Follow a shared output (which needs a gradient, and is no leaf) to where it meets the batch; returns
+    the tensor the layer's caller receives instead (numerically the same). ``parents``: the nodes of the
+    shared graph that ``output`` descends from (those of the layer's shared input)."""
     root = output.view_as(output)  # the chain f starts here; the whole gradient is taken at ``output``
-    return _wrap(root, SharedOutput(name, output, root, x, deliver))
+    return _wrap(root, (*parents, SharedOutput(name, output, root, x, deliver)))
+
+
+def follow(t: torch.Tensor) -> SharedTensor:
+    """A tensor shared by all examples that needs no per-example gradient of its own (a frozen shared weight),
+    followed so that the layers it reaches treat their input as shared."""
+    return _wrap(t, ())

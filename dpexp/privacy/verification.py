@@ -296,7 +296,8 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
             "its leading dimension is not the example index (a time-major tensor, or a tensor shared by "
             "all examples). Make its input batch-first, declare a layer whose output is shared by all "
             "examples and meets the batch later (as T5's relative_attention_bias) with "
-            "dpexp.privacy.shared.register_shared, or freeze its parameters."
+            "dpexp.privacy.shared.register_shared (or a weight read directly and passed to submodules, as "
+            "DeBERTa-v2's rel_embeddings, with register_shared_weight), or freeze its parameters."
         )
     raise VerificationError(
         f"layer {shape} and an output gradient of shape {tuple(dy.shape)} for a micro-batch of "

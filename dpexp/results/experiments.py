@@ -5,7 +5,9 @@ and where ``conf/published/<file>.yaml`` keeps the paper's numbers) and, per sca
 data, models and sizes; ``offline``: ``../shared/data`` and small models), the trainer overrides common to
 every run and one or more ``sweeps``, each a Hydra sweep in ``hydra.sweeper.params`` syntax (``key: a,b``,
 ``range(...)``, ``choice(...)``) with its own extra ``overrides``. A sweep's grid is the Cartesian product of
-its params, as Hydra's basic sweeper forms it (Hydra's own override parser reads the values).
+its params, as Hydra's basic sweeper forms it (Hydra's own override parser reads the values). An optional
+``curves: true`` also draws each row's metric against the epsilon spent, from the runs' evaluation histories
+(:func:`dpexp.results.tables.curve_figure`), for tables that stand for a paper's training curves.
 
 :func:`grid_points` enumerates the runs of an experiment at a scale (pure), :func:`compose_points` composes a
 run's config exactly as ``python -m dpexp.train`` would, and :func:`point_config` writes the same run as a
@@ -33,7 +35,18 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf
 EXPERIMENT_DIR = CONF_DIR / "experiment"
 PUBLISHED_DIR = CONF_DIR / "published"
 SCALES = ("offline", "paper")
-SPEC_KEYS = {"title", "paper", "published", "metric", "percent", "digits", "rows", "columns", "scales"}
+SPEC_KEYS = {
+    "title",
+    "paper",
+    "published",
+    "metric",
+    "percent",
+    "digits",
+    "rows",
+    "columns",
+    "scales",
+    "curves",
+}
 SCALE_KEYS = {"note", "overrides", "sweeps"}
 SWEEP_KEYS = {"params", "overrides"}
 SEED_OVERRIDE = "seed="

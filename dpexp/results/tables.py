@@ -11,8 +11,9 @@ those shows them marked †), runs that did not complete are counted by status.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dpexp.results.experiments import Point, matches, published
 from dpexp.results.store import Summary, summarize
+from dpexp.training.record import COMPLETED, METRICS_FILE
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Cell:
     statuses: dict[str, int] = field(default_factory=dict)
     points: int = 0  # grid points in the cell (0: the experiment does not run this cell at this scale)
     scale: float = 1.0  # factor from the record's metric to the table's unit (100 for percent)
+    setting: str | None = None  # setting key of ``ours`` (the best setting's runs)
 
     @property
     def mean(self) -> float | None:
@@ -111,6 +114,7 @@ def build_cells(
                     statuses=statuses,
                     points=len(chosen),
                     scale=factor,
+                    setting=best,
                 )
             )
         table.append(cells)
@@ -254,6 +258,69 @@ def epsilon_figure(spec: DictConfig, scale: str, cells: list[list[Cell]], path: 
     metric = spec.metric + (" (%)" if spec.get("percent") else "")
     axes.set(xlabel="ε", ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})", xticks=xs)
     axes.legend(fontsize=7, title="dashed: paper", title_fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def load_history(run_dir: str) -> list[dict[str, Any]]:
+    """The evaluation ``history`` of the record in ``run_dir`` (each entry: step, epoch, epsilon, metrics)."""
+    return json.loads((Path(run_dir) / METRICS_FILE).read_text()).get("history", [])
+
+
+def curve_figure(
+    spec: DictConfig,
+    scale: str,
+    cells: list[list[Cell]],
+    entries: Sequence[Mapping[str, Any]],
+    source_hash: str,
+    path: Path,
+    history: Callable[[str], list[dict[str, Any]]] = load_history,
+) -> bool:
+    """Metric against the epsilon spent during training (``spec.curves``), one line per private row and seed:
+    the evaluations of the row's last cell with current-code runs (its longest budget), each seed's first
+    completed run; the paper's values as crosses at their columns' epsilon; a non-private row as a horizontal
+    line. False (nothing written) when no run has an evaluation."""
+    curves = []
+    for index, (row, row_cells) in enumerate(zip(spec.rows, cells, strict=True)):
+        done = [cell for cell in row_cells if cell.mean is not None]
+        if not done:
+            continue
+        runs, seeds = [], set()
+        for entry in sorted(entries, key=lambda e: e["run_dir"]):
+            wanted = entry["setting_key"] == done[-1].setting and entry["source_hash"] == source_hash
+            if wanted and entry["status"] == COMPLETED and entry["seed"] not in seeds:
+                seeds.add(entry["seed"])
+                runs.append([h for h in history(entry["run_dir"]) if h.get(spec.metric) is not None])
+        curves.append((index, row, row_cells, done[-1], runs))
+    if not any(points for *_, runs in curves for points in runs):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    factor = 100.0 if spec.get("percent") else 1.0
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for index, row, row_cells, last, runs in curves:
+        color = f"C{index}"
+        private = [points for points in runs if points and points[-1].get("epsilon") is not None]
+        if not private:  # non-private: no epsilon to draw against
+            axes.axhline(last.mean, color=color, linestyle=":", label=f"{row.label} (ours, final)")
+            continue
+        for number, points in enumerate(private):
+            xs = [float(p["epsilon"]) for p in points]
+            ys = [float(p[spec.metric]) * factor for p in points]
+            axes.plot(xs, ys, color=color, marker=".", label=f"{row.label} (ours)" if number == 0 else None)
+        for column, cell in zip(spec.columns, row_cells, strict=True):
+            epsilon = (column.get("match") or {}).get("privacy.epsilon")
+            if cell.reported is not None and epsilon is not None:
+                axes.plot([float(epsilon)], [cell.reported[0]], color=color, marker="x", markersize=9)
+    metric = spec.metric + (" (%)" if spec.get("percent") else "")
+    axes.set(xlabel="ε spent", ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})")
+    axes.legend(fontsize=7, title="x: paper", title_fontsize=7)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

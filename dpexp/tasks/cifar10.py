@@ -92,13 +92,12 @@ class Cifar10Task(Task):
         self._train_eval: TensorDataset | None = None
 
     def setup(self, factory: ModelFactory) -> None:
-        folder = self._local_dir()
-        images, labels = self._load(folder, TRAIN_FILES, "train")
+        images, labels = self._read("train")
         train_idx, heldout_idx = training_indices(
             len(labels), self.split, self.tune_fraction, self.subsample, self.data_seed
         )
         if heldout_idx is None:
-            self._eval = TensorDataset(*self._load(folder, (TEST_FILE,), "test"))
+            self._eval = TensorDataset(*self._read("test"))
         else:
             self._eval = TensorDataset(images[heldout_idx], labels[heldout_idx])
         self._train = TensorDataset(images[train_idx], labels[train_idx])
@@ -110,13 +109,15 @@ class Cifar10Task(Task):
             return Path(self.path)
         return None if self.data_root is None else Path(self.data_root) / FOLDER
 
-    def _load(
-        self, folder: Path | None, files: tuple[str, ...], hub_split: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 images (n, 3, 32, 32) and int64 labels (n,)."""
+    def _read(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``train`` or ``test`` split: uint8 images (n, 3, 32, 32) and int64 labels (n,). Subclasses for
+        other image sets (:mod:`dpexp.tasks.mnist`) override this, ``name`` and ``info``."""
+        folder = self._local_dir()
         if folder is None:
-            return _load_hub(hub_split)
-        parts = [read_cifar_batch(folder / name) for name in files]
+            return _load_hub(split)
+        parts = [
+            read_cifar_batch(folder / name) for name in (TRAIN_FILES if split == "train" else (TEST_FILE,))
+        ]
         return torch.cat([images for images, _ in parts]), torch.cat([labels for _, labels in parts])
 
     @property
