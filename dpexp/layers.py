@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -39,12 +38,5 @@ class WSConv2d(nn.Conv2d):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(
-            x,
-            standardize_weight(self.weight, self.eps),
-            self.bias,
-            self.stride,
-            self.padding,
-            self.dilation,
-            self.groups,
-        )
+        # through nn.Conv2d's own path, which applies a padding_mode other than zeros
+        return self._conv_forward(x, standardize_weight(self.weight, self.eps), self.bias)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpexp.layers import WSConv2d
+from dpexp.layers import WSConv2d, standardize_weight
 from dpexp.models.base import TaskInfo
 from dpexp.models.image_input import ImageInput
 from dpexp.models.timm_image import TimmImageFactory
@@ -190,3 +190,17 @@ def test_private_step_of_timm_cnns(option, narrow, compose_config, tmp_path) -> 
         record = run_training(cfg, tmp_path / "run", {"task": "digits", "model": option})
     assert record["status"] == "completed" and record["steps_done"] == 1 and record["model"] == option
     assert 0.0 <= record["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "circular"])
+def test_ws_conv_honours_padding_mode(padding_mode) -> None:
+    """WSConv2d is nn.Conv2d with the standardised weight, padding mode included (it once padded with zeros
+    whatever the mode)."""
+    torch.manual_seed(0)
+    ws = WSConv2d(3, 4, 3, padding=1, padding_mode=padding_mode)
+    plain = nn.Conv2d(3, 4, 3, padding=1, padding_mode=padding_mode)
+    with torch.no_grad():
+        plain.weight.copy_(standardize_weight(ws.weight, ws.eps))
+        plain.bias.copy_(ws.bias)
+    x = torch.randn(2, 3, 5, 5)
+    torch.testing.assert_close(ws(x), plain(x))

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpexp.layers import WSConv2d
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.rules import rule_for
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
@@ -44,6 +45,21 @@ def _convs() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
         "same_padding": (nn.Sequential(nn.Conv2d(3, 4, 4, padding="same")), (3, 5, 5)),
         "reflect": (nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")), (3, 5, 5)),
         "circular_1d": (nn.Sequential(nn.Conv1d(3, 4, 3, padding=2, padding_mode="circular")), (3, 7)),
+        **_ws_convs(),
+    }
+
+
+def _ws_convs() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+    """Weight-standardised convolutions whose ghost norm convolves the (padded) input with ``w_hat``."""
+    return {
+        "ws_reflect_strided": (
+            nn.Sequential(WSConv2d(3, 4, 3, stride=2, padding=1, padding_mode="reflect"), nn.Tanh()),
+            (3, 7, 7),
+        ),
+        "ws_same_dilated": (
+            nn.Sequential(WSConv2d(3, 4, 3, padding="same", dilation=2, bias=False)),
+            (3, 6, 6),
+        ),
     }
 
 
@@ -87,12 +103,20 @@ def test_convolution_matches_oracle(name, backend, clipping):
 
 
 @pytest.mark.parametrize("norm_mode", ["ghost", "instantiate"])
-def test_forced_norm_modes_on_grouped_and_ungrouped_convolutions(norm_mode):
-    """Forcing the ghost norm on a convolution without a ghost form instantiates instead; both are exact."""
+@pytest.mark.parametrize("body", ["grouped_and_ungrouped", *_ws_convs()])
+def test_forced_norm_modes_on_convolutions(norm_mode, body):
+    """Forcing the ghost norm on a convolution without a ghost form instantiates instead; both are exact,
+    also for weight-standardised convolutions (strided, reflect- and same-padded, dilated)."""
     torch.manual_seed(0)
-    body = nn.Sequential(nn.Conv2d(3, 4, 3, groups=1), nn.Tanh(), nn.Conv2d(4, 4, 3, groups=2))
+    if body == "grouped_and_ungrouped":
+        body, shape = (
+            nn.Sequential(nn.Conv2d(3, 4, 3, groups=1), nn.Tanh(), nn.Conv2d(4, 4, 3, groups=2)),
+            (3, 7, 7),
+        )
+    else:
+        body, shape = _ws_convs()[body]
     model = Head(body).double()
-    batch = {"x": torch.randn(4, 3, 7, 7, dtype=torch.float64)}
+    batch = {"x": torch.randn(4, *shape, dtype=torch.float64)}
 
     def loss(m, b):
         return F.softplus(m(b["x"]))

@@ -35,7 +35,7 @@ def check_conv(module: _ConvNd) -> None:
         raise ValueError(f"{module!r}: transposed convolutions support only padding_mode='zeros'.")
 
 
-def _explicitly_padded(module: _ConvNd, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+def explicitly_padded(module: _ConvNd, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """The input as the convolution kernel sees it, and the padding left for the kernel: a padding mode
     other than zeros, or a string padding, is applied to ``x`` first (as ``_ConvNd._conv_forward`` does)."""
     n = len(module.kernel_size)
@@ -66,7 +66,7 @@ def _output_padding(module: _ConvNd, x: torch.Tensor, dy: torch.Tensor) -> list[
 def _weight_grad(module: _ConvNd, x: torch.Tensor, dy: torch.Tensor, groups: int, shape) -> torch.Tensor:
     """The convolution's weight gradient for input ``x`` and output gradient ``dy`` (native kernel)."""
     weight = dy.new_zeros(1).as_strided(shape, (0,) * len(shape))  # only its shape is read
-    x, padding = _explicitly_padded(module, x.to(dy.dtype))
+    x, padding = explicitly_padded(module, x.to(dy.dtype))
     return torch.ops.aten.convolution_backward(
         dy, x, weight, None, module.stride, padding, module.dilation, module.transposed,
         _output_padding(module, x, dy) if module.transposed else [0] * len(padding), groups,
@@ -76,7 +76,7 @@ def _weight_grad(module: _ConvNd, x: torch.Tensor, dy: torch.Tensor, groups: int
 
 def unfold_patches(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """Input patches, shape (B, T, C_in * prod(kernel)), in the order of ``weight.flatten(1)``."""
-    x, padding = _explicitly_padded(module, x)
+    x, padding = explicitly_padded(module, x)
     if isinstance(module, nn.Conv1d):  # a 1-D signal is an image of height 1
         x = x.unsqueeze(2)
         kernel, dilation = (1, module.kernel_size[0]), (1, module.dilation[0])

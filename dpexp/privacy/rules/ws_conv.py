@@ -12,17 +12,20 @@ expands (using ``sum(w_hat) = 0``) to
     ||J^T u||^2 = (||u||^2 - p mean(u)^2 + <w_hat, u>^2 (||w_hat||^2 / p^2 - 2 / p)) / s^2,
 
 whose three terms all have ghost forms: ``||u_r||^2 / s_r^2`` is the ghost norm with ``dy`` scaled by
-``1/s``; ``mean(u_r) = sum_t dy_{t,r} sum(a_t) / p``; ``<w_hat_r, u_r> = sum_t dy_{t,r} <a_t, w_hat_r>``.
+``1/s``; ``mean(u_r) = sum_t dy_{t,r} sum(a_t) / p``; ``<w_hat_r, u_r> = sum_t dy_{t,r} <a_t, w_hat_r>``,
+where ``<a_t, w_hat_r>`` is the bias-free convolution of the input with ``w_hat`` (one native convolution,
+about half the time of the same product over unfolded patches on CPU).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dpexp.layers import WSConv2d, weight_standardization
 from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad
 from dpexp.privacy.rules import register_rule
-from dpexp.privacy.rules.conv import ConvWeightGrads, check_conv
+from dpexp.privacy.rules.conv import ConvWeightGrads, check_conv, explicitly_padded
 
 
 class Standardized(PerExampleGrad):
@@ -59,6 +62,15 @@ class Standardized(PerExampleGrad):
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
 
+    def _responses(self, w_hat: torch.Tensor) -> torch.Tensor:
+        """``<a_t, w_hat_r>`` for every output position t and channel r, shape (B, T, C_out): the
+        convolution of the input with ``w_hat`` (in ``w_hat``'s dtype), without bias."""
+        module = self.inner.module
+        x, padding = explicitly_padded(module, self.inner.x.to(w_hat.dtype))
+        kernel = w_hat.view(self.shape)
+        y = F.conv2d(x, kernel, None, module.stride, padding, module.dilation, module.groups)
+        return y.flatten(2).transpose(1, 2)
+
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """From three per-row statistics of ``u = g_hat_i``: ``||u_r||^2 / s_r^2`` (summed), ``sum(u_r)``
         and ``<w_hat_r, u_r>``, by the ghost form or from the instantiated ``u`` (never forming ``J^T u``)."""
@@ -69,7 +81,7 @@ class Standardized(PerExampleGrad):
             g, a = outer.left.to(dtype), outer.right.to(dtype)
             scaled = Outer(g / s, a, outer.shape, outer.left_size).norm_sq("ghost")
             total = torch.einsum("btr,bt->br", g, a.sum(-1))
-            proj = torch.einsum("btr,btr->br", g, a @ w_hat.T)
+            proj = torch.einsum("btr,btr->br", g, self._responses(w_hat))
         else:
             u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape).to(dtype)
             scaled = (torch.linalg.vector_norm(u, dim=-1).square() / s.pow(2)).sum(-1)
