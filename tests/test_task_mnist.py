@@ -103,3 +103,21 @@ def test_hub_failure_explains_the_offline_fix(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(RuntimeError, match=r"ylecun/mnist \(train\).*no network.*MNIST/raw"):
         MnistTask().setup(SmallCNNFactory())
+
+
+@pytest.mark.parametrize(("mode", "channels"), [("L", 1), ("RGB", 3)])
+def test_hub_images_become_uint8_nchw(monkeypatch: pytest.MonkeyPatch, mode: str, channels: int) -> None:
+    """The hub path (scale=paper): PIL images of any mode become uint8 (N, C, H, W) in the asked mode."""
+    import datasets
+    from PIL import Image
+
+    from dpexp.tasks.hub import load_hub_images
+
+    pixels = np.arange(2 * 5 * 4 * 3, dtype=np.uint8).reshape(2, 5, 4, 3)
+    fake = {"picture": [Image.fromarray(p, "RGB") for p in pixels], "label": [3, 7]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: fake)
+    images, labels = load_hub_images("some/set", "train", "picture", mode, "unused")
+    assert images.dtype == torch.uint8 and images.shape == (2, channels, 5, 4)
+    assert labels.tolist() == [3, 7]
+    if mode == "RGB":
+        assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2))

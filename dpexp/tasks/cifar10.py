@@ -28,10 +28,12 @@ from torch.utils.data import Dataset, TensorDataset
 from dpexp.metrics.accuracy import accuracy
 from dpexp.models.base import ModelFactory, TaskInfo
 from dpexp.tasks.base import Task
+from dpexp.tasks.hub import load_hub_images
 from dpexp.tasks.subsets import check_split_options, training_indices
 
 HUB_DATASET = "uoft-cs/cifar10"
 FOLDER = "cifar-10-batches-py"
+HUB_FIX = f"Offline, set data.root to a folder containing {FOLDER}/ (the original python release)."
 TRAIN_FILES = tuple(f"data_batch_{k}" for k in range(1, 6))
 TEST_FILE = "test_batch"
 IMAGE_SHAPE = (3, 32, 32)
@@ -114,7 +116,7 @@ class Cifar10Task(Task):
         other image sets (:mod:`dpexp.tasks.mnist`) override this, ``name`` and ``info``."""
         folder = self._local_dir()
         if folder is None:
-            return _load_hub(split)
+            return load_hub_images(HUB_DATASET, split, "img", "RGB", HUB_FIX)
         parts = [
             read_cifar_batch(folder / name) for name in (TRAIN_FILES if split == "train" else (TEST_FILE,))
         ]
@@ -212,22 +214,6 @@ class _BatchUnpickler(pickle.Unpickler):
                 "(https://www.cs.toronto.edu/~kriz/cifar.html)."
             )
         return super().find_class(module.replace("numpy.core.", "numpy._core."), name)
-
-
-def _load_hub(split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from datasets import load_dataset
-
-    try:
-        data = load_dataset(HUB_DATASET, split=split)
-    except Exception as err:  # network, cache and hub errors all mean the same thing to the user
-        raise RuntimeError(
-            f"Could not load {HUB_DATASET} ({split}) from the Hugging Face hub: {err}. Offline, set "
-            f"data.root to a folder containing {FOLDER}/ (the original python release)."
-        ) from err
-    images = np.stack([np.asarray(image.convert("RGB"), dtype=np.uint8) for image in data["img"]])
-    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.tensor(
-        data["label"], dtype=torch.long
-    )
 
 
 def _require(dataset: TensorDataset | None) -> TensorDataset:

@@ -23,9 +23,11 @@ import torch
 
 from dpexp.models.base import TaskInfo
 from dpexp.tasks.cifar10 import Cifar10Task
+from dpexp.tasks.hub import load_hub_images
 
 HUB_DATASET = "ylecun/mnist"
 FOLDER = Path("MNIST") / "raw"
+HUB_FIX = f"Offline, set data.root to a folder containing {FOLDER}/ (the original IDX files)."
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -50,7 +52,7 @@ class MnistTask(Cifar10Task):
         """The ``train`` or ``test`` split: uint8 images (n, 1, 28, 28) and int64 labels (n,)."""
         folder = self._local_dir()
         if folder is None:
-            return _load_hub(split)
+            return load_hub_images(HUB_DATASET, split, "image", "L", HUB_FIX)
         image_file, label_file = FILES[split]
         images, labels = read_idx(folder / image_file), read_idx(folder / label_file)
         if images.ndim != 3 or images.shape[1:] != IMAGE_SHAPE[1:] or labels.ndim != 1:
@@ -90,17 +92,3 @@ def read_idx(file: Path) -> np.ndarray:
         raise ValueError(f"{file}: the header's shape {shape} needs {int(np.prod(shape))} bytes of data, "
                          f"the file holds {len(raw) - header}.")  # fmt: skip
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
-
-
-def _load_hub(split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from datasets import load_dataset
-
-    try:
-        data = load_dataset(HUB_DATASET, split=split)
-    except Exception as err:  # network, cache and hub errors all mean the same thing to the user
-        raise RuntimeError(
-            f"Could not load {HUB_DATASET} ({split}) from the Hugging Face hub: {err}. Offline, set "
-            f"data.root to a folder containing {FOLDER}/ (the original IDX files)."
-        ) from err
-    images = np.stack([np.asarray(image.convert("L"), dtype=np.uint8) for image in data["image"]])
-    return torch.from_numpy(images).unsqueeze(1), torch.tensor(data["label"], dtype=torch.long)
