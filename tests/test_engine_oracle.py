@@ -239,8 +239,9 @@ class _LongSequence(torch.nn.Module):
 
 def test_ghost_or_kept_instantiation_by_cost():
     """An untied 768 x 50257 LM head at T = 100 takes the ghost norm (writing its 38.6M values per example
-    costs more than the Gram); a 768 x 3072 layer at T = 512 is kept instantiated; smaller than the factors
-    (a narrow layer over a long sequence) is always kept."""
+    costs more than the Gram), a 768 x 3072 layer at T = 512 is kept instantiated, so is a 256 x 1024 one
+    (its per-example gradient stays in cache) at T = 128; smaller than the factors (a narrow layer over a
+    long sequence) is always kept."""
 
     def extra(t, left, right):
         return Outer(
@@ -248,7 +249,9 @@ def test_ghost_or_kept_instantiation_by_cost():
         ).held_extra_values()
 
     assert extra(100, 768, 50257) is None
+    assert extra(100, 768, 3072) is None
     assert extra(512, 768, 3072) > 0
+    assert extra(128, 256, 1024) > 0
     assert extra(64, 4, 8) < 0
 
 

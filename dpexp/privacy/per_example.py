@@ -232,16 +232,19 @@ class Outer(PerExampleGrad):
 
     def held_extra_values(self) -> int | None:
         """``B (L R - T (L + R))`` where keeping pays: where the per-example gradients are smaller than the
-        factors, or where instantiating them (``T L R`` plus writing ``L R`` values, :data:`WRITE_COST`)
-        beats the ghost norm's ``T^2 (L + R)``, the clipped sum's matmul (``T L R``) being saved by the
-        ``tensordot``. Measured on CPU: an untied GPT-2 head (T = 100, 768 x 50257, B = 4) takes 0.82 s by
-        instantiation against 0.50 s by the ghost norm and the sum's matmul; a 768 x 3072 layer at T = 512
-        0.13 s against 0.19 s."""
+        factors, or where instantiating them (``T L R``) and the ``tensordot`` beat the ghost norm's
+        ``T^2 (L + R)`` plus the clipped sum's matmul (``T L R``). A per-example gradient larger than a core's
+        cache (:data:`CACHED_VALUES`) is written out at memory speed, about :data:`WRITE_COST` multiply-adds
+        per value. Measured on CPU: RoBERTa-sized 256 x 1024 layers (B = 16, T = 128) are kept (0.47x the
+        time of the ghost norm plus matmul); an untied GPT-2 small head (T = 100, 768 x 50257, B = 4) takes
+        the ghost norm (0.50 s against 0.82 s, and 0.6 GB less held until the input layer)."""
         if self.is_index:
             return None
         t, r = self.right.shape[1], self.right.shape[-1]
-        extra = self.batch_size * (self.left_size * r - t * (self.left_size + r))
-        return extra if extra <= 0 or t * t * (self.left_size + r) > WRITE_COST * self.left_size * r else None
+        values = self.left_size * r
+        extra = self.batch_size * (values - t * (self.left_size + r))
+        write_bound = values > CACHED_VALUES and t * t * (self.left_size + r) <= WRITE_COST * values
+        return extra if extra <= 0 or not write_bound else None
 
     def retained_instantiation_fits(self) -> bool:
         """Whether instantiating for a fused clipped sum holds at most 4x the layer's own activation and
@@ -281,10 +284,13 @@ class Outer(PerExampleGrad):
         return (_left_gram(self, other, right_gram.dtype) * right_gram).sum((1, 2))
 
 
+CACHED_VALUES = 2**20
+"""Values of one per-example gradient (4 MB in float32) beyond which its instantiation is bound by writing it
+out: on CPU, 256 x 1024 layers are instantiated at the matmul's speed, 768 x 3072 ones at half of it."""
 WRITE_COST = 100
-"""Multiply-adds that writing one value of an instantiated per-example gradient costs: a batched matmul over
-a short T is bound by its output (on CPU, 768 x 3072 layers at T = 64..512 ran at 21-38 G multiply-adds/s
-against 47 for the sum's matmul over B T, i.e. ``T L R + ~100 L R``)."""
+"""Multiply-adds that writing one value of such a per-example gradient costs: on CPU, 768 x 3072 layers at
+T = 64..512 were instantiated at 21-38 G multiply-adds/s against 47 for the sum's matmul over B T, i.e.
+``T L R + ~100 L R``."""
 
 
 def ghost_is_cheaper(t: int, left: int, right: int) -> bool:
