@@ -1,5 +1,5 @@
 """Small models around one layer family, shared by its oracle test (``tests/test_rules_<family>.py``) and the
-sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale."""
+sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale, BEiT's layer-owned layer scale."""
 
 from __future__ import annotations
 
@@ -88,3 +88,41 @@ class ScaleNet(nn.Module):
 def scale_loss(model: ScaleNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy of a :class:`ScaleNet` on token ids, shape (B,)."""
     return F.cross_entropy(model(batch["ids"]), batch["y"], reduction="none")
+
+
+class BeitLayerNet(nn.Module):
+    """Linear patch embedding -> two BEiT (or data2vec-vision) layers with lambdas randomised away from their
+    constant start -> mean over tokens -> head."""
+
+    def __init__(self, kind: str, drop_path: float = 0.0) -> None:
+        super().__init__()
+        if kind == "beit":
+            from transformers import BeitConfig as Config
+            from transformers.models.beit.modeling_beit import BeitLayer as Layer
+        else:
+            from transformers import Data2VecVisionConfig as Config
+            from transformers.models.data2vec.modeling_data2vec_vision import Data2VecVisionLayer as Layer
+        config = Config(
+            hidden_size=8, num_attention_heads=2, intermediate_size=12, layer_scale_init_value=0.1,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        config._attn_implementation = "eager"  # set by from_pretrained / the model class otherwise
+        self.embed = nn.Linear(5, 8)
+        self.layers = nn.ModuleList([Layer(config, drop_path_rate=drop_path) for _ in range(2)])
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.lambda_1.uniform_(0.2, 1.5)
+                layer.lambda_2.uniform_(-1.5, -0.2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            out = layer(h)
+            h = out[0] if isinstance(out, tuple) else out
+        return self.head(h.mean(1))
+
+
+def beit_loss(model: BeitLayerNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy of a :class:`BeitLayerNet` on (B, T, 5) inputs, shape (B,)."""
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")

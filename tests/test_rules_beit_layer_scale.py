@@ -10,10 +10,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.capture import unsupported_modules
+from tests.layer_models import BeitLayerNet as LayerNet
+from tests.layer_models import beit_loss as loss_fn
 from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, slice_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -24,43 +25,6 @@ SETTINGS = [
     for strategy in ("bk", "ghost", "instantiate")
     for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))
 ]
-
-
-class LayerNet(nn.Module):
-    """Linear patch embedding -> two BEiT (or data2vec-vision) layers with lambdas randomised away from their
-    constant start -> mean over tokens -> head."""
-
-    def __init__(self, kind: str, drop_path: float = 0.0) -> None:
-        super().__init__()
-        if kind == "beit":
-            from transformers import BeitConfig as Config
-            from transformers.models.beit.modeling_beit import BeitLayer as Layer
-        else:
-            from transformers import Data2VecVisionConfig as Config
-            from transformers.models.data2vec.modeling_data2vec_vision import Data2VecVisionLayer as Layer
-        config = Config(
-            hidden_size=8, num_attention_heads=2, intermediate_size=12, layer_scale_init_value=0.1,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )  # fmt: skip
-        config._attn_implementation = "eager"  # set by from_pretrained / the model class otherwise
-        self.embed = nn.Linear(5, 8)
-        self.layers = nn.ModuleList([Layer(config, drop_path_rate=drop_path) for _ in range(2)])
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.lambda_1.uniform_(0.2, 1.5)
-                layer.lambda_2.uniform_(-1.5, -0.2)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            out = layer(h)
-            h = out[0] if isinstance(out, tuple) else out
-        return self.head(h.mean(1))
-
-
-def loss_fn(model: LayerNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
 
 
 def _batch() -> dict[str, torch.Tensor]:
