@@ -1,5 +1,6 @@
 """Small models around one layer family, shared by its oracle test (``tests/test_rules_<family>.py``) and the
-sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale, BEiT's layer-owned layer scale."""
+sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale, BEiT's layer-owned layer scale, DINOv2's
+embeddings."""
 
 from __future__ import annotations
 
@@ -126,3 +127,29 @@ class BeitLayerNet(nn.Module):
 def beit_loss(model: BeitLayerNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy of a :class:`BeitLayerNet` on (B, T, 5) inputs, shape (B,)."""
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+class Dinov2Net(nn.Module):
+    """A two-layer DINOv2 on 8x8 images in 4x4 patches (a 2x2 grid), its pooled output -> head."""
+
+    def __init__(self, hidden_dropout: float = 0.0) -> None:
+        super().__init__()
+        from transformers import Dinov2Config, Dinov2Model
+
+        config = Dinov2Config(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, image_size=8,
+            patch_size=4, num_channels=3, layerscale_value=0.5, hidden_dropout_prob=hidden_dropout,
+        )  # fmt: skip
+        self.backbone = Dinov2Model(config)
+        with torch.no_grad():  # away from their zero start, so that every token matters
+            self.backbone.embeddings.cls_token.normal_()
+            self.backbone.embeddings.mask_token.normal_()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.backbone(pixel_values=x, bool_masked_pos=mask).pooler_output)
+
+
+def dinov2_loss(model: Dinov2Net, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy on (B, 3, 8, 8) images ``x`` with the optional (B, 4) ``mask``; (B,)."""
+    return F.cross_entropy(model(batch["x"], batch.get("mask")), batch["y"], reduction="none")

@@ -22,7 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests import engine_models, recurrent_models, timm_cnn_models
-from tests.layer_models import BagNet, BeitLayerNet, ScaleNet, bag_batch, bag_loss, beit_loss, scale_loss
+from tests.layer_models import (
+    BagNet,
+    BeitLayerNet,
+    Dinov2Net,
+    ScaleNet,
+    bag_batch,
+    bag_loss,
+    beit_loss,
+    dinov2_loss,
+    scale_loss,
+)
 from tests.oracle import Batch, LossFn
 
 Expect = Literal["private", "refuse_or_private"]
@@ -411,6 +421,7 @@ NEW_CASES = [
     "layer_scale_dinov2",
     "layer_scale_timm_flattened",
     "layer_scale_beit",  # HF BeitLayer's own lambda_1, lambda_2 (numbered taps of its drop_path)
+    "dinov2_masked",  # HF Dinov2Embeddings: cls, position and mask tokens (bool_masked_pos)
     *LAYER_CASES,
     "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
     "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
@@ -485,6 +496,11 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         model, shape = _layer_case(name)
         batch = {"x": _floats(gen, size, *shape), "y": _labels(gen, size, 3)}
         return model.double(), engine_models.classification_loss, batch, float_info
+    if name == "dinov2_masked":
+        mask = torch.rand(size, 4, generator=gen) < 0.5
+        mask[0] = False  # an example without masked patches
+        batch = {"x": _floats(gen, size, 3, 8, 8), "mask": mask, "y": _labels(gen, size, 3)}
+        return Dinov2Net().double(), dinov2_loss, batch, float_info
     if name == "layer_scale_beit":
         batch = {"x": _floats(gen, size, 4, 5), "y": _labels(gen, size, 3)}
         return BeitLayerNet("beit").double(), beit_loss, batch, float_info

@@ -10,11 +10,12 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
+from tests.layer_models import Dinov2Net as Classifier
+from tests.layer_models import dinov2_loss as loss_fn
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -25,31 +26,6 @@ SETTINGS = [
     for strategy in ("bk", "ghost", "instantiate")
     for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))
 ]
-
-
-class Classifier(nn.Module):
-    """A two-layer DINOv2 on 8x8 images in 4x4 patches (a 2x2 grid), its pooled output -> head."""
-
-    def __init__(self, hidden_dropout: float = 0.0) -> None:
-        super().__init__()
-        from transformers import Dinov2Config, Dinov2Model
-
-        config = Dinov2Config(
-            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, image_size=8,
-            patch_size=4, num_channels=3, layerscale_value=0.5, hidden_dropout_prob=hidden_dropout,
-        )  # fmt: skip
-        self.backbone = Dinov2Model(config)
-        with torch.no_grad():  # away from their zero start, so that every token matters
-            self.backbone.embeddings.cls_token.normal_()
-            self.backbone.embeddings.mask_token.normal_()
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(self.backbone(pixel_values=x, bool_masked_pos=mask).pooler_output)
-
-
-def loss_fn(model: Classifier, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(batch["x"], batch.get("mask")), batch["y"], reduction="none")
 
 
 def _batch(masked: bool, size: int = 8) -> dict[str, torch.Tensor]:
