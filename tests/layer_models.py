@@ -1,6 +1,6 @@
 """Small models around one layer family, shared by its oracle test (``tests/test_rules_<family>.py``) and the
 sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale, BEiT's layer-owned layer scale, DINOv2's
-embeddings."""
+embeddings, Swin's window attention."""
 
 from __future__ import annotations
 
@@ -153,3 +153,20 @@ class Dinov2Net(nn.Module):
 def dinov2_loss(model: Dinov2Net, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy on (B, 3, 8, 8) images ``x`` with the optional (B, 4) ``mask``; (B,)."""
     return F.cross_entropy(model(batch["x"], batch.get("mask")), batch["y"], reduction="none")
+
+
+def swin() -> nn.Module:
+    """timm Swin on 8x8 images in 2x2 patches, windows of 2x2 tokens: stage 1 has 4 windows per example (its
+    second block shifted, with the shift mask), stage 2 one; relative position tables randomised; no drop-path
+    (the oracle recomputes each example: a deterministic forward)."""
+    import timm
+
+    model = timm.create_model(
+        "swin_tiny_patch4_window7_224", pretrained=False, img_size=8, patch_size=2, embed_dim=8,
+        depths=(2, 2), num_heads=(2, 2), window_size=2, num_classes=3, drop_path_rate=0.0,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                p.normal_()
+    return model

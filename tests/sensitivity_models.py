@@ -32,6 +32,7 @@ from tests.layer_models import (
     beit_loss,
     dinov2_loss,
     scale_loss,
+    swin,
 )
 from tests.oracle import Batch, LossFn
 
@@ -422,6 +423,7 @@ NEW_CASES = [
     "layer_scale_timm_flattened",
     "layer_scale_beit",  # HF BeitLayer's own lambda_1, lambda_2 (numbered taps of its drop_path)
     "dinov2_masked",  # HF Dinov2Embeddings: cls, position and mask tokens (bool_masked_pos)
+    "swin_windows",  # timm WindowAttention's relative position table: (B * windows) rows, shifted windows
     *LAYER_CASES,
     "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
     "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
@@ -496,6 +498,9 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         model, shape = _layer_case(name)
         batch = {"x": _floats(gen, size, *shape), "y": _labels(gen, size, 3)}
         return model.double(), engine_models.classification_loss, batch, float_info
+    if name == "swin_windows":
+        batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
+        return swin().double(), engine_models.classification_loss, batch, float_info
     if name == "dinov2_masked":
         mask = torch.rand(size, 4, generator=gen) < 0.5
         mask[0] = False  # an example without masked patches

@@ -135,5 +135,6 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     recurrent,
     rms_norm,
     vision_tokens,
+    window_attention,
     ws_conv,
 )
