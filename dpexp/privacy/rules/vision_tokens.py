@@ -17,9 +17,11 @@ whole network per example.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
@@ -129,9 +131,44 @@ def _check_dinov2(module: nn.Module) -> None:
         )
 
 
+def _patches(module: nn.Module, height: int, width: int) -> int:
+    patch_h, patch_w = module.patch_embeddings.patch_size
+    return (height // patch_h) * (width // patch_w)
+
+
+def _resamples(module: nn.Module, height: int, width: int) -> bool:
+    """Whether the module's ``interpolate_pos_encoding`` resamples its table for an image of this size."""
+    positions = module.position_embeddings.shape[1] - 1
+    return _patches(module, height, width) != positions or height != width
+
+
+def _resampled_position_grads(module: nn.Module, dy: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``J^T dy_i`` (B, 1 + P, d) for every example, J the Jacobian of the module's resampling of its position
+    table (1, 1 + P, d) to the (height, width) image (``interpolate_pos_encoding``: the class position as it
+    is, the s x s patch positions bicubically to the patch grid, in float32 as the module computes them),
+    taken with the table expanded to one copy per example, as the module resamples it once for all."""
+    table = module.position_embeddings.detach()
+    batch, dim = dy.shape[0], dy.shape[-1]
+    side = math.isqrt(table.shape[1] - 1)
+    patch_h, patch_w = module.patch_embeddings.patch_size
+    with torch.enable_grad():
+        rows = table.expand(batch, -1, -1).clone().requires_grad_()
+        grid = rows[:, 1:].reshape(batch, side, side, dim).permute(0, 3, 1, 2)
+        grid = F.interpolate(
+            grid.to(torch.float32),
+            size=(height // patch_h, width // patch_w),
+            mode="bicubic",
+            align_corners=False,
+        ).to(table.dtype)
+        out = torch.cat((rows[:, :1], grid.permute(0, 2, 3, 1).reshape(batch, -1, dim)), 1)
+        (grad,) = torch.autograd.grad(out, rows, dy)
+    return grad
+
+
 def dinov2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(pixel_values (B, C, H, W), bool_masked_pos (B, N) or None)``; refuses a call whose output gradient
-    is not the gradient at the tokens (embedding dropout in training) or whose position table is resampled."""
+    is not the gradient at the tokens (embedding dropout in training), or a float32 resampling of a float64
+    table (the engine's check of the per-example sums would fail by its rounding)."""
     call = inspect.signature(module.forward).bind(*args, **kwargs)
     call.apply_defaults()
     pixels, mask = call.arguments["pixel_values"], call.arguments["bool_masked_pos"]
@@ -141,16 +178,15 @@ def dinov2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
             "gradient is not the tokens' gradient the rule needs; set hidden_dropout_prob=0 (or "
             "embeddings.dropout.p = 0), or freeze cls_token, mask_token and position_embeddings"
         )
-    height, width = pixels.shape[-2:]
-    patch_h, patch_w = module.patch_embeddings.patch_size
-    patches, positions = (height // patch_h) * (width // patch_w), module.position_embeddings.shape[1] - 1
-    if patches != positions or height != width or torch.jit.is_tracing():  # its interpolate_pos_encoding
+    if torch.jit.is_tracing():
+        raise ValueError("is traced, where it always resamples its positions; train it untraced")
+    if _resamples(module, *pixels.shape[-2:]) and module.position_embeddings.dtype == torch.float64:
         raise ValueError(
-            f"pixel_values of size {height}x{width} give {patches} patches (or a non-square image) for a "
-            f"position table of {positions}, so the module resamples position_embeddings (bicubic, in "
-            "float32), which the per-example rule does not model; feed square images of "
-            "config.image_size, or freeze cls_token, mask_token and position_embeddings"
+            f"resamples position_embeddings for {tuple(pixels.shape[-2:])} images in float32 (bicubic), so "
+            "in a float64 model the per-example gradients cannot be verified to add up to autograd's to "
+            "float64 precision; train in float32 (or bfloat16), or feed square images of config.image_size"
         )
+    patches = _patches(module, *pixels.shape[-2:])
     if mask is not None and tuple(mask.shape) != (pixels.shape[0], patches):
         raise ValueError(
             f"bool_masked_pos has shape {tuple(mask.shape)}; the mask-token rule needs one row per image, "
@@ -173,14 +209,18 @@ def dinov2_token_grads(
     ``dropout(cat(cls, p * (1 - m) + mask_token * m) + position_embeddings)`` with ``p`` (B, N, d) the patch
     embeddings (a submodule with its own rule) and ``m`` (B, N) the optional ``bool_masked_pos``. With ``dy``
     (B, 1 + N, d) the output gradient (no dropout: :func:`dinov2_inputs`), ``d cls_i = dy_i[0]``,
-    ``d pos_i = dy_i`` and ``d mask_token_i = sum_t m_{i,t} dy_i[1 + t]``: zero for an example without masked
-    patches, and for every example when no mask is passed (the token is then unused). Without the rule, the
+    ``d pos_i = dy_i`` (``J^T dy_i`` where the module resamples the table for another image size:
+    :func:`_resampled_position_grads`, exact to the float32 rounding of that resampling) and
+    ``d mask_token_i = sum_t m_{i,t} dy_i[1 + t]``: zero for an example without masked patches, and for
+    every example when no mask is passed (the token is then unused). Without the rule, the
     fallback recomputed the module per example (1.7x the non-private step, results/bench/fallbacks.json)."""
-    _, mask = call
+    pixels, mask = call
     batch = dy.shape[0]
+    height, width = pixels.shape[-2:]
+    pos = _resampled_position_grads(module, dy, height, width) if _resamples(module, height, width) else dy
     grads: dict[str, PerExampleGrad] = {
         "cls_token": Dense(dy[:, :1].reshape(batch, *module.cls_token.shape)),
-        "position_embeddings": Dense(dy.reshape(batch, *module.position_embeddings.shape)),
+        "position_embeddings": Dense(pos.reshape(batch, *module.position_embeddings.shape)),
     }
     if module.mask_token is not None:
         token = torch.zeros((batch, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
