@@ -1,5 +1,6 @@
 """Small models around one layer family, shared by its oracle test (``tests/test_rules_<family>.py``) and the
-sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale."""
+sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale, BEiT's layer-owned layer scale, DINOv2's
+embeddings, Swin's window attention."""
 
 from __future__ import annotations
 
@@ -88,3 +89,84 @@ class ScaleNet(nn.Module):
 def scale_loss(model: ScaleNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy of a :class:`ScaleNet` on token ids, shape (B,)."""
     return F.cross_entropy(model(batch["ids"]), batch["y"], reduction="none")
+
+
+class BeitLayerNet(nn.Module):
+    """Linear patch embedding -> two BEiT (or data2vec-vision) layers with lambdas randomised away from their
+    constant start -> mean over tokens -> head."""
+
+    def __init__(self, kind: str, drop_path: float = 0.0) -> None:
+        super().__init__()
+        if kind == "beit":
+            from transformers import BeitConfig as Config
+            from transformers.models.beit.modeling_beit import BeitLayer as Layer
+        else:
+            from transformers import Data2VecVisionConfig as Config
+            from transformers.models.data2vec.modeling_data2vec_vision import Data2VecVisionLayer as Layer
+        config = Config(
+            hidden_size=8, num_attention_heads=2, intermediate_size=12, layer_scale_init_value=0.1,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        config._attn_implementation = "eager"  # set by from_pretrained / the model class otherwise
+        self.embed = nn.Linear(5, 8)
+        self.layers = nn.ModuleList([Layer(config, drop_path_rate=drop_path) for _ in range(2)])
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.lambda_1.uniform_(0.2, 1.5)
+                layer.lambda_2.uniform_(-1.5, -0.2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            out = layer(h)
+            h = out[0] if isinstance(out, tuple) else out
+        return self.head(h.mean(1))
+
+
+def beit_loss(model: BeitLayerNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy of a :class:`BeitLayerNet` on (B, T, 5) inputs, shape (B,)."""
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+class Dinov2Net(nn.Module):
+    """A two-layer DINOv2 on 8x8 images in 4x4 patches (a 2x2 grid), its pooled output -> head."""
+
+    def __init__(self, hidden_dropout: float = 0.0) -> None:
+        super().__init__()
+        from transformers import Dinov2Config, Dinov2Model
+
+        config = Dinov2Config(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, image_size=8,
+            patch_size=4, num_channels=3, layerscale_value=0.5, hidden_dropout_prob=hidden_dropout,
+        )  # fmt: skip
+        self.backbone = Dinov2Model(config)
+        with torch.no_grad():  # away from their zero start, so that every token matters
+            self.backbone.embeddings.cls_token.normal_()
+            self.backbone.embeddings.mask_token.normal_()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.backbone(pixel_values=x, bool_masked_pos=mask).pooler_output)
+
+
+def dinov2_loss(model: Dinov2Net, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy on (B, 3, 8, 8) images ``x`` with the optional (B, 4) ``mask``; (B,)."""
+    return F.cross_entropy(model(batch["x"], batch.get("mask")), batch["y"], reduction="none")
+
+
+def swin() -> nn.Module:
+    """timm Swin on 8x8 images in 2x2 patches, windows of 2x2 tokens: stage 1 has 4 windows per example (its
+    second block shifted, with the shift mask), stage 2 one; relative position tables randomised; no drop-path
+    (the oracle recomputes each example: a deterministic forward)."""
+    import timm
+
+    model = timm.create_model(
+        "swin_tiny_patch4_window7_224", pretrained=False, img_size=8, patch_size=2, embed_dim=8,
+        depths=(2, 2), num_heads=(2, 2), window_size=2, num_classes=3, drop_path_rate=0.0,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                p.normal_()
+    return model

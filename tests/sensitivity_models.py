@@ -22,7 +22,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests import engine_models, recurrent_models, timm_cnn_models
-from tests.layer_models import BagNet, ScaleNet, bag_batch, bag_loss, scale_loss
+from tests.layer_models import (
+    BagNet,
+    BeitLayerNet,
+    Dinov2Net,
+    ScaleNet,
+    bag_batch,
+    bag_loss,
+    beit_loss,
+    dinov2_loss,
+    scale_loss,
+    swin,
+)
 from tests.oracle import Batch, LossFn
 
 Expect = Literal["private", "refuse_or_private"]
@@ -410,6 +421,9 @@ NEW_CASES = [
     "embedding_bag_offsets_mean_padding",
     "layer_scale_dinov2",
     "layer_scale_timm_flattened",
+    "layer_scale_beit",  # HF BeitLayer's own lambda_1, lambda_2 (numbered taps of its drop_path)
+    "dinov2_masked",  # HF Dinov2Embeddings: cls, position and mask tokens (bool_masked_pos)
+    "swin_windows",  # timm WindowAttention's relative position table: (B * windows) rows, shifted windows
     *LAYER_CASES,
     "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
     "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
@@ -484,6 +498,17 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         model, shape = _layer_case(name)
         batch = {"x": _floats(gen, size, *shape), "y": _labels(gen, size, 3)}
         return model.double(), engine_models.classification_loss, batch, float_info
+    if name == "swin_windows":
+        batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
+        return swin().double(), engine_models.classification_loss, batch, float_info
+    if name == "dinov2_masked":
+        mask = torch.rand(size, 4, generator=gen) < 0.5
+        mask[0] = False  # an example without masked patches
+        batch = {"x": _floats(gen, size, 3, 8, 8), "mask": mask, "y": _labels(gen, size, 3)}
+        return Dinov2Net().double(), dinov2_loss, batch, float_info
+    if name == "layer_scale_beit":
+        batch = {"x": _floats(gen, size, 4, 5), "y": _labels(gen, size, 3)}
+        return BeitLayerNet("beit").double(), beit_loss, batch, float_info
     if name.startswith("layer_scale"):  # channels-last layer scale, on (B, T, d) or flattened (B*T, d) rows
         ids = torch.randint(1, 11, (size, 6), generator=gen)
         ids[0, 4:] = 0

@@ -219,6 +219,7 @@ class Capture:
         self._deliver, self._on_model_call, self._after_model_call = deliver, on_model_call, after_model_call
         self._recomputing = False
         self._anchor = torch.zeros((), requires_grad=True)
+        self._tap_calls: dict[int, int] = {}  # id(module) of a numbered-tap layer -> tap calls in its call
         expanded = [
             ly.module
             for ly in layers
@@ -243,6 +244,8 @@ class Capture:
                 handle = layer.module.get_submodule(tap).register_forward_pre_hook(
                     partial(self._tapped, layer)
                 )
+                if layer.rule.numbered_tap:
+                    self._handles.append(layer.module.register_forward_pre_hook(self._count_taps))
             self._handles.append(handle)
 
     def _recording(self) -> bool:
@@ -362,8 +365,18 @@ class Capture:
         """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
         if not self._recording():
             return None
-        x = self._record(Use(layer, args[:1], {}, _versions(args[:1], {})), args[0])
+        recorded: tuple = args[:1]
+        if layer.rule is not None and layer.rule.numbered_tap:
+            k = self._tap_calls[id(layer.module)]
+            self._tap_calls[id(layer.module)] = k + 1
+            recorded = (args[0], k)
+        x = self._record(Use(layer, recorded, {}, _versions(args[:1], {})), args[0])
         return (x, *args[1:])
+
+    def _count_taps(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of a numbered-tap layer: its tap calls are counted from 0 in every call."""
+        if self._recording():
+            self._tap_calls[id(module)] = 0
 
     def _record(self, use: Use, tensor: torch.Tensor) -> torch.Tensor:
         """Record a use and hook the gradient of ``tensor`` (anchored if it needs none)."""
@@ -387,7 +400,7 @@ class Capture:
         (position-wise) rule."""
         layer = use.layer
         if layer.rule is not None:
-            x = use.args if layer.rule.call is not None else use.args[0]
+            x = use.args if layer.rule.call is not None or layer.rule.numbered_tap else use.args[0]
             if fold > 1:
                 x = x.unflatten(0, (dy.shape[0], fold))
             grads = layer.rule.per_example_grads(layer.module, x, dy)

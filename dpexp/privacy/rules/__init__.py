@@ -72,6 +72,7 @@ class LayerRule:
     position_wise: bool = False  # a flattened (B*T, ...) input may be folded to (B, T, ...)
     call: CallLayout | None = None
     claims: tuple[str, ...] = ()
+    numbered_tap: bool = False  # the tap is called several times per module call; the rule gets (x, k)
 
 
 _RULES: dict[str, LayerRule] = {}
@@ -89,6 +90,7 @@ def register_rule(
     position_wise: bool = False,
     call: CallLayout | None = None,
     claims: tuple[str, ...] = (),
+    numbered_tap: bool = False,
 ) -> Callable[[GradFn], GradFn]:
     """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
     qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`."""
@@ -96,7 +98,9 @@ def register_rule(
     def decorate(fn: GradFn) -> GradFn:
         for module_type in module_types:
             key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
-            _RULES[key] = LayerRule(fn, check, expand_broadcast_input, tap, position_wise, call, claims)
+            _RULES[key] = LayerRule(
+                fn, check, expand_broadcast_input, tap, position_wise, call, claims, numbered_tap
+            )
         return fn
 
     return decorate
@@ -131,5 +135,6 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     recurrent,
     rms_norm,
     vision_tokens,
+    window_attention,
     ws_conv,
 )

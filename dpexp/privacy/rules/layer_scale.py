@@ -16,6 +16,15 @@ term is exact to the rounding of the product ``u * gamma`` itself (relative 2^-2
 ``u`` cannot be recovered from ``v``, and the rule refuses (naming the fix) rather than guess. That check
 reads ``gamma`` once per block and step (a device synchronisation on GPU). Without the rule, the exact
 ``torch.func`` fallback would recompute each whole block per example.
+
+*BEiT's layer* (Hugging Face's ``BeitLayer``, Bao et al. 2022 sec. 2.5, the CaiT layer scale): the layer owns
+``lambda_1``, ``lambda_2`` (C,) and computes, on both residual branches in turn,
+``h = drop_path(lambda_k * dropout(branch_k(...))) + h`` with its one ``drop_path`` (per-example mask, or
+``nn.Identity`` at rate 0). The rule taps ``drop_path`` as ConvNeXt's does; its call k (0: attention, 1: MLP,
+counted by the capture within each call of the layer) gives ``v = lambda_{k+1} * u`` (B, T, C) and ``dz``, so
+``dlambda_{k+1, i} = (sum_t dz_i v_i) / lambda_{k+1}``, with the same floor on ``|lambda|``; the other lambda
+gets zero from that call. Without the rule, the fallback recomputed the whole layer per example (7.3x the
+non-private step, and it refused drop-path, which the recomputation could not reproduce).
 """
 
 from __future__ import annotations
@@ -67,16 +76,61 @@ def _check(module: nn.Module) -> None:
         )
 
 
+def _unscale(module: nn.Module, name: str, scaled: torch.Tensor) -> torch.Tensor:
+    """``scaled`` (B, C) ``= sum dz * (scale * u)`` over positions, divided by the module's scale ``name``
+    (C,): ``sum dz * u``; refuses a scale too small for ``u`` to be recovered from ``scale * u``."""
+    scale = getattr(module, name).detach()
+    floor = torch.finfo(scaled.dtype).tiny ** 0.5
+    if not bool((scale.abs() >= floor).all()):
+        raise ValueError(
+            f"{type(module).__name__}: a layer-scale {name} is below {floor:.1e} in magnitude, where its "
+            "per-example gradient cannot be formed from the scaled branch; re-initialise it (e.g. "
+            "ls_init_value / layer_scale_init_value 1e-6) or freeze it (requires_grad=False)."
+        )
+    return scaled / scale.to(scaled.dtype)
+
+
 @register_rule("timm.models.convnext.ConvNeXtBlock", check=_check, tap="drop_path")
 def layer_scale_grads(module: nn.Module, v: torch.Tensor, dz: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``v``, ``dz``: (B, C, H, W) at the input of ``module.drop_path``; returns ``dgamma`` (B, C)."""
-    gamma = module.gamma.detach()
-    floor = torch.finfo(v.dtype).tiny ** 0.5
-    if not bool((gamma.abs() >= floor).all()):
+    return {"gamma": Dense(_unscale(module, "gamma", (dz * v).sum((2, 3))))}
+
+
+_BEIT_SCALES = ("lambda_1", "lambda_2")  # in the order of the layer's drop_path calls
+
+
+def _check_beit(module: nn.Module) -> None:
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    if not own <= set(_BEIT_SCALES) or not isinstance(getattr(module, "drop_path", None), nn.Module):
         raise ValueError(
-            f"{type(module).__name__}: a layer-scale gamma is below {floor:.1e} in magnitude, where its "
-            "per-example gradient cannot be formed from the scaled branch; re-initialise it (e.g. "
-            "ls_init_value=1e-6) or freeze it (requires_grad=False)."
+            f"{type(module).__name__}: the privacy engine's layer-scale rule expects the layer's own "
+            f"trainable parameters to be lambda_1, lambda_2 and a drop_path module after each; got "
+            f"{sorted(own)}. Freeze these parameters or register a rule for the layer."
         )
-    scaled = (dz * v).sum((2, 3))
-    return {"gamma": Dense(scaled / gamma.to(scaled.dtype))}
+
+
+@register_rule(
+    "transformers.models.beit.modeling_beit.BeitLayer",
+    "transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionLayer",
+    check=_check_beit,
+    tap="drop_path",
+    numbered_tap=True,
+)
+def beit_layer_scale_grads(
+    module: nn.Module, call: tuple[torch.Tensor, int], dz: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """``call = (v, k)``: ``v``, ``dz`` (B, T, C) at the input of ``module.drop_path`` in its call ``k`` of
+    the layer's call; returns ``dlambda_{k+1}`` (B, C) and zero for the other lambda (the engine keeps the
+    trainable ones: a parameter's ``requires_grad`` is off while the engine holds it)."""
+    v, k = call
+    if k >= len(_BEIT_SCALES):
+        raise RuntimeError(
+            f"{type(module).__name__}: its drop_path was called {k + 1} times in one call of the layer; the "
+            "layer-scale rule knows two (lambda_1, lambda_2). Register a rule for this layer."
+        )
+    name = _BEIT_SCALES[k]
+    grad = _unscale(module, name, as_sequence(dz * v).sum(1))
+    others = [
+        other for other in _BEIT_SCALES if other != name and isinstance(getattr(module, other), nn.Parameter)
+    ]
+    return {name: Dense(grad), **{other: Dense(torch.zeros_like(grad)) for other in others}}

@@ -1,6 +1,6 @@
-"""Vision Transformers' own parameters: class, distillation and register tokens and absolute position
+"""Vision Transformers' own parameters: class, distillation, register and mask tokens and absolute position
 embedding (timm's ``VisionTransformer``, DeiT's ``VisionTransformerDistilled`` and ``Beit``, Hugging Face's
-``ViTEmbeddings`` and CLIP's ``CLIPVisionEmbeddings``).
+``ViTEmbeddings``, CLIP's ``CLIPVisionEmbeddings`` and DINOv2's ``Dinov2Embeddings``).
 
 timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
 (or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``) and passes it
@@ -16,11 +16,16 @@ whole network per example.
 
 from __future__ import annotations
 
+import inspect
+import math
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import register_rule
+from dpexp.privacy.rules import CallLayout, register_rule
 
 _PREFIX = ("cls_token", "dist_token", "reg_token")  # in their order in the sequence
 _TOKENS = (*_PREFIX, "pos_embed")
@@ -111,3 +116,115 @@ def clip_class_embedding_grads(
     table outside its module; the engine's verification refuses it.) Without the rule the exact fallback
     recomputed the module per example: 1.8x the non-private step (results/bench/fallbacks.json)."""
     return {"class_embedding": Dense(dy[:, 0])}
+
+
+_DINOV2 = "transformers.models.dinov2.modeling_dinov2.Dinov2Embeddings"
+_DINOV2_TOKENS = {"cls_token", "mask_token", "position_embeddings"}
+
+
+def _check_dinov2(module: nn.Module) -> None:
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    if own - _DINOV2_TOKENS:
+        raise ValueError(
+            f"{type(module).__name__}: the privacy engine's class/mask/position-token rule does not know its "
+            f"parameters {sorted(own - _DINOV2_TOKENS)}. Freeze them or register a rule for it."
+        )
+
+
+def _patches(module: nn.Module, height: int, width: int) -> int:
+    patch_h, patch_w = module.patch_embeddings.patch_size
+    return (height // patch_h) * (width // patch_w)
+
+
+def _resamples(module: nn.Module, height: int, width: int) -> bool:
+    """Whether the module's ``interpolate_pos_encoding`` resamples its table for an image of this size."""
+    positions = module.position_embeddings.shape[1] - 1
+    return _patches(module, height, width) != positions or height != width
+
+
+def _resampled_position_grads(module: nn.Module, dy: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``J^T dy_i`` (B, 1 + P, d) for every example, J the Jacobian of the module's resampling of its position
+    table (1, 1 + P, d) to the (height, width) image (``interpolate_pos_encoding``: the class position as it
+    is, the s x s patch positions bicubically to the patch grid, in float32 as the module computes them),
+    taken with the table expanded to one copy per example, as the module resamples it once for all."""
+    table = module.position_embeddings.detach()
+    batch, dim = dy.shape[0], dy.shape[-1]
+    side = math.isqrt(table.shape[1] - 1)
+    patch_h, patch_w = module.patch_embeddings.patch_size
+    with torch.enable_grad():
+        rows = table.expand(batch, -1, -1).clone().requires_grad_()
+        grid = rows[:, 1:].reshape(batch, side, side, dim).permute(0, 3, 1, 2)
+        grid = F.interpolate(
+            grid.to(torch.float32),
+            size=(height // patch_h, width // patch_w),
+            mode="bicubic",
+            align_corners=False,
+        ).to(table.dtype)
+        out = torch.cat((rows[:, :1], grid.permute(0, 2, 3, 1).reshape(batch, -1, dim)), 1)
+        (grad,) = torch.autograd.grad(out, rows, dy)
+    return grad
+
+
+def dinov2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(pixel_values (B, C, H, W), bool_masked_pos (B, N) or None)``; refuses a call whose output gradient
+    is not the gradient at the tokens (embedding dropout in training), or a float32 resampling of a float64
+    table (the engine's check of the per-example sums would fail by its rounding)."""
+    call = inspect.signature(module.forward).bind(*args, **kwargs)
+    call.apply_defaults()
+    pixels, mask = call.arguments["pixel_values"], call.arguments["bool_masked_pos"]
+    if module.training and module.dropout.p > 0:
+        raise ValueError(
+            f"applies embedding dropout (p={module.dropout.p}) to its output in training, so its output "
+            "gradient is not the tokens' gradient the rule needs; set hidden_dropout_prob=0 (or "
+            "embeddings.dropout.p = 0), or freeze cls_token, mask_token and position_embeddings"
+        )
+    if torch.jit.is_tracing():
+        raise ValueError("is traced, where it always resamples its positions; train it untraced")
+    if _resamples(module, *pixels.shape[-2:]) and module.position_embeddings.dtype == torch.float64:
+        raise ValueError(
+            f"resamples position_embeddings for {tuple(pixels.shape[-2:])} images in float32 (bicubic), so "
+            "in a float64 model the per-example gradients cannot be verified to add up to autograd's to "
+            "float64 precision; train in float32 (or bfloat16), or feed square images of config.image_size"
+        )
+    patches = _patches(module, *pixels.shape[-2:])
+    if mask is not None and tuple(mask.shape) != (pixels.shape[0], patches):
+        raise ValueError(
+            f"bool_masked_pos has shape {tuple(mask.shape)}; the mask-token rule needs one row per image, "
+            f"({pixels.shape[0]}, {patches})"
+        )
+    return pixels, mask
+
+
+def dinov2_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """The gradient of the one output, (B, 1 + N, d)."""
+    (dy,) = grads
+    return dy
+
+
+@register_rule(_DINOV2, check=_check_dinov2, call=CallLayout(dinov2_inputs, dinov2_output_grad))
+def dinov2_token_grads(
+    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Hugging Face DINOv2 (Oquab et al. 2023, sec. 4; the ViT tokens of Dosovitskiy et al. 2021, eq. 1):
+    ``dropout(cat(cls, p * (1 - m) + mask_token * m) + position_embeddings)`` with ``p`` (B, N, d) the patch
+    embeddings (a submodule with its own rule) and ``m`` (B, N) the optional ``bool_masked_pos``. With ``dy``
+    (B, 1 + N, d) the output gradient (no dropout: :func:`dinov2_inputs`), ``d cls_i = dy_i[0]``,
+    ``d pos_i = dy_i`` (``J^T dy_i`` where the module resamples the table for another image size:
+    :func:`_resampled_position_grads`, exact to the float32 rounding of that resampling) and
+    ``d mask_token_i = sum_t m_{i,t} dy_i[1 + t]``: zero for an example without masked patches, and for
+    every example when no mask is passed (the token is then unused). Without the rule, the
+    fallback recomputed the module per example (1.7x the non-private step, results/bench/fallbacks.json)."""
+    pixels, mask = call
+    batch = dy.shape[0]
+    height, width = pixels.shape[-2:]
+    pos = _resampled_position_grads(module, dy, height, width) if _resamples(module, height, width) else dy
+    grads: dict[str, PerExampleGrad] = {
+        "cls_token": Dense(dy[:, :1].reshape(batch, *module.cls_token.shape)),
+        "position_embeddings": Dense(pos.reshape(batch, *module.position_embeddings.shape)),
+    }
+    if module.mask_token is not None:
+        token = torch.zeros((batch, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
+        if mask is not None:
+            token = torch.einsum("bt,btd->bd", mask.to(dy.dtype), dy[:, 1:])
+        grads["mask_token"] = Dense(token.reshape(batch, *module.mask_token.shape))
+    return grads
