@@ -276,6 +276,31 @@ def test_examples_mixed_before_the_first_layer_are_refused():
         _step(BatchCentred(), _cross_entropy, batch)
 
 
+def test_examples_mixed_in_an_input_that_requires_gradients_are_refused():
+    """An input that already requires gradients (a user's leaf, or the output of an upstream computation
+    outside the model) is probed too: once such inputs went unchecked and a batch-centring front trained."""
+    upstream = torch.randn(4, 3, requires_grad=True)
+    batch = {"x": upstream * 2.0, "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(VerificationError, match="floating-point input 0 of the model"):
+        _step(BatchCentred(), _cross_entropy, batch)
+
+
+def test_an_input_that_requires_gradients_keeps_its_gradient():
+    """Probing an input that requires gradients leaves the user's gradient of it as autograd's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(4, 3)
+    expected_x = x.clone().requires_grad_(True)
+    F.cross_entropy(
+        copy.deepcopy(model)(expected_x), torch.tensor([0, 1, 0, 1]), reduction="none"
+    ).sum().backward()
+    leaf = x.clone().requires_grad_(True)
+    engine = _engine(model)
+    loss = F.cross_entropy(engine.model(leaf), torch.tensor([0, 1, 0, 1]), reduction="none")
+    engine.backward(loss)
+    torch.testing.assert_close(leaf.grad, expected_x.grad)
+
+
 def test_a_loss_that_mixes_examples_is_refused():
     model = nn.Linear(3, 3)
     x = torch.randn(4, 3)

@@ -241,24 +241,26 @@ class BufferWatch:
 
 
 def differentiable_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any], list]:
-    """Floating-point tensor arguments that need no gradient, replaced by copies of leaves that do, so that a
-    probe can see whether one example's input reaches another example's loss; returns the new arguments
-    and the leaves."""
-    leaves: list[torch.Tensor] = []
+    """Floating-point tensor arguments (dim > 0) replaced by probed copies, so that a probe can see whether
+    one example's input reaches another example's loss; returns the new arguments and the probed tensors.
+    An argument that needs no gradient becomes a copy of a leaf that does; one that already requires a
+    gradient (a user's input leaf, or the output of an upstream computation) becomes a differentiable copy
+    that keeps its gradient (``retain_grad``), so the user's own gradient still flows through it."""
+    probed: list[torch.Tensor] = []
 
     def alias(value: Any) -> Any:
-        if (
-            torch.is_tensor(value)
-            and value.is_floating_point()
-            and value.dim() > 0
-            and not value.requires_grad
-        ):
-            leaf = value.detach().requires_grad_(True)
-            leaves.append(leaf)
-            return leaf.clone()  # not a leaf: in-place operations of the model stay legal
-        return value
+        if not (torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0):
+            return value
+        if value.requires_grad:
+            copy = value.clone()
+            copy.retain_grad()
+            probed.append(copy)
+            return copy
+        leaf = value.detach().requires_grad_(True)
+        probed.append(leaf)
+        return leaf.clone()  # not a leaf: in-place operations of the model stay legal
 
-    return tuple(alias(a) for a in args), {k: alias(v) for k, v in kwargs.items()}, leaves
+    return tuple(alias(a) for a in args), {k: alias(v) for k, v in kwargs.items()}, probed
 
 
 def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
@@ -310,7 +312,7 @@ class _Probe:
     """The verification of one forward/backward pair."""
 
     structure: tuple
-    leaves: list[torch.Tensor]  # the model's floating-point inputs, as leaves that require gradients
+    leaves: list[torch.Tensor]  # the model's floating-point inputs, as probed tensors that require gradients
     dtypes: set[torch.dtype]  # precisions seen (compute, output gradients, rule results): the tolerance
     weights: torch.Tensor | None = None  # v, shape (b,)
     leaf_grads: list[torch.Tensor | None] = field(default_factory=list)  # of sum_i v_i l_i
