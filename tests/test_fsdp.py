@@ -2,7 +2,7 @@
 gloo, engine level: one logical step at noise 0 equals the single-process update (flat, per-layer,
 group-wise and adaptive clipping; bk, ghost and instantiated norms), the noise is drawn once per step across
 ranks (its variance) and each rank keeps its shard of it, the epsilon is the single-process one, a rank that
-fails ends the job with an error instead of a hang, and an unsharded-before-backward model is refused. The
+fails ends the job with an error instead of a hang, and a model resharded before the backward is refused. The
 trainer still refuses ``distributed=fsdp`` in one line (not wired yet)."""
 
 from __future__ import annotations
@@ -166,6 +166,6 @@ def test_the_engine_refuses_parameters_sharded_during_backward(tmp_path):
 def test_fsdp_is_refused_by_the_trainer_in_one_line(outside_torchrun):  # noqa: F811
     outside_torchrun.setenv("WORLD_SIZE", "2")
     outside_torchrun.setenv("MASTER_ADDR", "127.0.0.1")
-    with pytest.raises(ValueError, match="distributed=fsdp is not available yet") as info:
+    with pytest.raises(ValueError, match="distributed=fsdp is not available in the trainer yet") as info:
         start_data_parallel(_compose(["distributed=fsdp"]).distributed, torch.device("cpu"))
     assert str(info.value) == FSDP_REFUSAL and "\n" not in FSDP_REFUSAL and not dist.is_initialized()

@@ -46,9 +46,9 @@ MODES = ("none", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
 TORCHRUN = "torchrun --standalone --nproc-per-node=2 -m dpexp.train distributed=ddp ..."
 FSDP_REFUSAL = (
-    "distributed=fsdp is not available yet: the engine cannot verify a model sharded by FSDP2 (fully_shard "
-    "swaps in unsharded parameters for each forward and reduce-scatters their gradients, so the per-example "
-    "gradients cannot be checked against autograd's); use distributed=ddp."
+    "distributed=fsdp is not available in the trainer yet: the engine clips FSDP2-sharded models "
+    "(PrivacyEngine(sharded=True), dpexp/training/sharded.py) but the trainer does not yet shard the model, "
+    "checkpoint sharded state or compare sharded parameters across ranks; use distributed=ddp."
 )
 
 
