@@ -25,10 +25,10 @@ class LiveParameters(Mapping[str, nn.Parameter]):
     registered objects (unsharded from forward to backward, sharded between steps)."""
 
     def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
-        self._model, self._names = model, list(names)
+        self._model, self._names, self._known = model, list(names), set(names)
 
     def __getitem__(self, name: str) -> nn.Parameter:
-        if name not in self._names:
+        if name not in self._known:
             raise KeyError(name)
         return self._model.get_parameter(name)
 
