@@ -283,7 +283,12 @@ class Clipper:
     def take_sums(self) -> dict[str, torch.Tensor]:
         """The step's clipped sums by parameter (zero for a parameter no example reached); starts afresh."""
         sums = {name: self.sums.pop(name, None) for name in self.params}
-        return {name: torch.zeros_like(self.params[name]) if s is None else s for name, s in sums.items()}
+        return {name: self._zeros(name) if s is None else s for name, s in sums.items()}
+
+    def _zeros(self, name: str) -> torch.Tensor:
+        """A full-shape zero sum (a sharded parameter's shape is its full one; zeros_like would shard)."""
+        param = self.params[name]
+        return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
 
     def end_step(self) -> None:
         self.sums.clear()

@@ -43,6 +43,7 @@ from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresh
 from dpexp.privacy.individual import IndividualPrivacy, check_group_indices
 from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
+from dpexp.privacy.sharding import LiveParameters, check_unsharded, local_gradient
 from dpexp.privacy.verification import VerificationError, Verifier, check_use
 
 
@@ -103,6 +104,11 @@ class PrivacyEngine:
             ``draws_noise`` adds noise, then the noised clipped sums and the noised adaptive statistics are
             summed over the processes before the division by B and the threshold update. Default: this
             process alone.
+        sharded: the model's parameters are sharded by FSDP2 (``fully_shard``, reshard_after_forward off;
+            :mod:`dpexp.privacy.sharding`): every parameter is looked up by name when used (the unsharded one
+            from the forward to the end of the backward, the sharded one at the step), and each process
+            releases its shard of the (aggregated) noised mean. Flat, per-layer and group-wise clipping with
+            fixed or adaptive thresholds; coordinate-wise clipping is refused.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class PrivacyEngine:
         individual: IndividualPrivacy | None = None,
         coordinate: coordinate_clipping.CoordinateConfig | Mapping[str, Any] | None = None,
         aggregation: StepAggregation | None = None,
+        sharded: bool = False,
     ) -> None:
         if backend is not None:
             warnings.warn("PrivacyEngine(backend=...) is now strategy=...", DeprecationWarning, stacklevel=2)
@@ -173,6 +180,8 @@ class PrivacyEngine:
             ]
             if on and self.coordinate is not None
         ]
+        if sharded and self.coordinate is not None:
+            clashes.append(("sharded parameters (FSDP2)", "distributed=ddp"))
         if clashes:
             feature, fix = clashes[0]
             raise ValueError(
@@ -202,6 +211,9 @@ class PrivacyEngine:
         self.steps = 0
 
         layers, self._params = discover_layers(model, generic_fallback)
+        self.sharded = sharded
+        if sharded:
+            self._params = LiveParameters(model, list(self._params))
         owners = {n: [ly.name for ly in layers if n in ly.params.values()] for n in self._params}
         layout = ParameterLayout(list(self._params), {n: p.numel() for n, p in self._params.items()}, owners)
         self.groups = partition(layout, clipping, groups)
@@ -306,6 +318,8 @@ class PrivacyEngine:
                 "the module you call."
             )
         self._batch_size = per_example_loss.shape[0]
+        if self.sharded:
+            check_unsharded(self._params)
         try:
             probing = self._verifier.start_backward(forward, self._batch_size)
             if probing:
@@ -486,7 +500,7 @@ class PrivacyEngine:
                 if self.coordinate is not None:  # back from the standardised coordinates
                     grad = coordinate_clipping.unstandardise(grad, self._mean[name], self._scale[name])
                     released[name], noise_std[name] = grad, self._scale[name] * (std / self.batch_size)
-                self._params[name].grad = grad
+                self._params[name].grad = local_gradient(self._params[name], grad) if self.sharded else grad
         if self.coordinate is not None:  # the next transform, from released values only (equal on all ranks)
             self._mean, self._variance = coordinate_clipping.update_moments(
                 self._mean, self._variance, released, noise_std, self.coordinate

@@ -42,9 +42,14 @@ from torch import nn
 
 from dpexp.config import ConfigError
 
-MODES = ("none", "ddp")
+MODES = ("none", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
 TORCHRUN = "torchrun --standalone --nproc-per-node=2 -m dpexp.train distributed=ddp ..."
+FSDP_REFUSAL = (
+    "distributed=fsdp is not available in the trainer yet: the engine clips FSDP2-sharded models "
+    "(PrivacyEngine(sharded=True), dpexp/training/sharded.py) but the trainer does not yet shard the model, "
+    "checkpoint sharded state or compare sharded parameters across ranks; use distributed=ddp."
+)
 
 
 class DistributedError(RuntimeError):
@@ -55,7 +60,7 @@ class DistributedError(RuntimeError):
 class DistributedConfig:
     """The ``distributed`` config group, checked."""
 
-    name: str  # none | ddp
+    name: str  # none | ddp (fsdp is refused: FSDP_REFUSAL)
     backend: str  # auto | gloo | nccl
     timeout_s: float
     world_size: int | None  # None: what torchrun started
@@ -66,6 +71,8 @@ def distributed_config(node: DictConfig) -> DistributedConfig:
     config = DistributedConfig(str(node.name), str(node.backend), node.timeout_s, node.world_size)
     if config.name not in MODES:
         raise ConfigError(f"distributed={config.name}: valid choices are {', '.join(MODES)}.")
+    if config.name == "fsdp":
+        raise ConfigError(FSDP_REFUSAL)
     if config.backend not in BACKENDS:
         raise ConfigError(f"distributed.backend={config.backend}: valid choices are {', '.join(BACKENDS)}.")
     if not (
