@@ -42,7 +42,7 @@ from torch import nn
 
 from dpexp.config import ConfigError
 
-MODES = ("none", "ddp")
+MODES = ("none", "ddp", "pipeline")  # pipeline: dpexp.training.pipeline
 BACKENDS = ("auto", "gloo", "nccl")
 TORCHRUN = "torchrun --standalone --nproc-per-node=2 -m dpexp.train distributed=ddp ..."
 
@@ -100,6 +100,11 @@ def start_data_parallel(node: DictConfig | None, device: torch.device) -> DataPa
                 "separate models: add distributed=ddp."
             )
         return None
+    if config.name == "pipeline":
+        raise ConfigError(
+            "distributed=pipeline is not run by the trainer yet: build the stages with "
+            "dpexp.training.pipeline.PipelineStage, or use distributed=none or ddp."
+        )
     if launched is None or "MASTER_ADDR" not in os.environ:
         raise ConfigError(f"distributed={config.name} runs one process per rank under torchrun: {TORCHRUN}")
     if config.world_size is not None and config.world_size != launched:
