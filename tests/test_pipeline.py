@@ -60,11 +60,11 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y, reduction="none")
 
 
-def _single_process(case: str) -> tuple[list[nn.Sequential], list[torch.Tensor]]:
+def _single_process(case: str, split: list[int]) -> tuple[list[nn.Sequential], list[torch.Tensor]]:
     """The reference: one engine, clipping=groups with groups = the stages' parameters; its stages after
     training and its thresholds after every step."""
     model, (x, y, steps) = _model(), _data()
-    stages = split_stages(model, SPLIT)
+    stages = split_stages(model, split)
     prefix = {id(p): n for n, p in model.named_parameters()}
     groups = [[prefix[id(p)] for p in stage.parameters()] for stage in stages]
     kwargs = dict(CASES[case])
@@ -89,10 +89,13 @@ def _single_process(case: str) -> tuple[list[nn.Sequential], list[torch.Tensor]]
     return stages, thresholds
 
 
-def _stage(rank: int, port: int, case: str, sigma: float, timeout_s: float = 60.0, width: int = 8):
+def _stage(
+    rank: int, port: int, case: str, sigma: float, timeout_s: float = 60.0, width: int = 8, split=SPLIT
+):
     _env(rank, port)
+    os.environ["WORLD_SIZE"] = str(len(split) + 1)
     model = _model(width)
-    module = split_stages(model, SPLIT)[rank]
+    module = split_stages(model, split)[rank]
     stage = PipelineStage(
         module,
         torch.optim.SGD(module.parameters(), lr=0.5 if sigma == 0 else 1.0),
@@ -111,19 +114,22 @@ def _run_step(stage: PipelineStage, x: torch.Tensor, y: torch.Tensor, micro_batc
     for idx in micro_batches:
         if stage.first:
             stage.backward(len(idx), inputs=x[idx])
-        else:
+        elif stage.last:
             stage.backward(len(idx), loss_fn=lambda out, idx=idx: _loss(out, y[idx]))
+        else:
+            stage.backward(len(idx))
     stage.step()
 
 
-def _equality_worker(rank: int, port: int, cases: list[str]) -> None:
+def _equality_worker(rank: int, port: int, cases: list[str], split: list[int]) -> None:
     torch.set_num_threads(1)
     _env(rank, port)
+    os.environ["WORLD_SIZE"] = str(len(split) + 1)
     dist.init_process_group("gloo")  # one group for all cases (the stages use it, and leave it open)
     for case in cases:
-        _, module, stage = _stage(rank, port, case, 0.0)
+        _, module, stage = _stage(rank, port, case, 0.0, split=split)
         x, y, steps = _data()
-        reference, thresholds = _single_process(case)
+        reference, thresholds = _single_process(case, split)
         ref_stage = reference[rank]
         for s, micro_batches in enumerate(steps):
             _run_step(stage, x, y, micro_batches)
@@ -142,7 +148,28 @@ def _equality_worker(rank: int, port: int, cases: list[str]) -> None:
 def test_pipeline_steps_at_noise_zero_equal_single_process_groupwise_clipping():
     """Each stage clips to its own (fixed or adaptive) threshold: after 3 steps, both stages' parameters and
     thresholds equal one process' group-wise clipping with groups = stages."""
-    assert _spawn(_equality_worker, sorted(CASES)) == [0] * WORLD
+    assert _spawn(_equality_worker, sorted(CASES), SPLIT) == [0] * WORLD
+
+
+@pytest.mark.slow
+def test_three_stages_equal_single_process_groupwise_clipping():
+    """A middle stage receives activations and sends gradients both ways: three stages (fixed thresholds)
+    equal one process' group-wise clipping with three groups."""
+    context = mp.get_context("spawn")
+    port = _free_port()
+    processes = [
+        context.Process(target=_equality_worker, args=(r, port, ["fixed"], [2, 4])) for r in range(3)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(JOIN_S)
+    alive = [p.is_alive() for p in processes]
+    for process in processes:
+        process.kill()
+        process.join()
+    assert not any(alive), "a stage hung"
+    assert [p.exitcode for p in processes] == [0, 0, 0]
 
 
 def _noise_worker(rank: int, port: int, sigma: float, out: str) -> None:
