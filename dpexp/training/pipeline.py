@@ -7,9 +7,10 @@ step of DP-SGD every stage:
    k - 1 (point-to-point, ``dist.send``/``dist.recv``); it sends its output to stage k + 1;
 2. runs it backward through its own privacy engine: the last stage on the per-example losses, stage k < K - 1
    on the per-example surrogate ``l_i = <h_i, g_i>`` with ``h_i`` its output for example i and ``g_i`` the
-   output gradient received from stage k + 1, whose parameter gradient is example i's (``g_i`` is
-   ``d loss_i / d h_i``: the later stages' engines verify that they do not mix examples); it sends the
-   gradient of its input back to stage k - 1;
+   output gradient received from stage k + 1, whose parameter gradient is example i's as long as ``g_i`` is
+   ``d loss_i / d h_i``, i.e. the later stages do not mix examples (the single-process engine's assumption
+   too; note that the engine accepts a parameter-free batch-mixing op such as ``x - x.mean(0)`` in front of
+   a Linear, in one process as on a stage); it sends the gradient of its input back to stage k - 1;
 3. clips each example's gradient of its own parameters to its own threshold C_k (fixed or adaptive: the
    stage is one group of He et al.'s group-wise clipping, Algorithm 1 with groups = stages), adds its own
    noise and steps its own optimizer. No per-example norm, threshold or count crosses stages.
