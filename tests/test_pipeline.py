@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -242,12 +243,15 @@ def test_pipeline_epsilon_equals_single_process_groupwise_epsilon(tmp_path):
         assert float(Path(f"{out}.{r}").read_text()) == pytest.approx(expected, rel=1e-12)
 
 
-def _failing_worker(rank: int, port: int, out: str) -> None:
+def _failing_worker(rank: int, port: int, mode: str, out: str) -> None:
     torch.set_num_threads(1)
     _, _, stage = _stage(rank, port, "fixed", 1.0, timeout_s=5.0)
     x, y, steps = _data()
     if rank == 1:
-        os._exit(3)  # the last stage dies before its first receive; the kernel closes its connections
+        if mode == "crash":
+            os._exit(3)  # the last stage dies before its first receive; the kernel closes its connections
+        time.sleep(30)  # stalls beyond the timeout; killed by the test once stage 0 has given up
+        os._exit(4)
     try:
         _run_step(stage, x, y, steps[0])
     except DistributedError as error:
@@ -256,11 +260,16 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
     os._exit(5)  # the first stage stepped without the second: wrong
 
 
-def test_a_failing_stage_ends_the_job_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize("mode", ["crash", "stall"])
+def test_a_failing_stage_ends_the_job_with_a_clear_error(tmp_path, mode):
+    """Stage 1 crashes (or stalls) before its first receive: stage 0 does not hang but fails with a
+    DistributedError naming the timeout key (distributed.timeout_s=5 here)."""
     out = tmp_path / "error.txt"
     context = mp.get_context("spawn")
     port = _free_port()
-    processes = [context.Process(target=_failing_worker, args=(r, port, str(out))) for r in range(WORLD)]
+    processes = [
+        context.Process(target=_failing_worker, args=(r, port, mode, str(out))) for r in range(WORLD)
+    ]
     for process in processes:
         process.start()
     processes[0].join(JOIN_S)
