@@ -20,6 +20,7 @@ from torch import nn
 
 from dpexp.config import ConfigError
 from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.adaptive import AdaptiveConfig
 from dpexp.training.distributed import DistributedError, start_data_parallel
 from dpexp.training.pipeline import PipelineStage, split_stages, stage_engine_kwargs, stage_generator
 from tests.conftest import CONF_DIR
@@ -288,6 +289,10 @@ def test_a_bad_stage_split_is_refused_in_one_line(split_at):
             "rescale",
         ),
         ({"noise_allocation": "equal_budget", "thresholds": [1.0, 1.0, 1.0]}, "clip.engine.thresholds"),
+        (
+            {"noise_allocation": "equal_budget", "adaptive": AdaptiveConfig(rescale_to_global=True)},
+            "rescale_to_global",
+        ),
     ],
 )
 def test_engine_settings_a_stage_cannot_honour_are_refused(kwargs: dict[str, Any], key: str):

@@ -117,7 +117,12 @@ def stage_engine_kwargs(engine_kwargs: Mapping[str, Any], stage: int, num_stages
             "clip.engine.noise_allocation=equal_budget."
         )
     adaptive = kwargs.get("adaptive")
-    if adaptive is not None and dict(adaptive).get("rescale_to_global", False):
+    rescale = (
+        adaptive.get("rescale_to_global", False)
+        if isinstance(adaptive, Mapping)
+        else getattr(adaptive, "rescale_to_global", False)  # an AdaptiveConfig, or None
+    )
+    if rescale:
         raise ConfigError(
             "clip.engine.adaptive.rescale_to_global=true needs every stage's threshold on every stage: set "
             "it to false under distributed=pipeline."
