@@ -181,8 +181,9 @@ def test_audit_refusal_is_one_line_with_exit_status_2(tmp_path):
     assert len(lines) == 1 and "audit.canaries=0" in lines[0] and "Traceback" not in done.stderr
 
 
-def test_audit_refuses_data_parallel_training(audit_config, tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "pipeline"])
+def test_audit_refuses_distributed_training(audit_config, tmp_path, mode):
     """Every rank would insert the canaries into its own share: an audit runs in one process."""
-    with pytest.raises(ValueError, match=r"distributed=ddp: an audit runs in one process") as info:
-        run_audit(audit_config(["distributed=ddp"]), tmp_path)
+    with pytest.raises(ValueError, match=rf"distributed={mode}: an audit runs in one process") as info:
+        run_audit(audit_config([f"distributed={mode}"]), tmp_path)
     assert "\n" not in str(info.value) and not (tmp_path / "metrics.json").exists()
