@@ -25,6 +25,7 @@ CASES = [
 PAPER_TABLES = (
     "he2023_table2", "he2023_table3_sst2", "he2023_table4", "he2023_table5_e2e", "he2023_table5_dart",
     "he2023_table10", "he2023_table11a", "he2023_table11b", "he2023_table12", "li2022_table2",
+    "he2023_figure5_cifar10", "he2023_figure6",
 )  # fmt: skip
 
 
