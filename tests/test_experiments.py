@@ -209,7 +209,7 @@ def test_launchers_compose(launcher: str, target: str, key: str, value) -> None:
     [
         (
             ["experiment=he2023_table99", "scale=offline"],
-            "valid experiments: he2023_table11a, he2023_table11b",
+            "valid experiments: he2023_figure5_cifar10, he2023_figure6, he2023_table10, he2023_table11a",
         ),
         (["experiment=he2023_table11a", "scale=huge"], "valid scales: offline, paper"),
         (["experiment=he2023_table11a", "scale=offline", "launcher=k8s"], "valid: basic, local, slurm"),
