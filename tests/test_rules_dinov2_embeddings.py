@@ -17,16 +17,11 @@ from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
 from tests.layer_models import Dinov2Net as Classifier
 from tests.layer_models import dinov2_loss as loss_fn
-from tests.oracle import check_clipped_step
+from tests.oracle import SETTINGS, check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
 MICRO = [[0, 1, 2], [3, 4, 5]]
-SETTINGS = [
-    (strategy, clipping, groups)
-    for strategy in ("bk", "ghost", "instantiate")
-    for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))
-]
 
 
 def _batch(masked: bool, height: int = 8, width: int = 8) -> dict[str, torch.Tensor]:

@@ -16,16 +16,11 @@ from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.verification import VerificationError
 from tests.engine_models import classification_loss as swin_loss
 from tests.layer_models import swin
-from tests.oracle import check_clipped_step
+from tests.oracle import SETTINGS, check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
 MICRO = [[0, 1, 2], [3, 4, 5]]
-SETTINGS = [
-    (strategy, clipping, groups)
-    for strategy in ("bk", "ghost", "instantiate")
-    for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))
-]
 
 
 def _batch() -> dict[str, torch.Tensor]:
