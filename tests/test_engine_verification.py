@@ -313,6 +313,151 @@ def test_a_loss_that_mixes_examples_is_refused():
         _step(model, contrastive, {"x": x})
 
 
+class FrozenEmbeddingCentred(nn.Module):
+    """Token ids -> frozen embedding -> batch centring -> trainable head: no probed tensor precedes the
+    mixing (the ids are integers, the embedding is frozen), so only check 4 sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 3).requires_grad_(False)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, ids):
+        h = self.embed(ids).mean(1)
+        return self.fc(h - h.mean(0, keepdim=True))
+
+
+class DetachedCentring(nn.Module):
+    """Centring by a detached batch mean: invisible to any gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0, keepdim=True).detach())
+
+
+class NoGradFront(nn.Module):
+    """A front computed without gradients that normalises over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.front, self.fc = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.front(x)
+            h = h - h.mean(0)
+        return self.fc(h)
+
+
+class DetachedBetweenLayers(nn.Module):
+    """Examples mixed between two trainable layers by a detached statistic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.fc = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.fc(h / h.norm(dim=1).mean().detach())
+
+
+class DetachedAfterLastLayer(nn.Module):
+    """Outputs scaled by a detached batch statistic after the last trainable layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        z = self.fc(x)
+        return z / z.norm(dim=1).mean().detach()
+
+
+_FLOATS = {"x": torch.randn(4, 3), "y": torch.tensor([0, 1, 0, 1])}
+_IDS = {"x": torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0)), "y": _FLOATS["y"]}
+
+
+@pytest.mark.parametrize(
+    ("model", "batch", "match"),
+    [
+        (
+            FrozenEmbeddingCentred,
+            _IDS,
+            r"layer 'fc' \(Linear\): when example 0's data changed, its input moved",
+        ),
+        (DetachedCentring, _FLOATS, r"layer 'fc' \(Linear\): when example 0's data changed"),
+        (NoGradFront, _FLOATS, r"layer 'fc' \(Linear\): when example 0's data changed"),
+        (DetachedBetweenLayers, _FLOATS, r"layer 'fc' \(Linear\): when example 0's data changed"),
+        (DetachedAfterLastLayer, _FLOATS, r"output tensor 0 of the model .* moved for other examples"),
+    ],
+)
+def test_examples_mixed_where_no_gradient_shows_it_are_refused(model, batch, match):
+    """Check 4: mixing after a frozen prefix on integer inputs, or through a detached or no_grad batch
+    statistic, leaves every probed output gradient per-example; each of these trained silently before."""
+    with pytest.raises(VerificationError, match=match):
+        _step(model(), _cross_entropy, batch)
+
+
+def test_a_micro_batch_of_identical_examples_does_not_count_as_verified():
+    """With every example the same there is nothing to replace: the next micro-batch of the same
+    structure is verified again, and its mixing refused."""
+    model = DetachedCentring()
+    engine = _engine(model)
+    same = torch.randn(1, 3).expand(4, 3).clone()
+    engine.backward(F.cross_entropy(model(same), _FLOATS["y"], reduction="none"))
+    with pytest.raises(VerificationError, match="when example 0's data changed"):
+        engine.backward(F.cross_entropy(model(_FLOATS["x"]), _FLOATS["y"], reduction="none"))
+
+
+def test_dropout_replays_with_the_masks_of_the_verified_forward():
+    """The replay starts from the forward's random state: dropout draws the same masks, so a per-example
+    model with dropout is not refused, and the user's random state is left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2))
+    engine = _engine(model)
+    loss = F.cross_entropy(model(_FLOATS["x"]), _FLOATS["y"], reduction="none")
+    state = torch.get_rng_state()
+    engine.backward(loss)
+    assert torch.equal(state, torch.get_rng_state())
+    assert engine.trainable_parameters()  # the replay left the parameters to the engine
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+class BatchDecidesLayers(nn.Module):
+    """Whether the second layer runs depends on example 0 alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) if float(x[0, 0].detach()) > 0 else h
+
+
+def test_one_example_deciding_the_layers_of_the_others_is_refused():
+    x = _FLOATS["x"].clone()
+    x[0, 0], x[1, 0] = 1.0, -1.0  # example 0 replaced by example 1 flips the branch
+    with pytest.raises(VerificationError, match="fewer layers"):
+        _step(BatchDecidesLayers(), _cross_entropy, {"x": x, "y": _FLOATS["y"]})
+
+
+def test_a_model_without_batch_first_inputs_is_refused():
+    class TimeMajorInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):  # x: (T, B, 3), made batch-first inside
+            return self.fc(x.transpose(0, 1)).sum(1)
+
+    with pytest.raises(VerificationError, match="no input of the model has the micro-batch's 4 examples"):
+        _step(TimeMajorInput(), _cross_entropy, {"x": torch.randn(5, 4, 3), "y": _FLOATS["y"]})
+
+
 class MaskedMix(nn.Module):
     """A fallback module taking a per-example input and a (T, T) matrix shared by all examples, with
     T = B: the fallback must vmap over the first only, which it establishes from the recorded output."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -203,8 +204,9 @@ class Capture:
     output gradient to ``deliver(use, dy)`` in backward.
 
     ``on_model_call(args, kwargs)`` runs at the start of every training forward of the model itself (it may
-    return replaced arguments) and ``after_model_call()`` at its end. Forwards without gradients, and the
-    fallback's recomputation of a layer (:meth:`per_example_grads`), are not recorded.
+    return replaced arguments) and ``after_model_call(output)`` at its end. Forwards without gradients, and
+    the fallback's recomputation of a layer (:meth:`per_example_grads`), are not recorded; a replayed forward
+    (:meth:`replaying`) hands its uses to a callback instead.
     """
 
     def __init__(
@@ -213,11 +215,12 @@ class Capture:
         layers: list[Layer],
         deliver: Callable[[Use, torch.Tensor], None],
         on_model_call: Callable[[tuple, dict[str, Any]], tuple | None],
-        after_model_call: Callable[[], None],
+        after_model_call: Callable[[Any], None],
     ) -> None:
         self.forward = Forward()
         self._deliver, self._on_model_call, self._after_model_call = deliver, on_model_call, after_model_call
         self._recomputing = False
+        self._replayed: Callable[[Use], None] | None = None  # set while a forward is replayed
         self._anchor = torch.zeros((), requires_grad=True)
         self._tap_calls: dict[int, int] = {}  # id(module) of a numbered-tap layer -> tap calls in its call
         expanded = [
@@ -251,15 +254,36 @@ class Capture:
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and not self._recomputing
 
+    @contextmanager
+    def replaying(self, on_use: Callable[[Use], None]) -> Iterator[None]:
+        """A forward run inside this context hands every layer call to ``on_use`` as a :class:`Use`, in call
+        order, and hooks nothing: no output gradient, no verification, no shared tensors. Gradient mode is
+        left as the model sets it (a layer it calls under ``no_grad`` is skipped as in training), so the
+        caller freezes the parameters to keep autograd from building a graph. The verifier replays a
+        micro-batch with one example changed this way
+        (:meth:`dpexp.privacy.verification.Verifier.check_independence`)."""
+        self._replayed = on_use
+        try:
+            with torch.enable_grad():
+                yield
+        finally:
+            self._replayed = None
+
+    def _append(self, use: Use) -> None:
+        if self._replayed is not None:
+            self._replayed(use)
+        else:
+            self.forward.uses.append(use)
+
     def _model_called(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
-        if not self._recording():
+        if not self._recording() or self._replayed is not None:
             return None
         self.forward.model_calls += 1
         return self._on_model_call(args, kwargs)
 
     def _model_returned(self, model: nn.Module, args: tuple, output: Any) -> None:
-        if self._recording():
-            self._after_model_call()
+        if self._recording() and self._replayed is None:
+            self._after_model_call(output)
 
     def _layer_called(
         self, layer: Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor
@@ -278,7 +302,9 @@ class Capture:
             )
         use = Use(layer, args, kwargs, _versions(args, kwargs))
         if layer.shared:
-            self.forward.uses.append(use)
+            self._append(use)
+            if self._replayed is not None:
+                return None
             return share(layer.name, self._anchored(output), args[0], partial(self._deliver_shared, use))
         if layer.rule is None:
             use.output = output
@@ -319,12 +345,17 @@ class Capture:
             return None
         source = weight.view_as(weight)  # no leaf: a node's hook must not stay on the parameter
         if layer is None:
-            shared = follow(source)
+            shared = source if self._replayed is not None else follow(source)
         else:
             indices = torch.arange(weight.shape[0], device=weight.device)
             use = Use(layer, (indices,), {}, _versions((indices,), {}))
-            self.forward.uses.append(use)
-            shared = share(layer.name, self._anchored(source), indices, partial(self._deliver_shared, use))
+            self._append(use)
+            # replayed: passed on as a plain view, so that the submodules it reaches do not record it again
+            shared = (
+                source
+                if self._replayed is not None
+                else share(layer.name, self._anchored(source), indices, partial(self._deliver_shared, use))
+            )
         return (
             tuple(shared if a is weight else a for a in args),
             {k: shared if v is weight else v for k, v in kwargs.items()},
@@ -346,7 +377,9 @@ class Capture:
         except ValueError as error:
             raise ValueError(f"layer {layer.name!r} ({type(layer.module).__name__}): {error}") from None
         use = Use(layer, inputs, {}, _versions(inputs, {}))
-        self.forward.uses.append(use)
+        self._append(use)
+        if self._replayed is not None:
+            return None
         leaves = _leaves(output)
         slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.is_floating_point()]
 
@@ -380,7 +413,9 @@ class Capture:
 
     def _record(self, use: Use, tensor: torch.Tensor) -> torch.Tensor:
         """Record a use and hook the gradient of ``tensor`` (anchored if it needs none)."""
-        self.forward.uses.append(use)
+        self._append(use)
+        if self._replayed is not None:
+            return tensor
         tensor = self._anchored(tensor)
         tensor.register_hook(partial(self._deliver, use))
         return tensor

@@ -323,6 +323,9 @@ class PrivacyEngine:
         try:
             probing = self._verifier.start_backward(forward, self._batch_size)
             if probing:
+                self._verifier.check_independence(
+                    self.model, self._capture.replaying, forward.uses, self._batch_size
+                )
                 self._phase = "probe"
                 self._verifier.run_probe(per_example_loss)
             self._verifier.release_parameters()

@@ -25,18 +25,30 @@ on the model the user brought (:class:`Verifier`), and the engine refuses what i
    (:class:`ProjectedSums`, :func:`mismatched_parameters`).
 3. **No cross-example state.** A training forward must not change any buffer of the model: running statistics
    computed from raw batches are neither clipped nor noised and reach evaluation (:class:`BufferWatch`).
+4. **Examples processed independently, gradients or not.** The probe of check 1 sees only differentiable
+   dependencies from the first probed tensor on: a batch mean that is detached, computed under ``no_grad``,
+   or taken after a frozen prefix on integer inputs (token ids -> frozen embedding -> ``h - h.mean(0)``)
+   mixes examples invisibly to it. So the verified micro-batch is run once more, without gradients, from the
+   same random and autocast state, with example 0's data replaced by another example's (row 0 of every input
+   tensor with the micro-batch size in dim 0; :func:`replaced_example`); every layer call's input and every
+   batch-indexed output of the model must keep the rows of the other examples (:func:`moved_rows`), and the
+   layers must be called in the same sequence (:meth:`Verifier.check_independence`). Which input rows to
+   replace is the one thing chosen from sizes: a wrong choice can refuse a model or leave this check without
+   a changed example (then the micro-batch does not count as verified), never pass a mixing forward that
+   the replacement reached. The per-example loss is computed outside the model, by the caller, and is
+   checked only by the probe.
 
-Checks 1 and 2 run on the first micro-batch (of at least two examples) of every new input structure: tensor
-ranks and dtypes, keyword names, non-tensor arguments (:func:`structure_signature`). Which dimension carries
-the example is a property of the code path, not of the sizes: a layer whose dim 0 is something else fails the
-probe at its first verification when that dimension happens to have the batch size, and the size check at
-every call otherwise. A later micro-batch that calls the layers in a sequence never verified is refused
-unless every micro-batch is verified (``verify_every_step``). Check 3 runs on every training forward.
+Checks 1, 2 and 4 run on the first micro-batch (of at least two examples) of every new input structure:
+tensor ranks and dtypes, keyword names, non-tensor arguments (:func:`structure_signature`). Which dimension
+carries the example is a property of the code path, not of the sizes: a layer whose dim 0 is something else
+fails the probe at its first verification when that dimension happens to have the batch size, and the size
+check at every call otherwise. A later micro-batch that calls the layers in a sequence never verified is
+refused unless every micro-batch is verified (``verify_every_step``). Check 3 runs on every training forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -307,6 +319,95 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
     )
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and mappings (Hugging Face's outputs are mappings), in order."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor in its nested tuples, lists and dicts replaced by ``fn(tensor)``."""
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def replaced_example(args: tuple, kwargs: dict[str, Any], batch_size: int) -> tuple[tuple, dict] | None:
+    """The call's arguments with example 0 replaced by the first example j whose data differs from it: row 0
+    of every tensor with ``batch_size`` rows in dim 0 set to its row j (copies; ids stay valid ids). None if
+    no such tensor exists or every example is the same."""
+    batched = [t for t in _tensors((args, kwargs)) if t.dim() and t.shape[0] == batch_size]
+    differs = [j for j in range(1, batch_size) if any(not torch.equal(t[j], t[0]) for t in batched)]
+    if not differs:
+        return None
+    j = differs[0]
+
+    def replace(t: torch.Tensor) -> torch.Tensor:
+        if not (t.dim() and t.shape[0] == batch_size):
+            return t
+        t = t.detach().clone()
+        t[0] = t[j]
+        return t
+
+    return _map_tensors(args, replace), _map_tensors(kwargs, replace)
+
+
+def moved_rows(real: torch.Tensor, replayed: torch.Tensor, batch_size: int, tol: float) -> str | None:
+    """What moved in ``replayed`` against ``real`` outside example 0, or None: a tensor whose dim 0 is a
+    multiple of the micro-batch size is example-major (row blocks of dim0 / b rows; check 1 refuses it
+    otherwise) and must keep the rows of examples 1..b-1; any other tensor (shared by all examples) must
+    not move at all. Floating-point rows agree up to ``tol`` relative to their norm."""
+    if real.shape != replayed.shape:
+        return f"its shape changed from {tuple(real.shape)} to {tuple(replayed.shape)}"
+    rows = real.shape[0] if real.dim() else 0
+    start = rows // batch_size if rows and rows % batch_size == 0 else 0
+    a, b = real.detach()[start:], replayed.detach()[start:]
+    if not a.numel():
+        return None
+    where = "rows of other examples" if start else "a tensor that is not batch-indexed"
+    if not a.is_floating_point():
+        return None if torch.equal(a, b) else f"{where} changed"
+    a = a.reshape(a.shape[0], -1) if a.dim() else a.reshape(1, 1)
+    b = b.reshape(a.shape)
+    dtype = _wide(a.dtype)
+    gap = torch.linalg.vector_norm((b.to(dtype) - a.to(dtype)), dim=1)
+    scale = torch.linalg.vector_norm(a.to(dtype), dim=1)
+    moved = (gap > tol * scale + torch.finfo(dtype).tiny ** 0.5).nonzero().flatten()
+    if not moved.numel():
+        return None
+    row = int(moved[0]) + start
+    return (
+        f"{where} changed (row {row} of dim 0, relative change {float(gap[moved[0]] / scale[moved[0]]):.2g})"
+    )
+
+
+@dataclass
+class ModelCall:
+    """One verified forward of the model: its arguments as given, the random and autocast state it started
+    from, and its output: what :meth:`Verifier.check_independence` replays and compares."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    device: torch.device
+    rng: tuple[torch.Tensor, torch.Tensor | None]  # CPU state, and the accelerator's if on one
+    autocast: tuple[bool, torch.dtype]
+    output: Any = None
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), accelerator
+
+
 @dataclass
 class _Probe:
     """The verification of one forward/backward pair."""
@@ -321,6 +422,9 @@ class _Probe:
     autograd_sums: ProjectedSums | None = None  # sum_i v_i grad l_i from autograd
     path: tuple = ()
     batch_first: set[int] = field(default_factory=set)  # indices in the path of uses verified unfolded
+    calls: list[ModelCall] = field(default_factory=list)  # the forwards of the model being verified
+    independent: bool = False  # check 4 ran with a changed example and passed
+    mixed: VerificationError | None = None  # check 4's refusal, raised after checks 1 and 2 (more specific)
 
 
 class Verifier:
@@ -351,8 +455,16 @@ class Verifier:
         self._buffers.start()
         param = next(iter(self._params.values()))
         dtype = compute_dtype(param.device, param.dtype)
+        call = ModelCall(
+            args,
+            kwargs,
+            param.device,
+            _rng_state(param.device),
+            (torch.is_autocast_enabled(param.device.type), torch.get_autocast_dtype(param.device.type)),
+        )
         if self._next is not None:  # another forward before the backward: part of the same verification
             self._next.dtypes.add(dtype)
+            self._next.calls.append(call)
             return None
         structure = structure_signature(args, kwargs)
         if not self._every_step and structure in self._structures:
@@ -360,11 +472,13 @@ class Verifier:
         for p in self._params.values():
             p.requires_grad_(True)
         args, kwargs, leaves = differentiable_inputs(args, kwargs)
-        self._next = _Probe(structure, leaves, {dtype})
+        self._next = _Probe(structure, leaves, {dtype}, calls=[call])
         return args, kwargs
 
-    def end_forward(self) -> None:
+    def end_forward(self, output: Any) -> None:
         self._buffers.check()
+        if self._next is not None:
+            self._next.calls[-1].output = output
 
     # ------------------------------------------------------------------ backward
     def start_backward(self, forward: Forward, batch_size: int) -> bool:
@@ -384,6 +498,121 @@ class Verifier:
         probe.path = path
         self.probe = probe
         return True
+
+    def check_independence(
+        self,
+        model: nn.Module,
+        replaying: Callable[[Callable[[Use], None]], Any],
+        uses: list[Use],
+        batch_size: int,
+    ) -> None:
+        """Check 4: replay every verified forward of ``model`` with example 0 replaced by another example
+        (``replaying(on_use)``: the capture's context in which a forward hands its layer calls to
+        ``on_use``), from the random and autocast state it started from; every layer input and every
+        batch-indexed output must keep the other examples' rows. The user's random state is left as it is.
+        A failure is raised by :meth:`after_first_pass`, after checks 1 and 2, which name a layout problem
+        (a time-major layer, an unseen use) more precisely."""
+        try:
+            self._check_independence(model, replaying, uses, batch_size)
+        except VerificationError as error:
+            self.probe.mixed = error
+
+    def _check_independence(
+        self,
+        model: nn.Module,
+        replaying: Callable[[Callable[[Use], None]], Any],
+        uses: list[Use],
+        batch_size: int,
+    ) -> None:
+        probe = self.probe
+        tol = max(tolerance(dtype) for dtype in probe.dtypes)
+        changed = [replaced_example(c.args, c.kwargs, batch_size) for c in probe.calls]
+        if not any(changed) and not any(
+            t.dim() and t.shape[0] == batch_size for c in probe.calls for t in _tensors((c.args, c.kwargs))
+        ):
+            raise VerificationError(
+                f"no input of the model has the micro-batch's {batch_size} examples in dim 0, so the engine "
+                "cannot check that it processes every example on its own (check 4 of "
+                "dpexp.privacy.verification). Pass the model's inputs batch-first."
+            )
+        if not any(changed):
+            return  # every example the same: nothing to replace; the structure stays unverified
+        position = iter(range(len(uses) + 1))
+
+        def compare(replayed: Use) -> None:
+            i = next(position)
+            real = uses[i] if i < len(uses) else None
+            if real is None or real.layer is not replayed.layer or len(real.tensors) != len(replayed.tensors):
+                raise VerificationError(
+                    f"when example 0's data changed, the model called its layers in another sequence (call "
+                    f"{i}: layer {replayed.layer.name!r}), so one example's data decides how the others are "
+                    "computed; per-example clipping cannot bound that example's influence."
+                )
+            if [t._version for t in real.tensors] != real.versions:
+                return  # changed in place after the call: check_use refuses it with its own message
+            for t, r in zip(real.tensors, replayed.tensors, strict=True):
+                moved = moved_rows(t, r, batch_size, tol)
+                if moved is not None:
+                    layer = real.layer
+                    raise VerificationError(
+                        f"layer {layer.name!r} ({type(layer.module).__name__}): when example 0's "
+                        f"data changed, its input moved for other examples ({moved}), so the forward mixes "
+                        "examples before this layer (batch statistics, a value computed from the whole batch "
+                        "under no_grad or detached, or a frozen module that mixes examples), which "
+                        "per-example clipping cannot bound. Compute every example on its own."
+                    )
+
+        outputs = [
+            self._replay(model, replaying, compare, call, *(replaced or (call.args, call.kwargs)))
+            for call, replaced in zip(probe.calls, changed, strict=True)
+        ]
+        if next(position) != len(uses):
+            raise VerificationError(
+                "when example 0's data changed, the model called fewer layers, so one example's data decides "
+                "how the others are computed; per-example clipping cannot bound that example's influence."
+            )
+        for call, output in zip(probe.calls, outputs, strict=True):
+            for k, (real, replayed) in enumerate(zip(_tensors(call.output), _tensors(output), strict=False)):
+                rows = real.shape[0] if real.dim() else 0
+                if not rows or rows % batch_size or not real.is_floating_point():
+                    continue  # a batch-level summary (e.g. a mean loss): not part of any example's output
+                moved = moved_rows(real, replayed, batch_size, tol)
+                if moved is not None:
+                    raise VerificationError(
+                        f"output tensor {k} of the model (shape {tuple(real.shape)}): when example 0's "
+                        f"data changed, it moved for other examples ({moved}), so the forward mixes examples "
+                        "after its trainable layers (e.g. a normalisation by a batch statistic, detached or "
+                        "not); per-example clipping cannot bound that example's influence. Compute every "
+                        "example on its own."
+                    )
+        probe.independent = True
+
+    def _replay(
+        self,
+        model: nn.Module,
+        replaying: Callable[[Callable[[Use], None]], Any],
+        on_use: Callable[[Use], None],
+        call: ModelCall,
+        args: tuple,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The model run on ``args`` from ``call``'s random and autocast state, its parameters frozen (no
+        graph is built: the replay holds no activations); the user's random state is restored after."""
+        devices = [call.device] if call.device.type == "cuda" else []
+        enabled, autocast_dtype = call.autocast
+        kept = {name: p.requires_grad for name, p in self._params.items()}
+        try:
+            for p in self._params.values():
+                p.requires_grad_(False)
+            with torch.random.fork_rng(devices=devices), replaying(on_use):
+                torch.set_rng_state(call.rng[0])
+                if call.rng[1] is not None:
+                    torch.cuda.set_rng_state(call.rng[1], call.device)
+                with torch.autocast(call.device.type, dtype=autocast_dtype, enabled=enabled):
+                    return model(*args, **kwargs)
+        finally:
+            for name, p in self._params.items():
+                p.requires_grad_(kept[name])
 
     def run_probe(self, per_example_loss: torch.Tensor) -> None:
         """Backpropagate ``sum_i v_i l_i`` through the same graph; the engine hands every output gradient to
@@ -472,7 +701,10 @@ class Verifier:
         probe = self.probe
         self._check_parameter_uses(probe)
         self._check_model_inputs(probe)
-        self._structures.add(probe.structure)
+        if probe.mixed is not None:
+            raise probe.mixed
+        if probe.independent:  # else verified again at the next forward of this structure
+            self._structures.add(probe.structure)
         self._paths.add(probe.path)
         self._batch_first[probe.path] = probe.batch_first
 
