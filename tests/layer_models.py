@@ -1,6 +1,6 @@
 """Small models around one layer family, shared by its oracle test (``tests/test_rules_<family>.py``) and the
 sensitivity tests: nn.EmbeddingBag bags, channels-last layer scale, BEiT's layer-owned layer scale, DINOv2's
-embeddings, Swin's window attention."""
+and BEiT's embeddings, timm's and Hugging Face's Swin window attention."""
 
 from __future__ import annotations
 
@@ -170,3 +170,79 @@ def swin() -> nn.Module:
             if name.endswith("relative_position_bias_table"):
                 p.normal_()
     return model
+
+
+class BeitNet(nn.Module):
+    """A two-layer Hugging Face BEiT (or data2vec-vision) on 8x8 images in 4x4 patches (a 2x2 grid), with the
+    mask token and (``absolute``) the absolute position table, its pooled output -> head; its embeddings'
+    parameters randomised away from their zero start, so that every token matters; no drop-path (the oracle
+    recomputes each example: a deterministic forward)."""
+
+    def __init__(self, kind: str = "beit", absolute: bool = True, hidden_dropout: float = 0.0) -> None:
+        super().__init__()
+        if kind == "beit":
+            from transformers import BeitConfig as Config
+            from transformers import BeitModel as Model
+        else:
+            from transformers import Data2VecVisionConfig as Config
+            from transformers import Data2VecVisionModel as Model
+        config = Config(
+            image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=24, use_mask_token=True, use_absolute_position_embeddings=absolute,
+            layer_scale_init_value=0.5, hidden_dropout_prob=hidden_dropout, attention_probs_dropout_prob=0.0,
+            drop_path_rate=0.0, use_mean_pooling=True,
+        )  # fmt: skip
+        self.backbone = Model(config, add_pooling_layer=True)
+        with torch.no_grad():
+            for p in self.backbone.embeddings.parameters(recurse=False):
+                p.normal_()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.backbone(pixel_values=x, bool_masked_pos=mask).pooler_output)
+
+
+def beit_embeddings_loss(model: BeitNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy on (B, 3, H, W) images ``x``, optional (B, patches) ``mask``; shape (B,)."""
+    return F.cross_entropy(model(batch["x"], batch.get("mask")), batch["y"], reduction="none")
+
+
+class HFSwinNet(nn.Module):
+    """Hugging Face Swin on 16x16 images in 4x4 patches, windows of 2x2 tokens: stage 1 (4x4 tokens) has 4
+    windows per example, its second block shifted (with the shift mask); stage 2 (2x2 tokens) one window,
+    unshifted; relative position tables randomised; no drop-path or dropout (a deterministic forward for the
+    oracle). ``implementation``: the attention function ("sdpa", the default of the model classes, or
+    "eager"); ``attentions``: eager's attention probabilities also enter the loss."""
+
+    def __init__(
+        self, implementation: str = "sdpa", attentions: bool = False, attention_dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        from transformers import SwinConfig, SwinModel
+
+        config = SwinConfig(
+            image_size=16, patch_size=4, num_channels=3, embed_dim=8, depths=[2, 2], num_heads=[2, 2],
+            window_size=2, mlp_ratio=2.0, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=attention_dropout,
+        )  # fmt: skip
+        config._attn_implementation = implementation  # set by from_pretrained / the model classes otherwise
+        self.attentions = attentions
+        self.backbone = SwinModel(config)
+        with torch.no_grad():
+            for name, p in self.backbone.named_parameters():
+                if name.endswith("relative_position_bias_table"):
+                    p.normal_()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(pixel_values=x, output_attentions=self.attentions)
+        logits = self.head(out.pooler_output)
+        if self.attentions:  # each stage's last (B * windows, heads, N, N) probabilities, folded per example
+            term = sum(a.reshape(x.shape[0], -1).pow(2).sum(1, keepdim=True) for a in out.attentions)
+            logits = logits + F.pad(term, (0, 2))  # on the first class only (a shift of all would cancel)
+        return logits
+
+
+def hf_swin_loss(model: HFSwinNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy on (B, 3, 16, 16) images, shape (B,)."""
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")

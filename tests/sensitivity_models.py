@@ -25,12 +25,16 @@ from tests import engine_models, recurrent_models, timm_cnn_models
 from tests.layer_models import (
     BagNet,
     BeitLayerNet,
+    BeitNet,
     Dinov2Net,
+    HFSwinNet,
     ScaleNet,
     bag_batch,
     bag_loss,
+    beit_embeddings_loss,
     beit_loss,
     dinov2_loss,
+    hf_swin_loss,
     scale_loss,
     swin,
 )
@@ -424,6 +428,8 @@ NEW_CASES = [
     "layer_scale_beit",  # HF BeitLayer's own lambda_1, lambda_2 (numbered taps of its drop_path)
     "dinov2_masked",  # HF Dinov2Embeddings: cls, position and mask tokens (bool_masked_pos)
     "swin_windows",  # timm WindowAttention's relative position table: (B * windows) rows, shifted windows
+    "beit_masked",  # HF BeitEmbeddings: cls, absolute position and mask tokens (bool_masked_pos)
+    "hf_swin_windows",  # HF SwinAttention's relative position table, recomputed scores: (B * windows) rows
     *LAYER_CASES,
     "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
     "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
@@ -501,6 +507,14 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "swin_windows":
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return swin().double(), engine_models.classification_loss, batch, float_info
+    if name == "hf_swin_windows":
+        batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
+        return HFSwinNet().double(), hf_swin_loss, batch, float_info
+    if name == "beit_masked":
+        mask = torch.rand(size, 4, generator=gen) < 0.5
+        mask[0] = False  # an example without masked patches
+        batch = {"x": _floats(gen, size, 3, 8, 8), "mask": mask, "y": _labels(gen, size, 3)}
+        return BeitNet().double(), beit_embeddings_loss, batch, float_info
     if name == "dinov2_masked":
         mask = torch.rand(size, 4, generator=gen) < 0.5
         mask[0] = False  # an example without masked patches

@@ -436,8 +436,9 @@ class Capture:
         layer = use.layer
         if layer.rule is not None:
             x = use.args if layer.rule.call is not None or layer.rule.numbered_tap else use.args[0]
-            if fold > 1:
-                x = x.unflatten(0, (dy.shape[0], fold))
+            if fold > 1:  # of a call layout's tuple, entry 0 (the main input) is the one folded
+                unfold = partial(torch.Tensor.unflatten, dim=0, sizes=(dy.shape[0], fold))
+                x = (unfold(x[0]), *x[1:]) if isinstance(x, tuple) else unfold(x)
             grads = layer.rule.per_example_grads(layer.module, x, dy)
             missing = set(layer.params) - set(grads)
             if missing:  # never leave a trainable parameter without its per-example gradient

@@ -1,6 +1,7 @@
 """Vision Transformers' own parameters: class, distillation, register and mask tokens and absolute position
 embedding (timm's ``VisionTransformer``, DeiT's ``VisionTransformerDistilled`` and ``Beit``, Hugging Face's
-``ViTEmbeddings``, CLIP's ``CLIPVisionEmbeddings`` and DINOv2's ``Dinov2Embeddings``).
+``ViTEmbeddings``, CLIP's ``CLIPVisionEmbeddings``, DINOv2's ``Dinov2Embeddings`` and BEiT's (and
+data2vec-vision's) ``BeitEmbeddings``).
 
 timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
 (or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``) and passes it
@@ -142,11 +143,14 @@ def _resamples(module: nn.Module, height: int, width: int) -> bool:
     return _patches(module, height, width) != positions or height != width
 
 
-def _resampled_position_grads(module: nn.Module, dy: torch.Tensor, height: int, width: int) -> torch.Tensor:
+def _resampled_position_grads(
+    module: nn.Module, dy: torch.Tensor, height: int, width: int, in_float32: bool = True
+) -> torch.Tensor:
     """``J^T dy_i`` (B, 1 + P, d) for every example, J the Jacobian of the module's resampling of its position
     table (1, 1 + P, d) to the (height, width) image (``interpolate_pos_encoding``: the class position as it
-    is, the s x s patch positions bicubically to the patch grid, in float32 as the module computes them),
-    taken with the table expanded to one copy per example, as the module resamples it once for all."""
+    is, the s x s patch positions bicubically to the patch grid, in float32 as DINOv2 computes them, or in
+    the table's own dtype as BEiT does: ``in_float32=False``), taken with the table expanded to one copy per
+    example, as the module resamples it once for all."""
     table = module.position_embeddings.detach()
     batch, dim = dy.shape[0], dy.shape[-1]
     side = math.isqrt(table.shape[1] - 1)
@@ -155,7 +159,7 @@ def _resampled_position_grads(module: nn.Module, dy: torch.Tensor, height: int, 
         rows = table.expand(batch, -1, -1).clone().requires_grad_()
         grid = rows[:, 1:].reshape(batch, side, side, dim).permute(0, 3, 1, 2)
         grid = F.interpolate(
-            grid.to(torch.float32),
+            grid.to(torch.float32) if in_float32 else grid,
             size=(height // patch_h, width // patch_w),
             mode="bicubic",
             align_corners=False,
@@ -165,10 +169,11 @@ def _resampled_position_grads(module: nn.Module, dy: torch.Tensor, height: int, 
     return grad
 
 
-def dinov2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(pixel_values (B, C, H, W), bool_masked_pos (B, N) or None)``; refuses a call whose output gradient
-    is not the gradient at the tokens (embedding dropout in training), or a float32 resampling of a float64
-    table (the engine's check of the per-example sums would fail by its rounding)."""
+def _token_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], resample_in_float32: bool) -> tuple:
+    """``(pixel_values (B, C, H, W), bool_masked_pos (B, N) or None)`` of a call of DINOv2's or BEiT's
+    embeddings; refuses a call whose output gradient is not the gradient at the tokens (embedding dropout in
+    training), a traced call, a float32 resampling of a float64 table (DINOv2: the engine's check of the
+    per-example sums would fail by its rounding), and a mask that is not one row per image."""
     call = inspect.signature(module.forward).bind(*args, **kwargs)
     call.apply_defaults()
     pixels, mask = call.arguments["pixel_values"], call.arguments["bool_masked_pos"]
@@ -180,7 +185,13 @@ def dinov2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
         )
     if torch.jit.is_tracing():
         raise ValueError("is traced, where it always resamples its positions; train it untraced")
-    if _resamples(module, *pixels.shape[-2:]) and module.position_embeddings.dtype == torch.float64:
+    table = module.position_embeddings
+    if (
+        resample_in_float32
+        and table is not None
+        and table.dtype == torch.float64
+        and _resamples(module, *pixels.shape[-2:])
+    ):
         raise ValueError(
             f"resamples position_embeddings for {tuple(pixels.shape[-2:])} images in float32 (bicubic), so "
             "in a float64 model the per-example gradients cannot be verified to add up to autograd's to "
@@ -195,10 +206,37 @@ def dinov2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
     return pixels, mask
 
 
+def dinov2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """DINOv2 resamples its positions in float32 (:func:`_token_call`)."""
+    return _token_call(module, args, kwargs, resample_in_float32=True)
+
+
 def dinov2_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
-    """The gradient of the one output, (B, 1 + N, d)."""
-    (dy,) = grads
-    return dy
+    """The gradient of the first output (the tokens), (B, 1 + N, d); data2vec-vision's embeddings also
+    return the patch grid's size, integers without a gradient."""
+    return grads[0]
+
+
+def _token_grads(
+    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor, in_float32: bool
+) -> dict[str, PerExampleGrad]:
+    """``d cls_i = dy_i[0]``, ``d pos_i = dy_i`` (or ``J^T dy_i`` through a resampling), ``d mask_token_i =
+    sum_t m_{i,t} dy_i[1 + t]`` for ``dropout(cat(cls, p * (1 - m) + mask_token * m) + pos)``."""
+    pixels, mask = call
+    batch = dy.shape[0]
+    height, width = pixels.shape[-2:]
+    grads: dict[str, PerExampleGrad] = {"cls_token": Dense(dy[:, :1].reshape(batch, *module.cls_token.shape))}
+    table = module.position_embeddings
+    if table is not None:
+        resampled = _resamples(module, height, width)
+        pos = _resampled_position_grads(module, dy, height, width, in_float32) if resampled else dy
+        grads["position_embeddings"] = Dense(pos.reshape(batch, *table.shape))
+    if module.mask_token is not None:
+        token = torch.zeros((batch, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
+        if mask is not None:
+            token = torch.einsum("bt,btd->bd", mask.to(dy.dtype), dy[:, 1:])
+        grads["mask_token"] = Dense(token.reshape(batch, *module.mask_token.shape))
+    return grads
 
 
 @register_rule(_DINOV2, check=_check_dinov2, call=CallLayout(dinov2_inputs, dinov2_output_grad))
@@ -214,17 +252,31 @@ def dinov2_token_grads(
     ``d mask_token_i = sum_t m_{i,t} dy_i[1 + t]``: zero for an example without masked patches, and for
     every example when no mask is passed (the token is then unused). Without the rule, the
     fallback recomputed the module per example (1.7x the non-private step, results/bench/fallbacks.json)."""
-    pixels, mask = call
-    batch = dy.shape[0]
-    height, width = pixels.shape[-2:]
-    pos = _resampled_position_grads(module, dy, height, width) if _resamples(module, height, width) else dy
-    grads: dict[str, PerExampleGrad] = {
-        "cls_token": Dense(dy[:, :1].reshape(batch, *module.cls_token.shape)),
-        "position_embeddings": Dense(pos.reshape(batch, *module.position_embeddings.shape)),
-    }
-    if module.mask_token is not None:
-        token = torch.zeros((batch, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
-        if mask is not None:
-            token = torch.einsum("bt,btd->bd", mask.to(dy.dtype), dy[:, 1:])
-        grads["mask_token"] = Dense(token.reshape(batch, *module.mask_token.shape))
-    return grads
+    return _token_grads(module, call, dy, in_float32=True)
+
+
+_BEIT = (
+    "transformers.models.beit.modeling_beit.BeitEmbeddings",
+    "transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionEmbeddings",
+)
+
+
+def beit_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """BEiT resamples its positions in the table's dtype, so a float64 model is verified to float64
+    precision (:func:`_token_call`)."""
+    return _token_call(module, args, kwargs, resample_in_float32=False)
+
+
+@register_rule(*_BEIT, check=_check_dinov2, call=CallLayout(beit_inputs, dinov2_output_grad))
+def beit_token_grads(
+    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Hugging Face BEiT (Bao et al. 2022, sec. 2.1-2.2) and data2vec-vision: the same token sequence as
+    DINOv2's, ``dropout(cat(cls, p * (1 - m) + mask_token * m) + position_embeddings)``, with the mask token
+    of masked image modelling (``use_mask_token``, a (1, 1, d) parameter used where ``bool_masked_pos`` is
+    set) and the absolute position table only with ``use_absolute_position_embeddings`` (without it BEiT
+    uses relative position biases inside its attention, and the rule gives cls and mask token alone). For
+    images of another size the module resamples the table bicubically in its own dtype, and the rule takes
+    ``J^T dy_i`` through that resampling (:func:`_resampled_position_grads`), exact in float64 too. Without
+    the rule, the fallback recomputed the module per example."""
+    return _token_grads(module, call, dy, in_float32=False)
