@@ -12,8 +12,18 @@ from torch import nn
 
 from dpexp.layers import WSConv2d
 from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.rules import conv as conv_rules
 from dpexp.privacy.rules import rule_for
-from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+from dpexp.privacy.rules.conv import ConvWeightGrads
+from dpexp.privacy.rules.ws_conv import Standardized
+from tests.oracle import (
+    SETTINGS,
+    check_clipped_step,
+    clipped_mean,
+    engine_update,
+    group_norms,
+    per_example_grads,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
@@ -131,3 +141,92 @@ def test_forced_norm_modes_on_convolutions(norm_mode, body):
     )  # fmt: skip
     for param, want in expected.items():
         torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
+
+
+def _geometries() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+    """name -> (ungrouped convolution, input shape of one example): the ghost forms' index arithmetic."""
+    return {
+        "plain": (nn.Conv2d(3, 4, 3, padding=1), (3, 6, 7)),
+        "strided_reflect": (nn.Conv2d(3, 4, 3, stride=2, padding=1, padding_mode="reflect"), (3, 9, 8)),
+        "stride_over_kernel": (nn.Conv2d(3, 4, 2, stride=3, padding=1), (3, 10, 9)),
+        "pointwise_strided": (nn.Conv2d(3, 4, 1, stride=2), (3, 7, 7)),
+        "rect_circular": (
+            nn.Conv2d(3, 4, (3, 2), stride=(2, 3), dilation=(2, 1), padding=2, padding_mode="circular"),
+            (3, 9, 10),
+        ),
+        "same_even": (nn.Conv2d(3, 4, 4, padding="same"), (3, 5, 6)),
+        "same_dilated": (nn.Conv2d(3, 4, 3, padding="same", dilation=2, bias=False), (3, 7, 7)),
+        "dilated_strided": (nn.Conv2d(3, 4, 5, stride=3, padding=1, dilation=2), (3, 12, 11)),
+        "conv1d_strided_dilated": (nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=3), (3, 11)),
+        "conv1d_circular": (nn.Conv1d(3, 4, 3, padding=2, padding_mode="circular"), (3, 7)),
+        "ws_reflect_strided": (WSConv2d(3, 4, 3, stride=2, padding=1, padding_mode="reflect"), (3, 7, 7)),
+        "ws_same_dilated": (WSConv2d(3, 4, 3, padding="same", dilation=2), (3, 6, 6)),
+    }
+
+
+@pytest.mark.parametrize("method", ["unfold", "pixels"])
+@pytest.mark.parametrize("name", list(_geometries()))
+def test_ghost_norms_match_instantiation(name, method, monkeypatch):
+    """Both ghost forms (unfolded patches, pixel Grams) give the instantiated squared norms to float64
+    precision, also under weight standardisation, whichever the cost model would pick."""
+    module, shape = _geometries()[name]
+    module = module.double()
+    x = torch.randn(5, *shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    dy = torch.randn_like(module(x))
+    grads = rule_for(module).per_example_grads(module, x, dy)["weight"]
+    assert isinstance(grads, ConvWeightGrads | Standardized)
+    want = grads.norm_sq("instantiate")
+    monkeypatch.setattr(conv_rules, "norm_costs", _costs_favouring(method))
+    torch.testing.assert_close(grads.norm_sq("auto"), want, rtol=1e-12, atol=0)
+
+
+def _costs_favouring(method: str):
+    return lambda *_: {m: 0.0 if m == method else 1e30 for m in ("instantiate", "unfold", "pixels")}
+
+
+def _ghost_models() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+    return {
+        "2d": (
+            nn.Sequential(
+                nn.Conv2d(3, 4, 3, stride=2, padding=1, padding_mode="reflect"),
+                nn.Tanh(),
+                WSConv2d(4, 4, 3, padding="same", dilation=2),
+                nn.Tanh(),
+                nn.Conv2d(4, 3, (3, 2), stride=(1, 2), padding=1, padding_mode="circular"),
+            ),
+            (3, 9, 9),
+        ),
+        "1d": (
+            nn.Sequential(
+                nn.Conv1d(3, 4, 3, padding=2, dilation=2, padding_mode="circular"),
+                nn.Tanh(),
+                nn.Conv1d(4, 2, 3, stride=2),
+            ),
+            (3, 9),
+        ),
+    }
+
+
+@pytest.mark.parametrize("method", ["unfold", "pixels"])
+@pytest.mark.parametrize("model_name", list(_ghost_models()))
+@pytest.mark.parametrize("strategy,clipping,groups", SETTINGS, ids=[f"{s}-{c}" for s, c, _ in SETTINGS])
+def test_ghost_forms_match_oracle(model_name, method, strategy, clipping, groups, monkeypatch):
+    """Every backend x clipping mode with every convolution's norm by one ghost form (where the cost model
+    is consulted: instantiation stays where it is forced or the factors are released)."""
+    monkeypatch.setattr(conv_rules, "norm_costs", _costs_favouring(method))
+    used = []
+    ghost_norm_sq = ConvWeightGrads.ghost_norm_sq
+    monkeypatch.setattr(
+        ConvWeightGrads, "ghost_norm_sq", lambda self, dy, m: used.append(m) or ghost_norm_sq(self, dy, m)
+    )
+    torch.manual_seed(0)
+    body, shape = _ghost_models()[model_name]
+    batch = {"x": torch.randn(6, *shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)}
+
+    def loss(m, b):
+        return F.softplus(m(b["x"]))
+
+    check_clipped_step(Head(body).double(), loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, groups)
+    assert set(used) <= {method}
+    if strategy == "ghost" or (strategy, clipping) == ("bk", "per_layer"):
+        assert used  # no released or forced instantiation: the ghost form was exercised

@@ -11,20 +11,28 @@ for a convolution of g groups: example b's group j is group ``b g + j``), which 
 (B, T, p) patch tensor. Grouped and depthwise convolutions (ConvNeXt, MobileNet, EfficientNet, ResNeXt) have
 per-example gradients of only ``C_out * C_in / g * prod(kernel)`` values, which are instantiated.
 
-Only the ghost norm needs the unfolded patches, and it is only chosen where it is cheaper (deep layers with
-small feature maps); it is available for ungrouped 1-D and 2-D convolutions (``F.unfold`` has no 3-D or
-transposed form), every other convolution instantiates its per-example gradients for the norm. Padding modes
-other than zeros, and ``padding="same"``, are applied to the input explicitly, exactly as the module does.
+The norm has two ghost forms, ``||dW_i||^2 = sum_{t,s} <a_t, a_s> <dy_t, dy_s>``, for ungrouped 1-D and 2-D
+convolutions (every other convolution instantiates its per-example gradients for the norm): over unfolded
+patches (``F.unfold``, ``T^2 (C_in K + C_out)`` multiply-adds per example for K kernel offsets), or over
+pixels (:func:`patch_gram_norm_sq`): a patch is the padded input at ``stride t + dilation o`` for the
+offsets o, so ``<a_t, a_s> = sum_o P[stride t + dilation o, stride s + dilation o]`` with P the Gram of the
+input's pixels over channels, a sum of K shifted blocks of P (``N^2 C_in`` for N padded pixels, plus the
+output gradients' ``T^2 C_out``). Each layer takes the cheapest of the three by a measured cost model
+(:func:`norm_costs`). Padding modes other than zeros, and ``padding="same"``, are applied to the input
+explicitly, exactly as the module does.
 """
 
 from __future__ import annotations
+
+import itertools
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, ghost_is_cheaper
+from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, _accurate
 from dpexp.privacy.rules import register_rule
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -74,16 +82,120 @@ def _weight_grad(module: _ConvNd, x: torch.Tensor, dy: torch.Tensor, groups: int
     )[1]  # fmt: skip
 
 
+def as_image(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, Geometry]:
+    """The input as a (B, C_in, H, W) image with the geometry of a 2-D convolution (a 1-D signal is an image
+    of height 1), after :func:`explicitly_padded`."""
+    x, padding = explicitly_padded(module, x)
+    if isinstance(module, nn.Conv1d):
+        return x.unsqueeze(2), Geometry(
+            (1, module.kernel_size[0]), (1, module.stride[0]), (0, padding[0]), (1, module.dilation[0])
+        )
+    return x, Geometry(module.kernel_size, module.stride, tuple(padding), module.dilation)
+
+
+Component = tuple[tuple[int, int], tuple[int, int], list[int], list[int]]
+
+
+class Geometry(NamedTuple):
+    """A 2-D convolution's kernel size, stride, zero padding and dilation, (height, width) each."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+
+    def components(self, out: tuple[int, int]) -> list[Component]:
+        """For output size ``out``, the phase components of the padded input that the kernel reads:
+        ``(phase, size, shifts_h, shifts_w)``. Kernel offset ``dilation u = stride q + r`` (per dimension) of
+        output position t reads the input at ``stride (t + q) + r``: position ``t + q`` of the component
+        ``x[r::stride]``, which is read up to ``out + max(q)``."""
+        per_dim = []
+        for k, s, d in zip(self.kernel, self.stride, self.dilation, strict=True):
+            phase: dict[int, list[int]] = {}
+            for u in range(k):
+                q, r = divmod(d * u, s)
+                phase.setdefault(r, []).append(q)
+            per_dim.append(phase)
+        return [
+            ((r1, r2), (out[0] + max(q1), out[1] + max(q2)), q1, q2)
+            for (r1, q1), (r2, q2) in itertools.product(per_dim[0].items(), per_dim[1].items())
+        ]
+
+
 def unfold_patches(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """Input patches, shape (B, T, C_in * prod(kernel)), in the order of ``weight.flatten(1)``."""
-    x, padding = explicitly_padded(module, x)
-    if isinstance(module, nn.Conv1d):  # a 1-D signal is an image of height 1
-        x = x.unsqueeze(2)
-        kernel, dilation = (1, module.kernel_size[0]), (1, module.dilation[0])
-        padding, stride = (0, padding[0]), (1, module.stride[0])
-    else:
-        kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    x, (kernel, stride, padding, dilation) = as_image(module, x)
     return F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride).transpose(1, 2)
+
+
+GRAM_VALUES = 2**22
+"""Values (16 MiB in float32) that the pixel and output-gradient Grams of one chunk of examples may take in
+:func:`patch_gram_norm_sq`: a WRN stage-1 activation at batch 64 has 4M."""
+
+
+def patch_gram_norm_sq(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """``sum_{t,s} <a_t, a_s> <dy_t, dy_s>`` per example, shape (B,), without unfolding the patches ``a_t``.
+
+    With the zero-padded input split into phase components ``x_r = x[r::stride]`` (one for stride 1),
+    ``<a_t, a_s> = sum_o P_r(o)[t + q(o), s + q(o)]``, where ``P_r = x_r^T x_r`` is the (N_r, N_r) Gram of
+    the component's pixels over channels and kernel offset o reads component r(o) at shift q(o)
+    (:meth:`Geometry.components`). The shifted blocks are summed one dimension at a time (a component's
+    offsets are a product of per-dimension shifts) into the (T, T) patch Gram, whose inner product with the
+    output gradients' Gram ``dY^T dY`` is the norm. Chunked over examples (:data:`GRAM_VALUES`).
+    """
+    x, geo = as_image(module, _accurate(x))
+    x = F.pad(x, (geo.padding[1], geo.padding[1], geo.padding[0], geo.padding[0]))
+    out = (1, dy.shape[2]) if isinstance(module, nn.Conv1d) else (dy.shape[2], dy.shape[3])
+    dy = _accurate(dy).flatten(2)  # (B, C_out, T)
+    components = geo.components(out)
+    per_example = 2 * dy.shape[2] ** 2 + max(h * w * (h * w + h * out[1]) for _, (h, w), _, _ in components)
+    chunk = max(1, GRAM_VALUES // per_example)
+    chunks = zip(x.split(chunk), dy.split(chunk), strict=True)
+    return torch.cat([_patch_gram_dot(xs, gs, out, geo.stride, components) for xs, gs in chunks])
+
+
+def _patch_gram_dot(x, dy, out, stride, components) -> torch.Tensor:
+    """:func:`patch_gram_norm_sq` of one chunk: x (b, C_in, H, W) zero-padded, dy (b, C_out, T)."""
+    (n1, n2), b = out, x.shape[0]
+    patch_gram = dy.new_zeros(b, n1, n2, n1, n2)
+    for (r1, r2), (h, w), shifts1, shifts2 in components:
+        flat = x[:, :, r1 :: stride[0], r2 :: stride[1]][:, :, :h, :w].reshape(b, -1, h * w)
+        pixel_gram = torch.einsum("bcp,bcq->bpq", flat, flat).view(b, h, w, h, w)
+        rows = sum(pixel_gram[:, :, q : q + n2, :, q : q + n2] for q in shifts2)  # (b, h, n2, h, n2)
+        for q in shifts1:
+            patch_gram += rows[:, q : q + n1, :, q : q + n1]
+    grad_gram = torch.einsum("bct,bcs->bts", dy, dy)
+    return torch.linalg.vecdot(patch_gram.view(b, -1), grad_gram.view(b, -1))
+
+
+NormMethod = Literal["instantiate", "unfold", "pixels"]
+
+ELEMENT_COST = 15
+"""Multiply-adds that one elementwise pass over one value costs (memory-bound: a shifted block's add, an
+unfolded patch's copy)."""
+INSTANTIATE_MIN_POSITIONS = 300
+"""The batch-grouped convolution takes as long per per-example gradient value as if the map had at least this
+many output positions: on CPU at batch 64 it ran at 25-32 G multiply-adds/s for T = 1024, but as if at
+T = 300 for T = 64 and T = 256 (``scripts/conv_norm_bench.py``)."""
+
+
+def norm_costs(geo: Geometry, c_in: int, c_out: int, out: tuple[int, int]) -> dict[NormMethod, float]:
+    """Time per example of each way to the norm of an ungrouped convolution with output size ``out``, in
+    multiply-adds of a matmul (measured on CPU at one thread, ``scripts/conv_norm_bench.py``), with T output
+    positions and K kernel offsets: instantiation ``K C_in C_out max(T, INSTANTIATE_MIN_POSITIONS)``; unfolded
+    patches ``T^2 (K C_in + C_out)`` plus the unfolding; pixels ``sum_r N_r^2 C_in + T^2 C_out`` plus the
+    shifted blocks' sums (:func:`patch_gram_norm_sq`)."""
+    t, k = out[0] * out[1], geo.kernel[0] * geo.kernel[1]
+    grad_gram = t * t * c_out
+    blocks = sum(
+        (h * w) ** 2 * c_in + ELEMENT_COST * (len(shifts2) * h * h * out[1] ** 2 + len(shifts1) * t * t)
+        for _, (h, w), shifts1, shifts2 in geo.components(out)
+    )
+    return {
+        "instantiate": k * c_in * c_out * max(t, INSTANTIATE_MIN_POSITIONS),
+        "unfold": t * t * k * c_in + grad_gram + ELEMENT_COST * t * k * c_in,
+        "pixels": blocks + grad_gram + ELEMENT_COST * t * t,
+    }
 
 
 class ConvWeightGrads(PerExampleGrad):
@@ -99,17 +211,50 @@ class ConvWeightGrads(PerExampleGrad):
 
     @property
     def has_ghost_form(self) -> bool:
-        """Ungrouped 1-D and 2-D convolutions: patches by ``F.unfold``."""
+        """Ungrouped 1-D and 2-D convolutions (patches as by ``F.unfold``)."""
         return isinstance(self.module, nn.Conv1d | nn.Conv2d) and self.module.groups == 1
 
     def outer(self) -> Outer:
-        """The book-keeping form over unfolded patches (for the ghost norm)."""
+        """The book-keeping form over unfolded patches (for the ghost norm and cross terms)."""
         g = self.dy.flatten(2).transpose(1, 2)  # (B, T, C_out)
         return Outer(g, unfold_patches(self.module, self.x), self.shape, g.shape[-1])
 
-    def ghost_is_cheaper(self) -> bool:
-        c_out = self.shape[0]
-        return ghost_is_cheaper(self.dy[0].numel() // c_out, c_out, self.shape.numel() // c_out)
+    def norm_costs(self) -> dict[NormMethod, float]:
+        """:func:`norm_costs` of this layer; where the instantiation is kept for a fused clipped sum
+        (:meth:`retain` without release), the ghost forms also pay for that sum (a weight-gradient
+        convolution, ``T K C_in C_out``), the kept gradients' ``tensordot`` costing next to nothing."""
+        costs = norm_costs(
+            as_image(self.module, self.x[:1])[1], self.shape[1], self.shape[0], self._out_size()
+        )
+        if self._retain and not self._release:
+            t, values = self.dy[0, 0].numel(), self.shape.numel()
+            costs = {m: c + (t * values if m != "instantiate" else 0) for m, c in costs.items()}
+        return costs
+
+    def _out_size(self) -> tuple[int, int]:
+        return (1, self.dy.shape[2]) if isinstance(self.module, nn.Conv1d) else tuple(self.dy.shape[2:4])
+
+    def norm_method(self, mode: NormMode, ghost_extra: float = 0) -> NormMethod:
+        """How :meth:`norm_sq` computes the norm: instantiated where the convolution has no ghost form, when
+        forced, or (``auto``) when the factors are to be released; otherwise (``auto``, or the cheaper ghost
+        form when forced) the cheapest of :meth:`norm_costs`, with ``ghost_extra`` multiply-adds per example
+        on the ghost forms (the weight-standardised rule's responses). As for linear layers
+        (:func:`~dpexp.privacy.per_example.ghost_is_cheaper`), instantiation is ruled out where its
+        ``K C_in C_out`` values per example exceed ``8 T^2``."""
+        if not self.has_ghost_form or mode == "instantiate" or (mode == "auto" and self._release):
+            return "instantiate"
+        costs = {m: c + (ghost_extra if m != "instantiate" else 0) for m, c in self.norm_costs().items()}
+        if mode == "ghost" or self.shape.numel() > 8 * self.dy[0, 0].numel() ** 2:
+            del costs["instantiate"]
+        return min(costs, key=costs.__getitem__)
+
+    def ghost_norm_sq(self, dy: torch.Tensor, method: NormMethod) -> torch.Tensor:
+        """``sum_{t,s} <a_t, a_s> <dy_t, dy_s>`` per example for output gradients ``dy`` (the layer's, or
+        scaled), over unfolded patches or pixels (:func:`patch_gram_norm_sq`)."""
+        if method == "pixels":
+            return patch_gram_norm_sq(self.module, self.x, dy)
+        g = dy.flatten(2).transpose(1, 2)
+        return Outer(g, unfold_patches(self.module, self.x), self.shape, g.shape[-1]).norm_sq("ghost")
 
     def instantiate(self) -> torch.Tensor:
         b, groups = self.batch_size, self.module.groups
@@ -134,17 +279,9 @@ class ConvWeightGrads(PerExampleGrad):
     def _release_factors(self) -> None:
         self.x = self.dy = None  # type: ignore[assignment]
 
-    def uses_ghost_norm(self, mode: NormMode) -> bool:
-        """Ghost norm where the convolution has one, when forced or (``auto``) cheaper and the factors are not
-        to be released."""
-        if not self.has_ghost_form:
-            return False
-        return mode == "ghost" or (mode == "auto" and not self._release and self.ghost_is_cheaper())
-
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        if self.uses_ghost_norm(mode):
-            return self.outer().norm_sq("ghost")
-        return super().norm_sq()
+        method = self.norm_method(mode)
+        return super().norm_sq() if method == "instantiate" else self.ghost_norm_sq(self.dy, method)
 
     def dot(self, other: PerExampleGrad) -> torch.Tensor:
         if self.has_ghost_form and (not isinstance(other, ConvWeightGrads) or other.has_ghost_form):

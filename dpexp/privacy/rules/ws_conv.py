@@ -13,8 +13,8 @@ expands (using ``sum(w_hat) = 0``) to
 
 whose three terms all have ghost forms: ``||u_r||^2 / s_r^2`` is the ghost norm with ``dy`` scaled by
 ``1/s``; ``mean(u_r) = sum_t dy_{t,r} sum(a_t) / p``; ``<w_hat_r, u_r> = sum_t dy_{t,r} <a_t, w_hat_r>``,
-where ``<a_t, w_hat_r>`` is the bias-free convolution of the input with ``w_hat`` (one native convolution,
-about half the time of the same product over unfolded patches on CPU).
+where ``<a_t, w_hat_r>`` and ``sum(a_t) = <a_t, 1>`` are one bias-free convolution of the input with
+``w_hat`` and a row of ones (native, about half the time of the same product over unfolded patches on CPU).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dpexp.layers import WSConv2d, weight_standardization
-from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad
+from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
 from dpexp.privacy.rules import register_rule
 from dpexp.privacy.rules.conv import ConvWeightGrads, check_conv, explicitly_padded
 
@@ -62,26 +62,30 @@ class Standardized(PerExampleGrad):
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
 
-    def _responses(self, w_hat: torch.Tensor) -> torch.Tensor:
-        """``<a_t, w_hat_r>`` for every output position t and channel r, shape (B, T, C_out): the
-        convolution of the input with ``w_hat`` (in ``w_hat``'s dtype), without bias."""
+    def _responses(self, kernels: torch.Tensor) -> torch.Tensor:
+        """``<a_t, k_r>`` for every row ``k_r`` of ``kernels`` (R, p) and output position t, shape (B, R, T):
+        the bias-free convolution of the input with them (in their dtype)."""
         module = self.inner.module
-        x, padding = explicitly_padded(module, self.inner.x.to(w_hat.dtype))
-        kernel = w_hat.view(self.shape)
-        y = F.conv2d(x, kernel, None, module.stride, padding, module.dilation, module.groups)
-        return y.flatten(2).transpose(1, 2)
+        x, padding = explicitly_padded(module, self.inner.x.to(kernels.dtype))
+        weight = kernels.view(-1, *self.shape[1:])
+        return F.conv2d(x, weight, None, module.stride, padding, module.dilation, module.groups).flatten(2)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """From three per-row statistics of ``u = g_hat_i``: ``||u_r||^2 / s_r^2`` (summed), ``sum(u_r)``
-        and ``<w_hat_r, u_r>``, by the ghost form or from the instantiated ``u`` (never forming ``J^T u``)."""
+        and ``<w_hat_r, u_r>``, from the instantiated ``u`` (never forming ``J^T u``) or by the ghost form:
+        the inner convolution's ghost norm with ``dy`` scaled by ``1 / s``, and ``sum_t dy_{t,r} <a_t, v>``
+        for ``v = 1`` and ``v = w_hat_r`` from one convolution with ``C_out + 1`` kernels (costed as
+        ``T (C_out + 1) p`` per example on top of the ghost norm)."""
         dtype = torch.promote_types(self.w_hat.dtype, torch.float32)
         w_hat, s = self.w_hat.to(dtype), self.s.squeeze(1).to(dtype)
-        if self.inner.uses_ghost_norm(mode):
-            outer = self.inner.outer()
-            g, a = outer.left.to(dtype), outer.right.to(dtype)
-            scaled = Outer(g / s, a, outer.shape, outer.left_size).norm_sq("ghost")
-            total = torch.einsum("btr,bt->br", g, a.sum(-1))
-            proj = torch.einsum("btr,btr->br", g, self._responses(w_hat))
+        dy = self.inner.dy
+        method = self.inner.norm_method(mode, ghost_extra=dy[0, 0].numel() * (self.shape[0] + 1) * self.p)
+        if method != "instantiate":
+            g = dy.to(dtype)
+            scaled = self.inner.ghost_norm_sq(g / s.view(-1, *[1] * (g.dim() - 2)), method)
+            g, responses = g.flatten(2), self._responses(torch.cat([w_hat, torch.ones_like(w_hat[:1])]))
+            total = torch.einsum("brt,bt->br", g, responses[:, -1])
+            proj = torch.einsum("brt,brt->br", g, responses[:, :-1])
         else:
             u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape).to(dtype)
             scaled = (torch.linalg.vector_norm(u, dim=-1).square() / s.pow(2)).sum(-1)
