@@ -156,6 +156,33 @@ class HandTiedLM(nn.Module):
         return F.linear(torch.tanh(self.mix(self.tok_emb(ids))), self.tok_emb.weight)
 
 
+class FrozenPrefixCentredNet(nn.Module):
+    """Token ids -> frozen embedding -> centring by the batch mean -> ``mixed_fc``: the mixing precedes every
+    probed tensor (integer inputs, frozen prefix), so only the replay of check 4 sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 6).requires_grad_(False)
+        self.mixed_fc = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids).mean(1)
+        return self.mixed_fc(h - h.mean(0, keepdim=True))
+
+
+class DetachedBatchNormaliserNet(nn.Module):
+    """``pre`` -> tanh -> divided by the detached batch mean of the row norms -> ``mixed_head``: mixing
+    that no gradient shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.mixed_head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.pre(x))
+        return self.mixed_head(h / h.norm(dim=1).mean().detach())
+
+
 class FunctionalLinearNet(nn.Module):
     """``functional_fc`` is never called: its weight and bias are only read by ``F.linear`` in the parent's
     forward."""
@@ -398,6 +425,8 @@ REFUSABLE: dict[str, tuple[str, ...]] = {
     "functional_linear": ("functional_fc",),
     "instance_norm_running_stats": ("stats_norm",),
     "instance_norm_affine_running_stats": ("stats_norm",),
+    "frozen_prefix_centred": ("mixed_fc",),
+    "detached_batch_normaliser": ("mixed_head",),
 }
 
 NEW_CASES = [
@@ -430,6 +459,8 @@ NEW_CASES = [
     "swin_windows",  # timm WindowAttention's relative position table: (B * windows) rows, shifted windows
     "beit_masked",  # HF BeitEmbeddings: cls, absolute position and mask tokens (bool_masked_pos)
     "hf_swin_windows",  # HF SwinAttention's relative position table, recomputed scores: (B * windows) rows
+    "frozen_prefix_centred",  # examples mixed after a frozen prefix on token ids (check 4)
+    "detached_batch_normaliser",  # examples mixed by a detached batch statistic (check 4)
     *LAYER_CASES,
     "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
     "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
@@ -489,6 +520,12 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         ids[:, -2:] = 0
         labels = torch.randint(1, 12, (size, 7), generator=gen).masked_fill(ids == 0, 0)
         return HandTiedLM().double(), token_loss, {"ids": ids, "labels": labels}, {"padding": {"ids": 0}}
+    if name == "frozen_prefix_centred":
+        batch = {"ids": torch.randint(0, 12, (size, 6), generator=gen), "y": _labels(gen, size, 3)}
+        return FrozenPrefixCentredNet().double(), scale_loss, batch, {"class_label": ("y", 3)}
+    if name == "detached_batch_normaliser":
+        batch = {"x": _floats(gen, size, 6), "y": _labels(gen, size, 3)}
+        return DetachedBatchNormaliserNet().double(), engine_models.classification_loss, batch, float_info
     if name == "functional_linear":
         batch = {"x": _floats(gen, size, 6), "y": _labels(gen, size, 3)}
         return FunctionalLinearNet().double(), engine_models.classification_loss, batch, float_info

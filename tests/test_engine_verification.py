@@ -458,6 +458,32 @@ def test_a_model_without_batch_first_inputs_is_refused():
         _step(TimeMajorInput(), _cross_entropy, {"x": torch.randn(5, 4, 3), "y": _FLOATS["y"]})
 
 
+class InputFreeBias(nn.Module):
+    """A module called without inputs that returns its whole table (as BEiT's relative position bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2))
+
+    def forward(self):
+        return self.table * 1.0
+
+
+def test_a_layer_called_without_tensor_inputs_is_refused_naming_it():
+    class WithBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.bias = nn.Linear(3, 2), InputFreeBias()
+
+        def forward(self, x):
+            return self.fc(x) + self.bias()
+
+    with pytest.raises(
+        VerificationError, match=r"layer 'bias' \(InputFreeBias\) was called without a tensor"
+    ):
+        _step(WithBias(), _cross_entropy, _FLOATS)
+
+
 class MaskedMix(nn.Module):
     """A fallback module taking a per-example input and a (T, T) matrix shared by all examples, with
     T = B: the fallback must vmap over the first only, which it establishes from the recorded output."""
