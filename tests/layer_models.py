@@ -246,3 +246,20 @@ class HFSwinNet(nn.Module):
 def hf_swin_loss(model: HFSwinNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy on (B, 3, 16, 16) images, shape (B,)."""
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+def masked_image_batch(masked: bool, height: int = 8, width: int = 8) -> dict[str, torch.Tensor]:
+    """Six float64 images (3, height, width) with labels and, if ``masked``, a patch mask for 4x4 patches
+    (``bool_masked_pos``): examples 1 and 4 without masked patches, example 3 fully masked."""
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "x": torch.randn(6, 3, height, width, generator=gen, dtype=torch.float64),
+        "y": torch.arange(6) % 3,
+    }
+    if masked:
+        mask = torch.rand(6, (height // 4) * (width // 4), generator=gen) < 0.5
+        mask[0, 0] = True
+        mask[[1, 4]] = False
+        mask[3] = True
+        batch["mask"] = mask
+    return batch

@@ -16,28 +16,13 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.layer_models import BeitNet
+from tests.layer_models import BeitNet, masked_image_batch
 from tests.layer_models import beit_embeddings_loss as loss_fn
 from tests.oracle import SETTINGS, check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
 MICRO = [[0, 1, 2], [3, 4, 5]]
-
-
-def _batch(masked: bool, height: int = 8, width: int = 8) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    batch = {
-        "x": torch.randn(6, 3, height, width, generator=gen, dtype=torch.float64),
-        "y": torch.arange(6) % 3,
-    }
-    if masked:  # examples 1 and 4 without masked patches, example 3 fully masked
-        mask = torch.rand(6, (height // 4) * (width // 4), generator=gen) < 0.5
-        mask[0, 0] = True
-        mask[[1, 4]] = False
-        mask[3] = True
-        batch["mask"] = mask
-    return batch
 
 
 @pytest.mark.parametrize("kind", ["beit", "data2vec"])
@@ -55,14 +40,14 @@ def _check(model: nn.Module, batch: dict[str, torch.Tensor], strategy: str, clip
 @pytest.mark.parametrize("strategy,clipping,groups", SETTINGS, ids=[f"{s}-{c}" for s, c, _ in SETTINGS])
 def test_beit_embeddings_match_oracle(masked, strategy, clipping, groups):
     torch.manual_seed(0)
-    _check(BeitNet().double(), _batch(masked), strategy, clipping, groups)
+    _check(BeitNet().double(), masked_image_batch(masked), strategy, clipping, groups)
 
 
 @pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 def test_data2vec_vision_embeddings_match_oracle(strategy):
     """data2vec-vision's embeddings also return the patch grid's size (integers, no gradient)."""
     torch.manual_seed(0)
-    _check(BeitNet("data2vec").double(), _batch(True), strategy, "per_layer")
+    _check(BeitNet("data2vec").double(), masked_image_batch(True), strategy, "per_layer")
 
 
 @pytest.mark.parametrize("height,width", [(12, 12), (8, 12)], ids=["3x3_grid", "2x3_grid"])
@@ -72,7 +57,7 @@ def test_resampled_positions_match_oracle(strategy, height, width):
     table's dtype) to the patch grid; the per-example gradient goes back through that resampling, exactly
     in float64."""
     torch.manual_seed(0)
-    _check(BeitNet().double(), _batch(True, height, width), strategy, "per_layer")
+    _check(BeitNet().double(), masked_image_batch(True, height, width), strategy, "per_layer")
 
 
 @pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
@@ -80,23 +65,27 @@ def test_without_absolute_positions_matches_oracle(strategy):
     torch.manual_seed(0)
     model = BeitNet(absolute=False).double()
     assert model.backbone.embeddings.position_embeddings is None
-    _check(model, _batch(True), strategy, "flat")
+    _check(model, masked_image_batch(True), strategy, "flat")
 
 
 def test_frozen_mask_token_matches_oracle():
     torch.manual_seed(0)
     model = BeitNet().double()
     model.backbone.embeddings.mask_token.requires_grad_(False)
-    _check(model, _batch(True), "ghost", "per_layer")
+    _check(model, masked_image_batch(True), "ghost", "per_layer")
 
 
 @pytest.mark.parametrize(
     "model,batch,match",
     [
-        (lambda: BeitNet(hidden_dropout=0.1), lambda: _batch(False), r"embedding dropout \(p=0.1\)"),
+        (
+            lambda: BeitNet(hidden_dropout=0.1),
+            lambda: masked_image_batch(False),
+            r"embedding dropout \(p=0.1\)",
+        ),
         (
             lambda: BeitNet(),
-            lambda: {**_batch(False), "mask": torch.ones(1, 4, dtype=torch.bool)},
+            lambda: {**masked_image_batch(False), "mask": torch.ones(1, 4, dtype=torch.bool)},
             r"bool_masked_pos has shape \(1, 4\).*\(6, 4\)",
         ),
     ],

@@ -17,26 +17,12 @@ from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
 from tests.layer_models import Dinov2Net as Classifier
 from tests.layer_models import dinov2_loss as loss_fn
+from tests.layer_models import masked_image_batch
 from tests.oracle import SETTINGS, check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
 MICRO = [[0, 1, 2], [3, 4, 5]]
-
-
-def _batch(masked: bool, height: int = 8, width: int = 8) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    batch = {
-        "x": torch.randn(6, 3, height, width, generator=gen, dtype=torch.float64),
-        "y": torch.arange(6) % 3,
-    }
-    if masked:  # examples 1 and 4 without masked patches, example 3 fully masked
-        mask = torch.rand(6, 4, generator=gen) < 0.5
-        mask[0, 0] = True
-        mask[[1, 4]] = False
-        mask[3] = True
-        batch["mask"] = mask
-    return batch
 
 
 def test_dinov2_needs_no_fallback():
@@ -50,7 +36,7 @@ def test_dinov2_embeddings_match_oracle(masked, strategy, clipping, groups):
     model = Classifier().double()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")  # the embeddings must not take it
-        check_clipped_step(model, loss_fn, _batch(masked), MICRO, strategy, clipping, groups)
+        check_clipped_step(model, loss_fn, masked_image_batch(masked), MICRO, strategy, clipping, groups)
 
 
 @pytest.mark.parametrize("height,width", [(12, 12), (8, 12)], ids=["3x3_grid", "2x3_grid"])
@@ -61,7 +47,10 @@ def test_resampled_positions_match_oracle(strategy, height, width):
     the resampling is (a float64 model is refused: the engine's check that the per-example gradients add up
     to autograd's would fail by the float32 rounding of the resampling's backward, about 1e-8 relative)."""
     torch.manual_seed(0)
-    batch = {k: v.float() if v.is_floating_point() else v for k, v in _batch(False, height, width).items()}
+    batch = {
+        k: v.float() if v.is_floating_point() else v
+        for k, v in masked_image_batch(False, height, width).items()
+    }
     check_clipped_step(Classifier(), loss_fn, batch, MICRO, strategy, "per_layer", rel=1e-5, floor=1e-6)
 
 
@@ -72,11 +61,19 @@ def _engine(model: nn.Module) -> PrivacyEngine:
 @pytest.mark.parametrize(
     "model,batch,match",
     [
-        (lambda: Classifier(hidden_dropout=0.1), lambda: _batch(False), r"embedding dropout \(p=0.1\)"),
-        (lambda: Classifier(), lambda: _batch(False, 12, 12), r"resamples position_embeddings .* in float32"),
+        (
+            lambda: Classifier(hidden_dropout=0.1),
+            lambda: masked_image_batch(False),
+            r"embedding dropout \(p=0.1\)",
+        ),
         (
             lambda: Classifier(),
-            lambda: {**_batch(False), "mask": torch.ones(1, 4, dtype=torch.bool)},
+            lambda: masked_image_batch(False, 12, 12),
+            r"resamples position_embeddings .* in float32",
+        ),
+        (
+            lambda: Classifier(),
+            lambda: {**masked_image_batch(False), "mask": torch.ones(1, 4, dtype=torch.bool)},
             r"bool_masked_pos has shape \(1, 4\).*\(6, 4\)",
         ),
     ],

@@ -397,6 +397,19 @@ def moved_rows(real: torch.Tensor, replayed: torch.Tensor, batch_size: int, tol:
     )
 
 
+def _mixed_error(what: str) -> VerificationError:
+    return VerificationError(
+        f"{what}, which per-example clipping cannot bound. Compute every example on its own."
+    )
+
+
+def _control_flow_error(what: str) -> VerificationError:
+    return VerificationError(
+        f"when example 0's data changed, the model called {what}, so one example's data decides how the "
+        "others are computed; per-example clipping cannot bound that example's influence."
+    )
+
+
 @dataclass
 class ModelCall:
     """One verified forward of the model: its arguments as given, the random and autocast state it started
@@ -520,53 +533,48 @@ class Verifier:
         A failure is raised by :meth:`after_first_pass`, after checks 1 and 2, which name a layout problem
         (a time-major layer, an unseen use) more precisely."""
         try:
-            self._check_independence(model, replaying, uses, batch_size)
+            self.probe.independent = self._replay_changed(model, replaying, uses, batch_size)
         except VerificationError as error:
             self.probe.mixed = error
 
-    def _check_independence(
+    def _replay_changed(
         self,
         model: nn.Module,
         replaying: Callable[[Callable[[Use], None]], Any],
         uses: list[Use],
         batch_size: int,
-    ) -> None:
+    ) -> bool:
+        """Check 4's replay and comparisons; False if every example is the same (nothing to replace)."""
         probe = self.probe
         tol = max(tolerance(dtype) for dtype in probe.dtypes)
-        changed = [replaced_example(c.args, c.kwargs, batch_size) for c in probe.calls]
-        if not any(changed) and not any(
-            t.dim() and t.shape[0] == batch_size for c in probe.calls for t in _tensors((c.args, c.kwargs))
-        ):
+        inputs = [_tensors((c.args, c.kwargs)) for c in probe.calls]
+        if not any(t.dim() and t.shape[0] == batch_size for ts in inputs for t in ts):
             raise VerificationError(
-                f"no input of the model has the micro-batch's {batch_size} examples in dim 0, so the engine "
-                "cannot check that it processes every example on its own (check 4 of "
+                f"no input of the model has the micro-batch's {batch_size} examples in dim 0, so the "
+                "engine cannot check that it processes every example on its own (check 4 of "
                 "dpexp.privacy.verification). Pass the model's inputs batch-first."
             )
+        changed = [replaced_example(c.args, c.kwargs, batch_size) for c in probe.calls]
         if not any(changed):
-            return  # every example the same: nothing to replace; the structure stays unverified
+            return False
         position = iter(range(len(uses) + 1))
 
         def compare(replayed: Use) -> None:
             i = next(position)
             real = uses[i] if i < len(uses) else None
             if real is None or real.layer is not replayed.layer or len(real.tensors) != len(replayed.tensors):
-                raise VerificationError(
-                    f"when example 0's data changed, the model called its layers in another sequence (call "
-                    f"{i}: layer {replayed.layer.name!r}), so one example's data decides how the others are "
-                    "computed; per-example clipping cannot bound that example's influence."
-                )
+                raise _control_flow_error(f"another sequence (call {i}: layer {replayed.layer.name!r})")
             if [t._version for t in real.tensors] != real.versions:
                 return  # changed in place after the call: check_use refuses it with its own message
             for t, r in zip(real.tensors, replayed.tensors, strict=True):
                 moved = moved_rows(t, r, batch_size, tol)
                 if moved is not None:
                     layer = real.layer
-                    raise VerificationError(
-                        f"layer {layer.name!r} ({type(layer.module).__name__}): when example 0's "
-                        f"data changed, its input moved for other examples ({moved}), so the forward mixes "
-                        "examples before this layer (batch statistics, a value computed from the whole batch "
-                        "under no_grad or detached, or a frozen module that mixes examples), which "
-                        "per-example clipping cannot bound. Compute every example on its own."
+                    raise _mixed_error(
+                        f"layer {layer.name!r} ({type(layer.module).__name__}): when example 0's data "
+                        f"changed, its input moved for other examples ({moved}), so the forward mixes "
+                        "examples before this layer (batch statistics, a value computed from the whole "
+                        "batch under no_grad or detached, or a frozen module that mixes examples)"
                     )
 
         outputs = [
@@ -574,10 +582,7 @@ class Verifier:
             for call, replaced in zip(probe.calls, changed, strict=True)
         ]
         if next(position) != len(uses):
-            raise VerificationError(
-                "when example 0's data changed, the model called fewer layers, so one example's data decides "
-                "how the others are computed; per-example clipping cannot bound that example's influence."
-            )
+            raise _control_flow_error("fewer layers")
         for call, output in zip(probe.calls, outputs, strict=True):
             for k, (real, replayed) in enumerate(zip(_tensors(call.output), _tensors(output), strict=False)):
                 rows = real.shape[0] if real.dim() else 0
@@ -585,14 +590,13 @@ class Verifier:
                     continue  # a batch-level summary (e.g. a mean loss): not part of any example's output
                 moved = moved_rows(real, replayed, batch_size, tol)
                 if moved is not None:
-                    raise VerificationError(
-                        f"output tensor {k} of the model (shape {tuple(real.shape)}): when example 0's "
-                        f"data changed, it moved for other examples ({moved}), so the forward mixes examples "
+                    raise _mixed_error(
+                        f"output tensor {k} of the model (shape {tuple(real.shape)}): when example 0's data "
+                        f"changed, it moved for other examples ({moved}), so the forward mixes examples "
                         "after its trainable layers (e.g. a normalisation by a batch statistic, detached or "
-                        "not); per-example clipping cannot bound that example's influence. Compute every "
-                        "example on its own."
+                        "not)"
                     )
-        probe.independent = True
+        return True
 
     def _replay(
         self,
