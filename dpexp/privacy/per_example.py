@@ -33,7 +33,7 @@ import torch
 NormMode = Literal["auto", "ghost", "instantiate"]
 
 
-def _accurate(x: torch.Tensor) -> torch.Tensor:
+def accurate(x: torch.Tensor) -> torch.Tensor:
     """Half-precision factors are promoted so that norms are accumulated in float32."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
@@ -124,11 +124,11 @@ class PerExampleGrad(ABC):
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """``||g_i||^2`` for each example, shape (B,) (one fused reduction: no squared temporary)."""
-        return torch.linalg.vector_norm(_accurate(self.per_example()).flatten(1), dim=1).square()
+        return torch.linalg.vector_norm(accurate(self.per_example()).flatten(1), dim=1).square()
 
     def dot(self, other: PerExampleGrad) -> torch.Tensor:
         """``<g_i, g'_i>`` for each example, shape (B,): the cross term of a parameter used twice."""
-        a, b = _accurate(self.instantiate()), _accurate(other.instantiate())
+        a, b = accurate(self.instantiate()), accurate(other.instantiate())
         return (a.flatten(1) * b.flatten(1)).sum(1)
 
 
@@ -175,7 +175,7 @@ class OneHot(PerExampleGrad):
         return out.index_add_(0, self.index, coef.to(self.value.dtype) * self.value).view(self.shape)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
-        return _accurate(self.value).square()
+        return accurate(self.value).square()
 
     def _select(self, keep: torch.Tensor) -> OneHot:
         return OneHot(self.index[keep], self.value[keep], self.shape)
@@ -280,7 +280,7 @@ class Outer(PerExampleGrad):
 
     def _ghost_dot(self, other: Outer) -> torch.Tensor:
         """``sum_{t,s} <l_t, l'_s> <r_t, r'_s>`` per example (Li et al. 2022, eq. 2, with two factors)."""
-        right_gram = torch.bmm(_accurate(self.right), _accurate(other.right).transpose(1, 2))
+        right_gram = torch.bmm(accurate(self.right), accurate(other.right).transpose(1, 2))
         return (_left_gram(self, other, right_gram.dtype) * right_gram).sum((1, 2))
 
 
@@ -305,10 +305,10 @@ def _left_gram(a: Outer, b: Outer, dtype: torch.dtype) -> torch.Tensor:
         return (a.left[:, :, None] == b.left[:, None, :]).to(dtype)
     if a.is_index:  # <e_{idx_t}, l'_s> = l'_s[idx_t]
         return (
-            torch.gather(_accurate(b.left), 2, a.left[:, None, :].expand(-1, b.left.shape[1], -1))
+            torch.gather(accurate(b.left), 2, a.left[:, None, :].expand(-1, b.left.shape[1], -1))
             .transpose(1, 2)
             .to(dtype)
         )
     if b.is_index:
         return _left_gram(b, a, dtype).transpose(1, 2)
-    return torch.bmm(_accurate(a.left), _accurate(b.left).transpose(1, 2)).to(dtype)
+    return torch.bmm(accurate(a.left), accurate(b.left).transpose(1, 2)).to(dtype)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, _accurate
+from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, accurate
 from dpexp.privacy.rules import register_rule
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -143,10 +143,10 @@ def patch_gram_norm_sq(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, dy: torch
     offsets are a product of per-dimension shifts) into the (T, T) patch Gram, whose inner product with the
     output gradients' Gram ``dY^T dY`` is the norm. Chunked over examples (:data:`GRAM_VALUES`).
     """
-    x, geo = as_image(module, _accurate(x))
+    x, geo = as_image(module, accurate(x))
     x = F.pad(x, (geo.padding[1], geo.padding[1], geo.padding[0], geo.padding[0]))
     out = (1, dy.shape[2]) if isinstance(module, nn.Conv1d) else (dy.shape[2], dy.shape[3])
-    dy = _accurate(dy).flatten(2)  # (B, C_out, T)
+    dy = accurate(dy).flatten(2)  # (B, C_out, T)
     components = geo.components(out)
     per_example = 2 * dy.shape[2] ** 2 + max(h * w * (h * w + h * out[1]) for _, (h, w), _, _ in components)
     chunk = max(1, GRAM_VALUES // per_example)
