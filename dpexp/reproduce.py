@@ -169,9 +169,17 @@ def render(
     figure = out / "figures" / f"{stem}_epsilon.png"
     if tables.epsilon_figure(spec, scale, cells, figure):
         written.append(figure)
-    curves = out / "figures" / f"{stem}_curves.png"
-    if spec.get("curves") and tables.curve_figure(spec, scale, cells, entries, source["source_hash"], curves):
-        written.append(curves)
+    if spec.get("curves"):
+        hashed = (spec, scale, cells, entries, source["source_hash"])
+        curves = out / "figures" / f"{stem}_curves.png"
+        if tables.curve_figure(*hashed, curves):
+            written.append(curves)
+        timed = out / "figures" / f"{stem}_time.png"
+        if tables.curve_figure(*hashed, timed, x="train_time_s"):
+            written.append(timed)
+    thresholds = out / "figures" / f"{stem}_thresholds.png"
+    if tables.threshold_figure(spec, scale, cells, entries, source["source_hash"], thresholds):
+        written.append(thresholds)
     return written
 
 

@@ -115,3 +115,39 @@ def test_no_curves_without_evaluations(tmp_path: Path) -> None:
     empty = tables.build_cells(SPEC, POINTS, KEYS, [], "new")
     assert not tables.curve_figure(SPEC, "offline", empty, [], "new", tmp_path / "c.png")
     assert not (tmp_path / "c.png").exists()
+
+
+def test_time_curves_draw_every_row_against_its_training_time(tmp_path: Path) -> None:
+    """x="train_time_s": the non-private row is a curve too (it has a training time, not an epsilon)."""
+    entries = [_entry("dp", 0, 0.60), _entry("np_large", 0, 0.80)]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+
+    def timed(run_dir: str) -> list[dict]:
+        return [{"step": 1, "epsilon": None, "train_time_s": 2.0, "accuracy": 0.5}]
+
+    assert tables.curve_figure(
+        SPEC, "offline", cells, entries, "new", tmp_path / "t.png", timed, "train_time_s"
+    )
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_threshold_figure_draws_the_recorded_thresholds_of_each_rows_first_seed(tmp_path: Path) -> None:
+    entries = [_entry("dp", 0, 0.60), _entry("dp", 1, 0.64), _entry("np_large", 0, 0.80)]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    read = []
+
+    def history(run_dir: str) -> list[dict]:
+        read.append(run_dir)
+        if "np_" in run_dir:
+            return [{"step": 3, "accuracy": 0.8}]
+        return [
+            {"step": s, "accuracy": 0.5, "thresholds": {"0 fc": 1.0 / s, "1 head": 0.5 * s}} for s in (1, 3)
+        ]
+
+    path = tmp_path / "th.png"
+    assert tables.threshold_figure(SPEC, "offline", cells, entries, "new", path, history)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert "runs/dp-0-new-completed" in read
+    none = tmp_path / "none.png"
+    assert not tables.threshold_figure(SPEC, "offline", cells, entries, "new", none, lambda _: [{"step": 1}])
+    assert not none.exists()

@@ -281,3 +281,32 @@ def test_run_with_noise_multiplier_set_directly_reports_its_epsilon(compose_conf
             compose_config([*TINY_RUN, "clip=bk", "privacy.noise_multiplier=0"]), tmp_path / "b"
         )
     assert zero["status"] == "completed" and zero["epsilon"]["rdp"] == math.inf
+
+
+def test_adaptive_runs_record_their_released_thresholds_at_every_evaluation(compose_config, tmp_path):
+    """clip=adaptive_perlayer: each evaluation keeps the thresholds C_k, one per layer, labelled by index and
+    module, as the engine holds them after that step; a fixed-threshold run records none."""
+    record = run_training(
+        compose_config([*TINY_RUN, "clip=adaptive_perlayer", "eval_every=1", "steps=2"]), tmp_path / "a"
+    )
+    first, last = (entry["thresholds"] for entry in (record["history"][0], record["history"][-1]))
+    assert list(first) == list(last) and next(iter(first)).startswith("0 ")
+    assert len(first) > 2 and [label.split()[0] for label in first] == [str(k) for k in range(len(first))]
+    assert first != last  # moved by the noised counts of step 2
+    fixed = run_training(compose_config([*TINY_RUN, "clip=perlayer", "eval_every=1"]), tmp_path / "f")
+    assert all("thresholds" not in entry for entry in fixed["history"])
+
+
+def test_engine_backend_releases_the_engines_adaptive_thresholds():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    backend = build_backend(
+        {"method": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "per_layer", "adaptive": {}}},
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        batch_size=4,
+        sample_size=40,
+        noise_multiplier=1.0,
+    )
+    released = backend.released()["thresholds"]
+    assert list(released) == ["0 0", "1 2"]
+    assert list(released.values()) == backend.engine.thresholds.tolist()

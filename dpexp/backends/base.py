@@ -48,6 +48,11 @@ class TrainingBackend(ABC):
     def close(self) -> None:
         """Remove hooks and restore the model."""
 
+    def released(self) -> dict[str, Any]:
+        """Values the backend has released under its accounted privacy (so a run record may keep them at no
+        further cost), as JSON-ready values: e.g. the adaptive thresholds. Nothing by default."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """What the backend itself changes as it trains, beyond the model and the optimizer (for a
         checkpoint between steps); nothing by default."""

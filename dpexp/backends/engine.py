@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +55,18 @@ class EngineBackend(TrainingBackend):
     def close(self) -> None:
         self.engine.detach()
 
+    def released(self) -> dict[str, Any]:
+        """Adaptive thresholds C_k (He et al. 2023, Algorithm 1; or norm-based), each moved only by noised
+        counts or norms, so recording them is free, as ``{"thresholds": {label: C_k}}`` with one label per
+        clipping group, ``"k module.path"`` (the module path its parameters share); fixed thresholds are the
+        configuration's and not recorded."""
+        if self.engine.adaptive is None:
+            return {}
+        values = self.engine.thresholds.tolist()
+        return {
+            "thresholds": {_group_label(k, names): values[k] for k, names in enumerate(self.engine.groups)}
+        }
+
     def state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict()
 
@@ -83,3 +96,11 @@ def build(
         individual=individual,
         aggregation=aggregation,
     )
+
+
+def _group_label(k: int, names: list[str]) -> str:
+    """``"k path"``: the group's index and the module path its parameter names share (or its one name)."""
+    parts = [name.split(".") for name in names]
+    common = itertools.takewhile(lambda column: len(set(column)) == 1, zip(*parts, strict=False))
+    shared = [column[0] for column in common] if len(names) > 1 else parts[0]
+    return f"{k} {'.'.join(shared) or names[0]}"

@@ -270,20 +270,19 @@ def load_history(run_dir: str) -> list[dict[str, Any]]:
     return json.loads((Path(run_dir) / METRICS_FILE).read_text()).get("history", [])
 
 
-def curve_figure(
+CURVE_AXES = {"epsilon": "ε spent", "train_time_s": "training time (s)"}  # curve_figure's x, its label
+
+
+def _current_histories(
     spec: DictConfig,
-    scale: str,
     cells: list[list[Cell]],
     entries: Sequence[Mapping[str, Any]],
     source_hash: str,
-    path: Path,
-    history: Callable[[str], list[dict[str, Any]]] = load_history,
-) -> bool:
-    """Metric against the epsilon spent during training (``spec.curves``), one line per private row and seed:
-    the evaluations of the row's last cell with current-code runs (its longest budget), each seed's first
-    completed run; the paper's values as crosses at their columns' epsilon; a non-private row as a horizontal
-    line. False (nothing written) when no run has an evaluation."""
-    curves = []
+    history: Callable[[str], list[dict[str, Any]]],
+) -> list[tuple[int, Any, list[Cell], Cell, list[list[dict[str, Any]]]]]:
+    """Per row with a result: (index, row, its cells, its last cell with current-code runs, the evaluation
+    histories of that cell's runs: each seed's first completed run)."""
+    out = []
     for index, (row, row_cells) in enumerate(zip(spec.rows, cells, strict=True)):
         done = [cell for cell in row_cells if cell.mean is not None]
         if not done:
@@ -293,8 +292,33 @@ def curve_figure(
             wanted = entry["setting_key"] == done[-1].setting and entry["source_hash"] == source_hash
             if wanted and entry["status"] == COMPLETED and entry["seed"] not in seeds:
                 seeds.add(entry["seed"])
-                runs.append([h for h in history(entry["run_dir"]) if h.get(spec.metric) is not None])
-        curves.append((index, row, row_cells, done[-1], runs))
+                runs.append(history(entry["run_dir"]))
+        out.append((index, row, row_cells, done[-1], runs))
+    return out
+
+
+def curve_figure(
+    spec: DictConfig,
+    scale: str,
+    cells: list[list[Cell]],
+    entries: Sequence[Mapping[str, Any]],
+    source_hash: str,
+    path: Path,
+    history: Callable[[str], list[dict[str, Any]]] = load_history,
+    x: str = "epsilon",
+) -> bool:
+    """Metric over training (``spec.curves``), one line per row and seed: the evaluations of the row's last
+    cell with current-code runs (its longest budget), each seed's first completed run. ``x="epsilon"``:
+    against the epsilon spent, the paper's values as crosses at their columns' epsilon, a non-private row as
+    a horizontal line; ``x="train_time_s"``: against the training time, every row a line (He et al. 2023's
+    argument that adaptive per-layer clipping reaches flat clipping's accuracy sooner). False (nothing
+    written) when no run has an evaluation."""
+    curves = [
+        (index, row, row_cells, last, [[h for h in run if h.get(spec.metric) is not None] for run in runs])
+        for index, row, row_cells, last, runs in _current_histories(
+            spec, cells, entries, source_hash, history
+        )
+    ]
     if not any(points for *_, runs in curves for points in runs):
         return False
     import matplotlib
@@ -306,21 +330,64 @@ def curve_figure(
     figure, axes = plt.subplots(figsize=(6, 4))
     for index, row, row_cells, last, runs in curves:
         color = f"C{index}"
-        private = [points for points in runs if points and points[-1].get("epsilon") is not None]
-        if not private:  # non-private: no epsilon to draw against
+        drawn = [points for points in runs if points and points[-1].get(x) is not None]
+        if not drawn:  # non-private against epsilon: nothing to draw against
             axes.axhline(last.mean, color=color, linestyle=":", label=f"{row.label} (ours, final)")
             continue
-        for number, points in enumerate(private):
-            xs = [float(p["epsilon"]) for p in points]
+        for number, points in enumerate(drawn):
+            xs = [float(p[x]) for p in points]
             ys = [float(p[spec.metric]) * factor for p in points]
             axes.plot(xs, ys, color=color, marker=".", label=f"{row.label} (ours)" if number == 0 else None)
         for column, cell in zip(spec.columns, row_cells, strict=True):
             epsilon = (column.get("match") or {}).get("privacy.epsilon")
-            if cell.reported is not None and epsilon is not None:
+            if x == "epsilon" and cell.reported is not None and epsilon is not None:
                 axes.plot([float(epsilon)], [cell.reported[0]], color=color, marker="x", markersize=9)
     metric = spec.metric + (" (%)" if spec.get("percent") else "")
-    axes.set(xlabel="ε spent", ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})")
-    axes.legend(fontsize=7, title="x: paper", title_fontsize=7)
+    axes.set(xlabel=CURVE_AXES[x], ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})")
+    axes.legend(fontsize=7, **({"title": "x: paper", "title_fontsize": 7} if x == "epsilon" else {}))
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def threshold_figure(
+    spec: DictConfig,
+    scale: str,
+    cells: list[list[Cell]],
+    entries: Sequence[Mapping[str, Any]],
+    source_hash: str,
+    path: Path,
+    history: Callable[[str], list[dict[str, Any]]] = load_history,
+) -> bool:
+    """The adaptive thresholds C_k of every clipping group over training (He et al. 2023, Algorithm 1; the
+    records' ``thresholds``, released values), one panel per row with adaptive thresholds, from its first
+    seed's run of the row's last cell; the y axis logarithmic. False (nothing written) when no run recorded
+    thresholds."""
+    panels = []
+    for _, row, _, _, runs in _current_histories(spec, cells, entries, source_hash, history):
+        points = [h for h in (runs[0] if runs else []) if h.get("thresholds")]
+        if points:
+            panels.append((row, points))
+    if not panels:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, grid = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    for axes, (row, points) in zip(grid[0], panels, strict=True):
+        steps = [p["step"] for p in points]
+        groups = list(points[-1]["thresholds"])
+        for group in groups:
+            values = [p["thresholds"].get(group, float("nan")) for p in points]
+            axes.plot(steps, values, linewidth=0.8, label=group)
+        axes.set(xlabel="step", ylabel="threshold C_k", yscale="log", title=row.label)
+        if len(groups) <= 12:  # a legend of more groups would hide the lines
+            axes.legend(fontsize=6, title="group", title_fontsize=6)
+    figure.suptitle(f"{spec.title.split(':')[0]} ({scale}): adaptive thresholds", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

@@ -408,6 +408,7 @@ class _Run:
             "lr": effective_lr(self.optimizer, self.scheduler),
             "examples_seen": self.examples,
             "train_time_s": self.train_time,
+            **self.backend.released(),
         }
         self.record.update(**self._counts())
         self.record.log_eval(entry, metrics)
