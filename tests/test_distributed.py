@@ -457,11 +457,19 @@ def test_every_rank_shares_one_run_directory(outside_torchrun):
 
 
 @pytest.mark.slow  # torchrun starts two interpreters that train: about a minute on a busy machine
-def test_torchrun_cli_writes_one_record(tmp_path):
-    """``torchrun ... -m dpexp.train distributed=ddp``: one run directory, one completed record from rank 0,
-    epsilon as planned for one process, the summary printed once."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_cli_writes_one_record(tmp_path, mode):
+    """``torchrun ... -m dpexp.train distributed=ddp`` (or fsdp): one run directory, one completed record from
+    rank 0, epsilon as planned for one process, the summary printed once."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dpexp.train", "distributed=ddp"]
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "dpexp.train",
+        f"distributed={mode}",
+    ]
     command += [*TINY_RUN, "clip=bk", f"output.root={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=JOIN_S)

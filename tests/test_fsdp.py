@@ -2,13 +2,18 @@
 gloo, engine level: one logical step at noise 0 equals the single-process update (flat, per-layer,
 group-wise and adaptive clipping; bk, ghost and instantiated norms), the noise is drawn once per step across
 ranks (its variance) and each rank keeps its shard of it, the epsilon is the single-process one, a rank that
-fails ends the job with an error instead of a hang, and a model resharded before the backward is refused. The
-trainer still refuses ``distributed=fsdp`` in one line (not wired yet)."""
+fails ends the job with an error instead of a hang, and a model resharded before the backward is refused.
+Trainer level (``distributed=fsdp``): one run at noise 0 equals the single-process run (flat and per-layer
+clipping), the epsilon and plan are the single-process ones, one record is written by rank 0, an interrupted
+run resumes from its full-state checkpoint bit for bit, and what cannot run sharded is refused in one line."""
 
 from __future__ import annotations
 
 import copy
+import json
+import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,17 +23,30 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from dpexp.backends import build_backend
 from dpexp.privacy import PrivacyEngine
-from dpexp.training.distributed import FSDP_REFUSAL, start_data_parallel
-from dpexp.training.sharded import shard_model
+from dpexp.training.checkpoint import load_checkpoint
+from dpexp.training.distributed import start_data_parallel
+from dpexp.training.hooks import RunHooks
+from dpexp.training.loop import instantiate, run_training
+from dpexp.training.resume import load_run_config
+from dpexp.training.sharded import full_state, shard_model
+from dpexp.training.signals import InterruptGuard, RunInterrupted
+from tests.conftest import TINY_RUN
+from tests.test_checkpoint import identical
 from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     ENGINE_CASES,
     N_EXAMPLES,
+    RESUMED_RUN,
     WORLD,
     Wide,
     _compose,
+    _env,
+    _free_port,
     _join_group,
     _model_and_data,
+    _SaveModel,
+    _SignalAt,
     _spawn,
     _train,
     outside_torchrun,
@@ -163,9 +181,153 @@ def test_the_engine_refuses_parameters_sharded_during_backward(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
-def test_fsdp_is_refused_by_the_trainer_in_one_line(outside_torchrun):  # noqa: F811
+# ---------------------------------------------------------------------------------------------- trainer
+def test_fsdp_config_is_checked_before_training(outside_torchrun):  # noqa: F811
+    """distributed=fsdp is a valid mode: outside torchrun, or with another world size, it is refused in one
+    line with the fix, before any process group exists."""
+    cfg = _compose(["distributed=fsdp"])
+    with pytest.raises(ValueError, match=r"distributed=fsdp runs one process per rank under torchrun: "):
+        start_data_parallel(cfg.distributed, torch.device("cpu"))
     outside_torchrun.setenv("WORLD_SIZE", "2")
     outside_torchrun.setenv("MASTER_ADDR", "127.0.0.1")
-    with pytest.raises(ValueError, match="distributed=fsdp is not available in the trainer yet") as info:
-        start_data_parallel(_compose(["distributed=fsdp"]).distributed, torch.device("cpu"))
-    assert str(info.value) == FSDP_REFUSAL and "\n" not in FSDP_REFUSAL and not dist.is_initialized()
+    cfg = _compose(["distributed=fsdp", "distributed.world_size=4"])
+    with pytest.raises(ValueError, match=r"distributed.world_size=4 but torchrun started 2") as info:
+        start_data_parallel(cfg.distributed, torch.device("cpu"))
+    assert "\n" not in str(info.value) and not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("clip", "message"),
+    [
+        ("opacus", r"runs in one process: data-parallel training \(distributed=ddp or fsdp\) needs a dpexp"),
+        ("nonprivate", r"runs in one process: data-parallel training \(distributed=ddp or fsdp\) needs"),
+        ("adaclip", r"does not combine with sharded parameters \(FSDP2\): set distributed=ddp, or "),
+    ],
+)
+def test_what_fsdp_cannot_run_is_refused_in_one_line(clip, message):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=message) as info:
+        build_backend(
+            _compose([f"clip={clip}"]).clip,
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            batch_size=2,
+            sample_size=10,
+            noise_multiplier=1.0,
+            sharded=True,
+        )
+    assert "\n" not in str(info.value)
+
+
+def test_sharded_ranks_stop_after_the_same_step():
+    """The interrupt agreement of a sharded job: a rank that received no signal stops with the one another
+    rank received; a signal nobody agreed on waits for the next step."""
+    guard = InterruptGuard()
+    with pytest.raises(RunInterrupted) as info, guard.step(lambda held: max(held, signal.SIGTERM)):
+        pass
+    assert info.value.signum == signal.SIGTERM and not info.value.mid_step
+    with guard.step(lambda held: 0):
+        guard._handle(signal.SIGINT, None)  # held, then not agreed on (received after the agreement)
+    with pytest.raises(RunInterrupted) as info, guard.step(lambda held: held):
+        pass
+    assert info.value.signum == signal.SIGINT
+
+
+class _SaveFullModel(RunHooks):
+    """The trained model's full state (sharded parameters gathered: every rank calls it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def finished(self, model, task):
+        torch.save(full_state(model.state_dict()), self.path)
+        return {}
+
+
+FSDP_RUNS = {
+    "flat": [*TINY_RUN, "clip=bk", "privacy.noise_multiplier=0", "batch_size=64"],
+    "per_layer": [*TINY_RUN, "clip=perlayer", "privacy.noise_multiplier=0", "batch_size=64"],
+    "calibrated": [*TINY_RUN, "clip=adaptive_perlayer", "batch_size=64"],
+}
+
+
+def _trainer_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
+    for name, run_port in zip(FSDP_RUNS, [port, *ports], strict=True):
+        _env(rank, run_port)  # each run starts and ends its own process group
+        cfg = _compose([*FSDP_RUNS[name], "distributed=fsdp"])
+        run_training(cfg, Path(root) / name / "fsdp", hooks=_SaveFullModel(f"{root}/{name}_rank{rank}.pt"))
+
+
+@pytest.mark.slow  # three short runs on two processes and three in one: ~15 s idle, more when shared
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fsdp_trainer_equals_one_process(tmp_path):
+    """``run_training`` with distributed=fsdp on two ranks: at privacy.noise_multiplier=0 its model equals the
+    single-process run's (float32, up to reduction order) for flat and per-layer clipping, the same on both
+    ranks; only rank 0 writes metrics.json, whose plan and epsilon (all three accountants) equal the
+    single-process run's, for a calibrated sigma with adaptive per-layer thresholds."""
+    assert _spawn(_trainer_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
+    for name, overrides in FSDP_RUNS.items():
+        single = run_training(
+            _compose(overrides), tmp_path / name / "one", hooks=_SaveModel(f"{tmp_path}/{name}_single.pt")
+        )
+        fsdp = json.loads((tmp_path / name / "fsdp" / "metrics.json").read_text())
+        assert fsdp["status"] == "completed" and fsdp["config"]["distributed"]["name"] == "fsdp"
+        assert [h["step"] for h in fsdp["history"]] == [3]  # one evaluation, recorded once
+        for key in ("sample_size", "batch_size", "steps", "noise_multipliers", "examples_seen", "delta"):
+            assert fsdp[key] == single[key], key
+        if name == "calibrated":
+            assert fsdp["epsilon"] == single["epsilon"] and math.isfinite(fsdp["epsilon"]["rdp"])
+            continue
+        assert fsdp["epsilon"]["rdp"] == "Infinity" and single["epsilon"]["rdp"] == math.inf
+        ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt") for r in range(WORLD)]
+        want = torch.load(tmp_path / f"{name}_single.pt")
+        assert sorted(ranks[0]) == sorted(want)
+        for key, value in want.items():
+            assert torch.equal(ranks[0][key], ranks[1][key]), key
+            torch.testing.assert_close(ranks[0][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+        assert fsdp["loss"] == pytest.approx(single["loss"], rel=1e-5)
+        assert fsdp["accuracy"] == single["accuracy"]
+
+
+SHARDED_RESUMED_RUN = [*RESUMED_RUN, "optim.momentum=0.9"]  # optimizer state sharded like the parameters
+
+
+def _resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
+    cfg = _compose([*SHARDED_RESUMED_RUN, "distributed=fsdp"])
+    _env(rank, port)
+    run_training(cfg, Path(root) / "whole")
+    _env(rank, ports[0])
+    with pytest.raises(RunInterrupted) as info:  # rank 0 alone is signalled: rank 1 stops with it
+        run_training(cfg, Path(root) / "parts", hooks=_SignalAt(4) if rank == 0 else None)
+    assert info.value.signum == signal.SIGTERM and not info.value.mid_step
+    _env(rank, ports[1])
+    run_training(load_run_config(Path(root) / "parts"), Path(root) / "parts", resume=True)
+
+
+@pytest.mark.slow  # three short runs on two processes: ~12 s idle, more when shared
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_interrupted_fsdp_run_resumes_as_an_uninterrupted_one(tmp_path):
+    """SIGTERM to rank 0 in step 4: both ranks stop at its end, gather the full state, rank 0 writes the
+    checkpoint; ``resume`` on two ranks loads it into the sharded model and ends where the uninterrupted
+    sharded run ends, bit for bit: record, model, optimizer, sampler, engine. The checkpoints hold the full
+    (unsharded) state, with the keys and shapes of a single-process model."""
+    assert _spawn(_resume_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
+    whole, parts = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "parts"))
+    assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
+    timing = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}
+    for key in set(whole) - timing - {"history"}:
+        assert parts[key] == whole[key], key
+    assert [h["step"] for h in parts["history"]] == [2, 4, 6]
+    assert [h["accuracy"] for h in parts["history"]] == [h["accuracy"] for h in whole["history"]]
+    final = [load_checkpoint(tmp_path / d / "checkpoints" / "step_00000006.pt") for d in ("whole", "parts")]
+    for part in ("model", "optimizer", "backend", "sampler"):
+        assert identical(final[0][part], final[1][part]), part
+    assert sorted(p.name for p in (tmp_path / "parts" / "checkpoints").iterdir()) == [
+        "step_00000004.pt",
+        "step_00000006.pt",
+    ]
+    assert final[0]["optimizer"]["state"][0]["momentum_buffer"].shape == final[0]["model"]["0.weight"].shape
+    cfg = _compose(SHARDED_RESUMED_RUN)
+    task, factory = instantiate(cfg.task, "task"), instantiate(cfg.model, "model")
+    task.setup(factory)
+    factory.build(task.info).load_state_dict(final[0]["model"])  # strict: the keys and shapes of one process

@@ -45,6 +45,7 @@ def build_backend(
     noise_multiplier: float,
     individual: IndividualPrivacy | None = None,
     aggregation: StepAggregation | None = None,
+    sharded: bool = False,
 ) -> TrainingBackend:
     """Wrap ``model`` and ``optimizer`` with the backend of ``clip_cfg["method"]``.
 
@@ -54,6 +55,8 @@ def build_backend(
     individualized privacy (:mod:`dpexp.privacy.individual`), which only the ``dpexp`` method has.
     ``aggregation``: the processes of a data-parallel job that share every logical step
     (:mod:`dpexp.privacy.aggregation`; the protocol in :mod:`dpexp.backends.base`), also ``dpexp`` only.
+    ``sharded``: the model's parameters are sharded by FSDP2 (``distributed=fsdp``,
+    :mod:`dpexp.training.sharded`): the engine is built with ``sharded=True``.
     """
     if isinstance(clip_cfg, DictConfig):  # the engine and Opacus expect plain dicts and lists
         clip_cfg = OmegaConf.to_container(clip_cfg, resolve=True)
@@ -65,14 +68,16 @@ def build_backend(
             f"clip.method={method} has no individualized privacy: privacy.individual needs a dpexp clip "
             "(e.g. clip=bk)."
         )
-    if aggregation is not None and method != "dpexp":
+    if (aggregation is not None or sharded) and method != "dpexp":
         raise ValueError(
-            f"clip.method={method} runs in one process: data-parallel training (distributed=ddp) needs a "
-            "dpexp clip (e.g. clip=bk)."
+            f"clip.method={method} runs in one process: data-parallel training (distributed=ddp or fsdp) "
+            "needs a dpexp clip (e.g. clip=bk)."
         )
     extra: dict[str, Any] = {} if individual is None else {"individual": individual}
     if aggregation is not None:
         extra["aggregation"] = aggregation
+    if sharded:
+        clip_cfg = {**clip_cfg, "engine": {**clip_cfg["engine"], "sharded": True}}
     return importlib.import_module(METHODS[method]).build(
         clip_cfg,
         model=model,

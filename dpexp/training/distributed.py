@@ -1,5 +1,5 @@
-"""Data-parallel private training on ``torch.distributed`` (``distributed=ddp``, one process per rank under
-torchrun; gloo on CPU, NCCL on GPU).
+"""Data-parallel private training on ``torch.distributed`` (``distributed=ddp`` and ``fsdp``, one process per
+rank under torchrun; gloo on CPU, NCCL on GPU).
 
 Every rank r of P holds the whole model and, per logical step of DP-SGD (Abadi et al. 2016, Algorithm 1):
 
@@ -22,6 +22,13 @@ for the evaluation of another; only rank 0 records it and writes the run record 
 After every step the ranks compare their parameters (:meth:`DataParallel.check_same`: sums and sums of
 squares, one small all-reduce) and stop if they differ: the engine's guarantee holds for one model.
 
+``distributed=fsdp`` runs the same steps on parameters sharded by FSDP2 (:mod:`dpexp.training.sharded`): the
+model is sharded after the broadcast, each step all-gathers it once, and :attr:`DataParallel.sharded` tells
+the trainer to skip :meth:`~DataParallel.check_same` (every coordinate lives on one rank: no copy can drift),
+to gather the full state for checkpoints on every rank (:meth:`~DataParallel.full_state`; rank 0 writes it),
+and to agree (:meth:`~DataParallel.largest`) on stopping after a signal, on rank 0's checkpoint clock and on
+the parameters' finiteness.
+
 A rank that fails ends the job instead of hanging it: its peers' next collective fails when its connection
 closes, or at the latest after ``distributed.timeout_s``, with a :class:`DistributedError` naming that key.
 """
@@ -41,15 +48,11 @@ from omegaconf import DictConfig
 from torch import nn
 
 from dpexp.config import ConfigError
+from dpexp.training import sharded
 
 MODES = ("none", "ddp", "fsdp", "pipeline")  # fsdp: dpexp.training.sharded; pipeline: dpexp.training.pipeline
 BACKENDS = ("auto", "gloo", "nccl")
-TORCHRUN = "torchrun --standalone --nproc-per-node=2 -m dpexp.train distributed=ddp ..."
-FSDP_REFUSAL = (
-    "distributed=fsdp is not available in the trainer yet: the engine clips FSDP2-sharded models "
-    "(PrivacyEngine(sharded=True), dpexp/training/sharded.py) but the trainer does not yet shard the model, "
-    "checkpoint sharded state or compare sharded parameters across ranks; use distributed=ddp."
-)
+TORCHRUN = "torchrun --standalone --nproc-per-node=2 -m dpexp.train distributed={name} ..."
 
 
 class DistributedError(RuntimeError):
@@ -60,7 +63,7 @@ class DistributedError(RuntimeError):
 class DistributedConfig:
     """The ``distributed`` config group, checked."""
 
-    name: str  # none | ddp (fsdp and pipeline are refused by the trainer for now)
+    name: str  # none | ddp | fsdp (pipeline is refused by the trainer for now)
     backend: str  # auto | gloo | nccl
     timeout_s: float
     world_size: int | None  # None: what torchrun started
@@ -71,8 +74,6 @@ def distributed_config(node: DictConfig) -> DistributedConfig:
     config = DistributedConfig(str(node.name), str(node.backend), node.timeout_s, node.world_size)
     if config.name not in MODES:
         raise ConfigError(f"distributed={config.name}: valid choices are {', '.join(MODES)}.")
-    if config.name == "fsdp":
-        raise ConfigError(FSDP_REFUSAL)
     if config.backend not in BACKENDS:
         raise ConfigError(f"distributed.backend={config.backend}: valid choices are {', '.join(BACKENDS)}.")
     if not (
@@ -104,7 +105,7 @@ def start_data_parallel(node: DictConfig | None, device: torch.device) -> DataPa
         if launched is not None and launched > 1:
             raise ConfigError(
                 f"torchrun started {launched} processes but distributed=none would train {launched} "
-                "separate models: add distributed=ddp."
+                "separate models: add distributed=ddp (or fsdp)."
             )
         return None
     if config.name == "pipeline":
@@ -113,7 +114,10 @@ def start_data_parallel(node: DictConfig | None, device: torch.device) -> DataPa
             "dpexp.training.pipeline.PipelineStage, or use distributed=none or ddp."
         )
     if launched is None or "MASTER_ADDR" not in os.environ:
-        raise ConfigError(f"distributed={config.name} runs one process per rank under torchrun: {TORCHRUN}")
+        raise ConfigError(
+            f"distributed={config.name} runs one process per rank under torchrun: "
+            + TORCHRUN.format(name=config.name)
+        )
     if config.world_size is not None and config.world_size != launched:
         raise ConfigError(
             f"distributed.world_size={config.world_size} but torchrun started {launched} processes: set "
@@ -137,6 +141,7 @@ class DataParallel:
                 "distributed.backend=gloo (or auto)."
             )
         self.timeout_s = float(config.timeout_s)
+        self.sharded = config.name == "fsdp"  # parameters and optimizer state sharded (FSDP2) between steps
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
@@ -199,6 +204,19 @@ class DataParallel:
                 f"{(-both[2:]).tolist()} to {both[:2].tolist()}): the ranks no longer train one model"
             )
 
+    def largest(self, what: str, value: float) -> float:
+        """The largest of every rank's ``value`` (one all-reduce of one float64): how the ranks of a sharded
+        job agree on what one rank alone knows (a signal received, rank 0's checkpoint clock, a non-finite
+        shard)."""
+        both = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self._collective(what, dist.all_reduce, both, dist.ReduceOp.MAX)
+        return float(both)
+
+    def full_state(self, state: Any) -> Any:
+        """``state`` (nested dicts and lists) with every sharded tensor (DTensor) gathered whole, on the CPU:
+        a collective every rank runs on a state of the same layout (the parameters' and optimizer's)."""
+        return self._collective("gathering the sharded state", sharded.full_state, state)
+
     def broadcast_module(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers on every rank: all ranks start from one model."""
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -211,9 +229,9 @@ class DataParallel:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
-    def _collective(self, what: str, call: Callable[..., Any], *args: Any) -> None:
+    def _collective(self, what: str, call: Callable[..., Any], *args: Any) -> Any:
         try:
-            call(*args)
+            return call(*args)
         except RuntimeError as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise DistributedError(

@@ -24,7 +24,7 @@ import math
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,7 @@ from dpexp.training.record import (
 )
 from dpexp.training.rng import rng_state, seed_everything, set_rng_state
 from dpexp.training.sampling import build_batch_sampler, split_micro_batches
+from dpexp.training.sharded import model_shards, optimizer_shards, shard_model, unsharded
 from dpexp.training.signals import InterruptGuard, RunInterrupted
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,10 @@ class _Run:
         parallel: DataParallel | None = None,
     ) -> None:
         self.cfg = cfg
-        self.parallel = parallel  # this process' rank of a data-parallel job (distributed=ddp), or None
+        self.parallel = parallel  # this process' rank of a data-parallel job (distributed=ddp|fsdp), or None
+        # distributed=fsdp: the parameters and optimizer state are sharded, so a checkpoint gathers them on
+        # every rank (rank 0 alone writes it) and the ranks agree on when to stop and to checkpoint
+        self.sharded = parallel is not None and parallel.sharded
         self.record = record
         self.choices = choices
         self.hooks = hooks
@@ -185,7 +189,7 @@ class _Run:
             self._at_boundary = True
             self._train(guard)
         except RunInterrupted as interrupt:
-            if self._at_boundary and not interrupt.mid_step and self.record.writer:
+            if self._at_boundary and not interrupt.mid_step and (self.record.writer or self.sharded):
                 self.save_checkpoint()
             raise
         finally:
@@ -222,6 +226,8 @@ class _Run:
         self.model = factory.build(self.task.info).to(self.device)
         if self.parallel is not None:
             self.parallel.broadcast_module(self.model)
+        if self.sharded:  # every rank keeps its shard of rank 0's parameters (FSDP2)
+            shard_model(self.model)
         self.model.train()
         self.dataset = self.hooks.training_set(self.task, self.task.train_dataset)
         self.privacy_groups = privacy_groups(cfg, self.task, self.dataset)
@@ -272,6 +278,7 @@ class _Run:
             ),
             individual=individual,
             aggregation=self.parallel,
+            sharded=self.sharded,
         )
         sampling_rates = individual is not None and individual.variant == "sampling"
         self.sampler = build_batch_sampler(
@@ -306,11 +313,11 @@ class _Run:
             if self.step:  # resumed: the step of the checkpoint may have stopped before its report
                 self._report(bar)
             while self.step < plan.steps:
-                with guard.step():
+                with guard.step(self._agree_on_signal if self.sharded else None):
                     self._train_step(next(batches), lengths)
                 bar.update()
                 self._report(bar)
-                if self.record.writer and self.checkpointer.due(self.step):
+                if (self.record.writer or self.sharded) and self._checkpoint_due():
                     with self._outside_training():
                         self.save_checkpoint()
         finally:
@@ -325,16 +332,20 @@ class _Run:
         data parallelism this rank runs its share of the batch; the loss is summed over the ranks."""
         step_loss = torch.zeros((), device=self.device)
         share = indices if self.parallel is None else self.parallel.share(indices)
-        for micro in split_micro_batches(share, self.plan.physical_batch_size, lengths):
-            batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
-            loss = self.task.per_example_loss(self.backend.model, batch)
-            groups = None if self.privacy_groups is None else self.privacy_groups[micro].to(self.device)
-            self.backend.backward(loss, privacy_groups=groups)
-            step_loss += loss.detach().sum()
+        with unsharded(self.model) if self.sharded else nullcontext():  # fsdp: one all-gather per step
+            for micro in split_micro_batches(share, self.plan.physical_batch_size, lengths):
+                batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
+                loss = self.task.per_example_loss(self.backend.model, batch)
+                groups = None if self.privacy_groups is None else self.privacy_groups[micro].to(self.device)
+                self.backend.backward(loss, privacy_groups=groups)
+                step_loss += loss.detach().sum()
         self.hooks.before_step(self.step + 1)
         self.backend.step()
         if self.parallel is not None:
             self.parallel.sum_([step_loss])
+        if self.parallel is not None and not self.sharded:
+            # fsdp: nothing to compare, every coordinate of a parameter (and of its optimizer state) is held
+            # by one rank only, and every rank's forward all-gathers those same shards
             self.parallel.check_same("the parameters after the step", self.params)
         self.scheduler.step()
         self.step += 1
@@ -350,10 +361,32 @@ class _Run:
             raise TrainingDiverged(
                 f"the training loss of step {self.step} is {float(step_loss)} ({lr}); lower optim.lr"
             )
-        if not bool(torch.isfinite(torch.nn.utils.get_total_norm(self.params, norm_type=math.inf))):
+        if not self._parameters_finite():
             raise TrainingDiverged(
                 f"the parameters became non-finite at step {self.step} ({lr}); lower optim.lr"
             )
+
+    def _parameters_finite(self) -> bool:
+        """Whether every parameter is finite; sharded (fsdp): every rank's shards, agreed by all ranks."""
+        if not self.sharded:
+            return bool(torch.isfinite(torch.nn.utils.get_total_norm(self.params, norm_type=math.inf)))
+        local = [p.to_local() for p in self.params]
+        finite = all(bool(torch.isfinite(t).all()) for t in local)
+        return self.parallel.largest("checking the parameters are finite", float(not finite)) == 0
+
+    def _agree_on_signal(self, signum: int) -> int:
+        """fsdp: the signal any rank received in this step (0: none), so that all ranks stop after the same
+        step and gather its checkpoint together."""
+        return int(self.parallel.largest("agreeing whether to stop", float(signum)))
+
+    def _checkpoint_due(self) -> bool:
+        """Whether to checkpoint after this step; fsdp: rank 0's decision on every rank (its clock, with
+        checkpoint.every_minutes), since every rank gathers the state."""
+        due = self.checkpointer.due(self.step)
+        if self.sharded and self.checkpointer.policy.every_minutes is not None:
+            rank0 = float(due) if self.record.writer else 0.0
+            due = self.parallel.largest("agreeing whether to checkpoint", rank0) > 0
+        return due
 
     def _report(self, bar: tqdm) -> None:
         """Progress and evaluation after a step, as configured. Doing it twice changes nothing (the window is
@@ -420,10 +453,13 @@ class _Run:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything the run needs to go on from this step boundary as if it had never stopped."""
+        model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        if self.sharded:  # the full state, as one process holds it (a collective on every rank)
+            model, optimizer = self.parallel.full_state(model), self.parallel.full_state(optimizer)
         return {
             "plan": asdict(self.plan),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "backend": self.backend.state_dict(),
@@ -441,7 +477,12 @@ class _Run:
         }
 
     def save_checkpoint(self) -> None:
-        path = self.checkpointer.save(self.step, self.checkpoint_state())
+        """Write the checkpoint of this step: rank 0 alone; under fsdp every rank calls it (they all gather
+        the state) and the others stop there."""
+        state = self.checkpoint_state()
+        if not self.record.writer:
+            return
+        path = self.checkpointer.save(self.step, state)
         self.record.update(checkpoint=str(path.relative_to(self.run_dir)), **self._counts())
         self.record.write()
         log.info("checkpoint of step %d: %s", self.step, path)
@@ -462,8 +503,12 @@ class _Run:
                     f"resume: {found[-1]} was written for the plan {state['plan']}, this run plans "
                     f"{asdict(self.plan)}: its data or its code changed, so it is not the same run."
                 )
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:  # every rank read the full state and keeps its own shards
+                self.model.load_state_dict(model_shards(self.model, state["model"]))
+                self.optimizer.load_state_dict(optimizer_shards(self.optimizer, state["optimizer"]))
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.sampler.load_state_dict(state["sampler"])
             self.backend.load_state_dict(state["backend"])

@@ -19,12 +19,25 @@ accounting are the single process' ones. What sharding changes:
 
 Memory: parameters and optimizer state are sharded at rest; during a step every rank holds the full
 parameters and the full clipped sums, like ddp.
+
+Checkpoints hold the full state, the layout of a single process' ``state_dict()``: :func:`full_state`
+gathers every sharded tensor (a collective on every rank), rank 0 writes it, and on resume every rank reads it
+and keeps its own shard (:func:`model_shards`, :func:`optimizer_shards`: local slices, no communication).
+``torch.distributed.checkpoint.state_dict``'s get/set_optimizer_state_dict are not used: on an optimizer
+without state (SGD without momentum, or any before its first step) they call ``optimizer.step()`` on zero
+gradients to create it, which would run the engine's step (draw noise, count a step, all-reduce).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def shard_model(model: nn.Module) -> FSDPModule:
@@ -34,3 +47,74 @@ def shard_model(model: nn.Module) -> FSDPModule:
     sharded = fully_shard(model, reshard_after_forward=False)
     sharded.set_requires_gradient_sync(False)
     return sharded
+
+
+@contextmanager
+def unsharded(model: FSDPModule) -> Iterator[None]:
+    """The full parameters in ``model`` for the micro-batches of one logical step: one all-gather on every
+    rank, kept through every backward, and the shards back in place (a local step) for the engine's step.
+    FSDP2 alone all-gathers in every forward after a backward: a collective that the ranks would not match, as
+    their shares of a Poisson batch split into different numbers of micro-batches (possibly none)."""
+    model.set_reshard_after_backward(False)
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+        model.set_reshard_after_backward(True)
+
+
+def full_state(state: Any) -> Any:
+    """``state`` (nested dicts, lists and tuples) with every DTensor gathered whole (``full_tensor``, an
+    all-gather every rank must run in the same order: the same layout on every rank) and every tensor on the
+    CPU."""
+    if isinstance(state, DTensor):
+        return state.full_tensor().cpu()
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, Mapping):
+        return {key: full_state(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(full_state(value) for value in state)
+    return state
+
+
+def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's shard of ``full`` as ``like`` is sharded (its mesh and placements): a local slice."""
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(f"a tensor of shape {tuple(full.shape)} for one of shape {tuple(like.shape)}")
+    mesh = like.device_mesh
+    full = full.to(device=like.device, dtype=like.dtype)
+    return DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
+        mesh, like.placements
+    )
+
+
+def model_shards(model: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full model state ``full`` (:func:`full_state` of ``model.state_dict()``) as ``model`` holds it:
+    this rank's shard of every sharded entry, the others as they are; for ``model.load_state_dict``."""
+    current = model.state_dict()
+    return {
+        key: shard_like(value, current[key]) if isinstance(current.get(key), DTensor) else value
+        for key, value in full.items()
+    }
+
+
+def optimizer_shards(optimizer: torch.optim.Optimizer, full: Mapping[str, Any]) -> dict[str, Any]:
+    """The full optimizer state ``full`` (:func:`full_state` of ``optimizer.state_dict()``) as ``optimizer``
+    holds it: every per-parameter tensor of a sharded parameter's shape (momentum, Adam's moments) sharded
+    like that parameter, scalars (Adam's step) as they are; for ``optimizer.load_state_dict``."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, values in full["state"].items():
+        param = params[int(index)]
+        state[index] = {
+            key: shard_like(value, param)
+            if isinstance(param, DTensor)
+            and isinstance(value, torch.Tensor)
+            and value.dim() > 0
+            and tuple(value.shape) == tuple(param.shape)
+            else value
+            for key, value in values.items()
+        }
+    return {**full, "state": state}

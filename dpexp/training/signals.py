@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -57,13 +57,26 @@ class InterruptGuard:
         self._previous = {}
 
     @contextmanager
-    def step(self) -> Iterator[None]:
-        """A training step: a signal received inside it raises :exc:`RunInterrupted` once it has ended."""
+    def step(self, agree: Callable[[int], int] | None = None) -> Iterator[None]:
+        """A training step: a signal received inside it raises :exc:`RunInterrupted` once it has ended.
+
+        ``agree``: the processes of a job that must stop after the same step (the ranks of a sharded job,
+        which gather its checkpoint together): called with this process' held signal (0: none) at the end of
+        every step, still inside it, it returns the signal any process held (0: none), and all of them stop
+        if one did; a signal received after it waits for the next step's agreement."""
         self._in_step = True
+        agreed = 0
         try:
             yield
+            if agree is not None:
+                agreed = agree(self._pending or 0)
         finally:
             self._in_step = False
+        if agree is not None:
+            if agreed:
+                self._pending = None
+                raise RunInterrupted(agreed)
+            return
         if self._pending is not None:
             signum, self._pending = self._pending, None
             raise RunInterrupted(signum)
