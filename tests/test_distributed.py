@@ -508,19 +508,27 @@ def _resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
     run_training(load_run_config(Path(root) / "parts"), Path(root) / "parts", resume=True)
 
 
-@pytest.mark.slow  # three short runs on two processes
-def test_interrupted_ddp_run_resumes_as_an_uninterrupted_one(tmp_path):
-    """Both ranks stop at the end of step 4 (SIGTERM), rank 0 writes the checkpoint, and ``resume`` on two
-    ranks ends where the uninterrupted data-parallel run ends: record, model, optimizer, sampler, engine."""
-    assert _spawn(_resume_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
-    whole, parts = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "parts"))
+def assert_resumed_as_uninterrupted(root: Path) -> list[dict]:
+    """The run ``root/parts``, interrupted after step 4 and resumed, ends as the uninterrupted ``root/whole``
+    does: the record (timings aside; evaluations at steps 2, 4, 6) and the final checkpoint's model,
+    optimizer, backend and sampler, bit for bit; returns both final checkpoints."""
+    whole, parts = (json.loads((root / d / "metrics.json").read_text()) for d in ("whole", "parts"))
     assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
     timing = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}
     for key in set(whole) - timing - {"history"}:
         assert parts[key] == whole[key], key
     assert [h["step"] for h in parts["history"]] == [2, 4, 6]
     assert [h["accuracy"] for h in parts["history"]] == [h["accuracy"] for h in whole["history"]]
-    final = [load_checkpoint(tmp_path / d / "checkpoints" / "step_00000006.pt") for d in ("whole", "parts")]
+    final = [load_checkpoint(root / d / "checkpoints" / "step_00000006.pt") for d in ("whole", "parts")]
     for part in ("model", "optimizer", "backend", "sampler"):
         assert identical(final[0][part], final[1][part]), part
+    return final
+
+
+@pytest.mark.slow  # three short runs on two processes
+def test_interrupted_ddp_run_resumes_as_an_uninterrupted_one(tmp_path):
+    """Both ranks stop at the end of step 4 (SIGTERM), rank 0 writes the checkpoint, and ``resume`` on two
+    ranks ends where the uninterrupted data-parallel run ends: record, model, optimizer, sampler, engine."""
+    assert _spawn(_resume_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
+    assert_resumed_as_uninterrupted(tmp_path)
     assert not list((tmp_path / "parts").glob("checkpoints/*rank*"))

@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 
 from dpexp.backends import build_backend
 from dpexp.privacy import PrivacyEngine
-from dpexp.training.checkpoint import load_checkpoint
 from dpexp.training.distributed import start_data_parallel
 from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import instantiate, run_training
@@ -33,7 +32,6 @@ from dpexp.training.resume import load_run_config
 from dpexp.training.sharded import full_state, shard_model
 from dpexp.training.signals import InterruptGuard, RunInterrupted
 from tests.conftest import TINY_RUN
-from tests.test_checkpoint import identical
 from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     ENGINE_CASES,
     N_EXAMPLES,
@@ -49,6 +47,7 @@ from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     _SignalAt,
     _spawn,
     _train,
+    assert_resumed_as_uninterrupted,
     outside_torchrun,
 )
 
@@ -312,16 +311,7 @@ def test_interrupted_fsdp_run_resumes_as_an_uninterrupted_one(tmp_path):
     sharded run ends, bit for bit: record, model, optimizer, sampler, engine. The checkpoints hold the full
     (unsharded) state, with the keys and shapes of a single-process model."""
     assert _spawn(_resume_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
-    whole, parts = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "parts"))
-    assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
-    timing = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}
-    for key in set(whole) - timing - {"history"}:
-        assert parts[key] == whole[key], key
-    assert [h["step"] for h in parts["history"]] == [2, 4, 6]
-    assert [h["accuracy"] for h in parts["history"]] == [h["accuracy"] for h in whole["history"]]
-    final = [load_checkpoint(tmp_path / d / "checkpoints" / "step_00000006.pt") for d in ("whole", "parts")]
-    for part in ("model", "optimizer", "backend", "sampler"):
-        assert identical(final[0][part], final[1][part]), part
+    final = assert_resumed_as_uninterrupted(tmp_path)
     assert sorted(p.name for p in (tmp_path / "parts" / "checkpoints").iterdir()) == [
         "step_00000004.pt",
         "step_00000006.pt",

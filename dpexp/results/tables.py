@@ -229,6 +229,17 @@ def latex(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mapping
     return "\n".join(lines) + "\n"
 
 
+def _save(figure: Any, path: Path) -> bool:
+    """Lay out, write (as PNG) and close a matplotlib figure; True."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
 def epsilon_figure(spec: DictConfig, scale: str, cells: list[list[Cell]], path: Path) -> bool:
     """Metric against epsilon, one line per row (ours with std bars, the paper's dashed); a row without
     epsilon columns (non-private) as a horizontal line. False (nothing written) when the columns are not
@@ -258,11 +269,7 @@ def epsilon_figure(spec: DictConfig, scale: str, cells: list[list[Cell]], path: 
     metric = spec.metric + (" (%)" if spec.get("percent") else "")
     axes.set(xlabel="ε", ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})", xticks=xs)
     axes.legend(fontsize=7, title="dashed: paper", title_fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return _save(figure, path)
 
 
 def load_history(run_dir: str) -> list[dict[str, Any]]:
@@ -345,11 +352,7 @@ def curve_figure(
     metric = spec.metric + (" (%)" if spec.get("percent") else "")
     axes.set(xlabel=CURVE_AXES[x], ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})")
     axes.legend(fontsize=7, **({"title": "x: paper", "title_fontsize": 7} if x == "epsilon" else {}))
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return _save(figure, path)
 
 
 def threshold_figure(
@@ -388,8 +391,4 @@ def threshold_figure(
         if len(groups) <= 12:  # a legend of more groups would hide the lines
             axes.legend(fontsize=6, title="group", title_fontsize=6)
     figure.suptitle(f"{spec.title.split(':')[0]} ({scale}): adaptive thresholds", fontsize=9)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return _save(figure, path)
