@@ -169,17 +169,14 @@ def render(
     figure = out / "figures" / f"{stem}_epsilon.png"
     if tables.epsilon_figure(spec, scale, cells, figure):
         written.append(figure)
+    rows = tables.current_histories(spec, cells, entries, source["source_hash"])
+    figures = [(tables.threshold_figure, "thresholds", {})]
     if spec.get("curves"):
-        hashed = (spec, scale, cells, entries, source["source_hash"])
-        curves = out / "figures" / f"{stem}_curves.png"
-        if tables.curve_figure(*hashed, curves):
-            written.append(curves)
-        timed = out / "figures" / f"{stem}_time.png"
-        if tables.curve_figure(*hashed, timed, x="train_time_s"):
-            written.append(timed)
-    thresholds = out / "figures" / f"{stem}_thresholds.png"
-    if tables.threshold_figure(spec, scale, cells, entries, source["source_hash"], thresholds):
-        written.append(thresholds)
+        figures += [(tables.curve_figure, "curves", {}), (tables.curve_figure, "time", {"x": "train_time_s"})]
+    for draw, suffix, options in figures:
+        path = out / "figures" / f"{stem}_{suffix}.png"
+        if draw(spec, scale, rows, path, **options):
+            written.append(path)
     return written
 
 

@@ -302,24 +302,30 @@ def _failing_worker(rank: int, port: int, mode: str, out: str) -> None:
     os._exit(5)  # the step completed without the other rank: wrong
 
 
+def error_of_a_failing_pair(worker: Callable[..., None], mode: str, out: Path) -> str:
+    """``worker(rank, port, mode, out)`` on two spawned processes whose second crashes or stalls (``mode``):
+    the first must not hang but end (exit 0) within JOIN_S, having written its error to ``out``; returns
+    that error."""
+    context = mp.get_context("spawn")
+    port = _free_port()
+    processes = [context.Process(target=worker, args=(r, port, mode, str(out))) for r in range(WORLD)]
+    for process in processes:
+        process.start()
+    processes[0].join(JOIN_S)
+    alive = processes[0].is_alive()
+    for process in processes:
+        process.kill()
+        process.join()
+    assert not alive, "process 0 hung"
+    assert processes[0].exitcode == 0
+    return out.read_text()
+
+
 @pytest.mark.parametrize("mode", ["crash", "stall"])
 def test_a_failing_rank_ends_the_job_with_a_clear_error(tmp_path, mode):
     """Rank 1 crashes (or stalls) before the step's all-reduce: rank 0 does not hang but fails with a
     DistributedError naming the timeout key (distributed.timeout_s=5 here)."""
-    out = tmp_path / "error.txt"
-    context = mp.get_context("spawn")
-    port = _free_port()
-    processes = [
-        context.Process(target=_failing_worker, args=(r, port, mode, str(out))) for r in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-    processes[0].join(JOIN_S)
-    assert not processes[0].is_alive(), "rank 0 hung"
-    processes[1].kill()
-    processes[1].join()
-    assert processes[0].exitcode == 0
-    message = out.read_text()
+    message = error_of_a_failing_pair(_failing_worker, mode, tmp_path / "error.txt")
     assert "rank 0 of 2: summing the step's clipped sums failed" in message
     assert "distributed.timeout_s=5" in message and "\n" not in message
 

@@ -24,7 +24,7 @@ from dpexp.privacy.adaptive import AdaptiveConfig
 from dpexp.training.distributed import DistributedError, start_data_parallel
 from dpexp.training.pipeline import PipelineStage, split_stages, stage_engine_kwargs, stage_generator
 from tests.conftest import CONF_DIR
-from tests.test_distributed import JOIN_S, WORLD, _env, _free_port, _spawn
+from tests.test_distributed import JOIN_S, WORLD, _env, _free_port, _spawn, error_of_a_failing_pair
 
 ADAPTIVE = {"target_quantile": 0.5, "quantile_lr": 0.3, "budget_fraction": 0.1, "rescale_to_global": False}
 CASES = {
@@ -252,22 +252,7 @@ def _failing_worker(rank: int, port: int, mode: str, out: str) -> None:
 def test_a_failing_stage_ends_the_job_with_a_clear_error(tmp_path, mode):
     """Stage 1 crashes (or stalls) before its first receive: stage 0 does not hang but fails with a
     DistributedError naming the timeout key (distributed.timeout_s=5 here)."""
-    out = tmp_path / "error.txt"
-    context = mp.get_context("spawn")
-    port = _free_port()
-    processes = [
-        context.Process(target=_failing_worker, args=(r, port, mode, str(out))) for r in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-    processes[0].join(JOIN_S)
-    alive = processes[0].is_alive()
-    for process in processes:
-        process.kill()
-        process.join()
-    assert not alive, "stage 0 hung"
-    assert processes[0].exitcode == 0
-    message = out.read_text()
+    message = error_of_a_failing_pair(_failing_worker, mode, tmp_path / "error.txt")
     assert message.startswith("stage 0 of 2:") and "with stage 1 failed" in message
     assert "distributed.timeout_s=5" in message and "\n" not in message
 

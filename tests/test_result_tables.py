@@ -84,6 +84,10 @@ def test_a_cell_without_runs_says_so_and_no_figure_is_drawn(tmp_path: Path) -> N
     assert not tables.epsilon_figure(SPEC, "offline", cells, tmp_path / "f.png")
 
 
+def _histories(cells, entries, history=tables.load_history):
+    return tables.current_histories(SPEC, cells, entries, "new", history)
+
+
 def test_curves_draw_each_seeds_current_completed_run_of_the_best_setting(tmp_path: Path) -> None:
     entries = [
         _entry("dp", 0, 0.60),
@@ -102,7 +106,7 @@ def test_curves_draw_each_seeds_current_completed_run_of_the_best_setting(tmp_pa
             return [{"step": 3, "epsilon": None, "accuracy": 0.8}]
         return [{"step": 1, "epsilon": 1.0, "accuracy": 0.3}, {"step": 3, "epsilon": 3.0, "accuracy": 0.6}]
 
-    assert tables.curve_figure(SPEC, "offline", cells, entries, "new", tmp_path / "c.png", history)
+    assert tables.curve_figure(SPEC, "offline", _histories(cells, entries, history), tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     # the private row: seeds 0 and 1, completed and current; the non-private row: the tuned lr only
     assert read == ["runs/dp-0-new-completed", "runs/dp-1-new-completed", "runs/np_large-0-new-completed"]
@@ -111,9 +115,11 @@ def test_curves_draw_each_seeds_current_completed_run_of_the_best_setting(tmp_pa
 def test_no_curves_without_evaluations(tmp_path: Path) -> None:
     entries = [_entry("dp", 0, 0.60)]
     cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
-    assert not tables.curve_figure(SPEC, "offline", cells, entries, "new", tmp_path / "c.png", lambda _: [])
+    assert not tables.curve_figure(
+        SPEC, "offline", _histories(cells, entries, lambda _: []), tmp_path / "c.png"
+    )
     empty = tables.build_cells(SPEC, POINTS, KEYS, [], "new")
-    assert not tables.curve_figure(SPEC, "offline", empty, [], "new", tmp_path / "c.png")
+    assert not tables.curve_figure(SPEC, "offline", _histories(empty, []), tmp_path / "c.png")
     assert not (tmp_path / "c.png").exists()
 
 
@@ -126,7 +132,7 @@ def test_time_curves_draw_every_row_against_its_training_time(tmp_path: Path) ->
         return [{"step": 1, "epsilon": None, "train_time_s": 2.0, "accuracy": 0.5}]
 
     assert tables.curve_figure(
-        SPEC, "offline", cells, entries, "new", tmp_path / "t.png", timed, "train_time_s"
+        SPEC, "offline", _histories(cells, entries, timed), tmp_path / "t.png", "train_time_s"
     )
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -145,9 +151,11 @@ def test_threshold_figure_draws_the_recorded_thresholds_of_each_rows_first_seed(
         ]
 
     path = tmp_path / "th.png"
-    assert tables.threshold_figure(SPEC, "offline", cells, entries, "new", path, history)
+    assert tables.threshold_figure(SPEC, "offline", _histories(cells, entries, history), path)
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert "runs/dp-0-new-completed" in read
     none = tmp_path / "none.png"
-    assert not tables.threshold_figure(SPEC, "offline", cells, entries, "new", none, lambda _: [{"step": 1}])
+    assert not tables.threshold_figure(
+        SPEC, "offline", _histories(cells, entries, lambda _: [{"step": 1}]), none
+    )
     assert not none.exists()

@@ -280,15 +280,26 @@ def load_history(run_dir: str) -> list[dict[str, Any]]:
 CURVE_AXES = {"epsilon": "ε spent", "train_time_s": "training time (s)"}  # curve_figure's x, its label
 
 
-def _current_histories(
+@dataclass(frozen=True)
+class RowHistory:
+    """A table row's training histories: its last cell with current-code runs (its longest budget) and the
+    evaluation histories of that cell's runs, each seed's first completed run."""
+
+    index: int
+    row: Any
+    cells: list[Cell]
+    last: Cell
+    runs: list[list[dict[str, Any]]]
+
+
+def current_histories(
     spec: DictConfig,
     cells: list[list[Cell]],
     entries: Sequence[Mapping[str, Any]],
     source_hash: str,
-    history: Callable[[str], list[dict[str, Any]]],
-) -> list[tuple[int, Any, list[Cell], Cell, list[list[dict[str, Any]]]]]:
-    """Per row with a result: (index, row, its cells, its last cell with current-code runs, the evaluation
-    histories of that cell's runs: each seed's first completed run)."""
+    history: Callable[[str], list[dict[str, Any]]] = load_history,
+) -> list[RowHistory]:
+    """The :class:`RowHistory` of every row with a result, each run's record read once (``history``)."""
     out = []
     for index, (row, row_cells) in enumerate(zip(spec.rows, cells, strict=True)):
         done = [cell for cell in row_cells if cell.mean is not None]
@@ -300,31 +311,27 @@ def _current_histories(
             if wanted and entry["status"] == COMPLETED and entry["seed"] not in seeds:
                 seeds.add(entry["seed"])
                 runs.append(history(entry["run_dir"]))
-        out.append((index, row, row_cells, done[-1], runs))
+        out.append(RowHistory(index, row, row_cells, done[-1], runs))
     return out
 
 
 def curve_figure(
-    spec: DictConfig,
-    scale: str,
-    cells: list[list[Cell]],
-    entries: Sequence[Mapping[str, Any]],
-    source_hash: str,
-    path: Path,
-    history: Callable[[str], list[dict[str, Any]]] = load_history,
-    x: str = "epsilon",
+    spec: DictConfig, scale: str, rows: Sequence[RowHistory], path: Path, x: str = "epsilon"
 ) -> bool:
-    """Metric over training (``spec.curves``), one line per row and seed: the evaluations of the row's last
-    cell with current-code runs (its longest budget), each seed's first completed run. ``x="epsilon"``:
-    against the epsilon spent, the paper's values as crosses at their columns' epsilon, a non-private row as
-    a horizontal line; ``x="train_time_s"``: against the training time, every row a line (He et al. 2023's
-    argument that adaptive per-layer clipping reaches flat clipping's accuracy sooner). False (nothing
-    written) when no run has an evaluation."""
+    """Metric over training (``spec.curves``), one line per row and seed, from ``rows``
+    (:func:`current_histories`). ``x="epsilon"``: against the epsilon spent, the paper's values as crosses
+    at their columns' epsilon, a non-private row as a horizontal line; ``x="train_time_s"``: against the
+    training time, every row a line (He et al. 2023's argument that adaptive per-layer clipping reaches flat
+    clipping's accuracy sooner). False (nothing written) when no run has an evaluation."""
     curves = [
-        (index, row, row_cells, last, [[h for h in run if h.get(spec.metric) is not None] for run in runs])
-        for index, row, row_cells, last, runs in _current_histories(
-            spec, cells, entries, source_hash, history
+        (
+            r.index,
+            r.row,
+            r.cells,
+            r.last,
+            [[h for h in run if h.get(spec.metric) is not None] for run in r.runs],
         )
+        for r in rows
     ]
     if not any(points for *_, runs in curves for points in runs):
         return False
@@ -355,24 +362,16 @@ def curve_figure(
     return _save(figure, path)
 
 
-def threshold_figure(
-    spec: DictConfig,
-    scale: str,
-    cells: list[list[Cell]],
-    entries: Sequence[Mapping[str, Any]],
-    source_hash: str,
-    path: Path,
-    history: Callable[[str], list[dict[str, Any]]] = load_history,
-) -> bool:
+def threshold_figure(spec: DictConfig, scale: str, rows: Sequence[RowHistory], path: Path) -> bool:
     """The adaptive thresholds C_k of every clipping group over training (He et al. 2023, Algorithm 1; the
-    records' ``thresholds``, released values), one panel per row with adaptive thresholds, from its first
-    seed's run of the row's last cell; the y axis logarithmic. False (nothing written) when no run recorded
-    thresholds."""
+    records' ``thresholds``, released values), one panel per row of ``rows`` (:func:`current_histories`)
+    with adaptive thresholds, from its first seed's run; the y axis logarithmic. False (nothing written)
+    when no run recorded thresholds."""
     panels = []
-    for _, row, _, _, runs in _current_histories(spec, cells, entries, source_hash, history):
-        points = [h for h in (runs[0] if runs else []) if h.get("thresholds")]
+    for r in rows:
+        points = [h for h in (r.runs[0] if r.runs else []) if h.get("thresholds")]
         if points:
-            panels.append((row, points))
+            panels.append((r.row, points))
     if not panels:
         return False
     import matplotlib

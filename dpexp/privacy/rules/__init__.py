@@ -78,6 +78,16 @@ class LayerRule:
 _RULES: dict[str, LayerRule] = {}
 
 
+def refuse(module: nn.Module, rule: str, kind: str, reason: str | None, fix: str) -> None:
+    """A rule's ``check``: the one-line refusal of a ``module`` the ``rule`` cannot handle, when ``reason``
+    (why not) is set; ``fix`` says what to do instead."""
+    if reason is not None:
+        raise ValueError(
+            f"{type(module).__name__}: the privacy engine's {rule} rule cannot handle this {kind}: "
+            f"{reason}. {fix}"
+        )
+
+
 def _qualified_name(module_type: type) -> str:
     return f"{module_type.__module__}.{module_type.__qualname__}"
 

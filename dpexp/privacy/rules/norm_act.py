@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import register_rule
+from dpexp.privacy.rules import refuse, register_rule
 
 _TIMM = "timm.layers.norm_act"
 
@@ -29,11 +29,13 @@ def _check(module: nn.Module) -> None:
         reason = f"its activation {type(module.act).__name__} has parameters of its own"
     elif not module.affine:
         reason = "it has no affine parameters"
-    if reason is not None:
-        raise ValueError(
-            f"{type(module).__name__}: the privacy engine's norm + activation rule cannot handle this layer: "
-            f"{reason}. Build it with drop_layer=None and a parameter-free activation, or register a rule."
-        )
+    refuse(
+        module,
+        "norm + activation",
+        "layer",
+        reason,
+        "Build it with drop_layer=None and a parameter-free activation, or register a rule.",
+    )
 
 
 def _broadcast(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

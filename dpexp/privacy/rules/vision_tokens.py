@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, register_rule
+from dpexp.privacy.rules import CallLayout, refuse, register_rule
 
 _PREFIX = ("cls_token", "dist_token", "reg_token")  # in their order in the sequence
 _TOKENS = (*_PREFIX, "pos_embed")
@@ -44,11 +44,13 @@ def _check(module: nn.Module) -> None:
         reason = "without pos_embed the token sequence does not pass through pos_drop"
     elif not isinstance(getattr(module, "pos_drop", None), nn.Module):
         reason = "it has no pos_drop module"
-    if reason is not None:
-        raise ValueError(
-            f"{type(module).__name__}: the privacy engine's class/position-token rule cannot handle this "
-            f"model: {reason}. Freeze these parameters (requires_grad=False) or register a rule for it."
-        )
+    refuse(
+        module,
+        "class/position-token",
+        "model",
+        reason,
+        "Freeze these parameters (requires_grad=False) or register a rule for it.",
+    )
 
 
 @register_rule(

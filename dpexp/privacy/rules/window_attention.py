@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, register_rule
+from dpexp.privacy.rules import CallLayout, refuse, register_rule
 
 
 def _check(module: nn.Module) -> None:
@@ -51,11 +51,13 @@ def _check(module: nn.Module) -> None:
         )
     elif not isinstance(getattr(module, "softmax", None), nn.Softmax):
         reason = "it has no softmax module whose input is the attention scores"
-    if reason is not None:
-        raise ValueError(
-            f"{type(module).__name__}: the privacy engine's relative-position-bias rule cannot handle this "
-            f"module: {reason}. Otherwise freeze relative_position_bias_table (requires_grad=False)."
-        )
+    refuse(
+        module,
+        "relative-position-bias",
+        "module",
+        reason,
+        "Otherwise freeze relative_position_bias_table (requires_grad=False).",
+    )
 
 
 @register_rule(
@@ -103,12 +105,13 @@ def _check_hf(module: nn.Module) -> None:
             "gradient at the attention's output (the rule reads it through o_proj's weight) is not known; "
             "leave o_proj unwrapped (adapters on q_proj/k_proj/v_proj are fine)"
         )
-    if reason is not None:
-        raise ValueError(
-            f"{type(module).__name__}: the privacy engine's relative-position-bias rule cannot handle this "
-            f"module: {reason}. Otherwise freeze relative_position_bias.relative_position_bias_table "
-            "(requires_grad=False)."
-        )
+    refuse(
+        module,
+        "relative-position-bias",
+        "module",
+        reason,
+        "Otherwise freeze relative_position_bias.relative_position_bias_table (requires_grad=False).",
+    )
 
 
 def hf_swin_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
