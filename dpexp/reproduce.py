@@ -1,7 +1,8 @@
 """Entry point: reproduce one published table, or regenerate every table from the stored results.
 
     python -m dpexp.reproduce experiment=he2023_table11b scale=offline [launcher=basic|local|slurm]
-        [runs=results/runs] [out=results] [dry_run=true] [logger=none|wandb]
+        [rows=<key>,...] [columns=<key>,...] [runs=results/runs] [out=results] [dry_run=true]
+        [logger=none|wandb]
         [hydra.launcher.<key>=<value> ...]
     python -m dpexp.reproduce tables [runs=results/runs] [out=results]
 
@@ -9,7 +10,9 @@ The first form runs the experiment's grid (``conf/experiment/<name>.yaml`` at ``
 of ``python -m dpexp.train``: a run already completed (same resolved config hash, same code version) is
 skipped; an interrupted, failed or killed one of the same config and code is continued from its checkpoint
 (``resume=<run dir>``); a diverged one, or one another process is running, is reported and left alone;
-the rest are launched. Runs go to ``<runs>/<experiment>/<scale>/<values>-<config hash>-<code hash>/``.
+the rest are launched. ``rows=`` / ``columns=`` (the table's row and column keys, comma-separated) run
+only the points of those cells, e.g. one row of a table whose runs take hours; the table is rendered whole
+(cells not run say so). Runs go to ``<runs>/<experiment>/<scale>/<values>-<config hash>-<code hash>/``.
 Then the store is re-indexed (``<out>/index.jsonl``) and the table rendered (``<out>/tables/<experiment>_
 <scale>.md`` and ``.tex``, ``<out>/figures/<experiment>_<scale>_epsilon.png``). The second form (``make
 tables``) re-indexes and renders the table of every experiment at scale offline and at every scale that has
@@ -37,7 +40,7 @@ from dpexp.training.record import COMPLETED, DIVERGED, FAILED, INTERRUPTED, RUNN
 LAUNCHERS = ("basic", "local", "slurm")  # Hydra's basic launcher; conf/hydra/launcher/{local,slurm}.yaml
 LOGGERS = ("none", "wandb")  # wandb: every run of the experiment in one wandb group, <experiment>-<scale>
 OPTIONS = {"experiment": None, "scale": None, "launcher": "basic", "runs": "results/runs", "out": "results",
-           "dry_run": "false", "logger": "none"}  # fmt: skip
+           "dry_run": "false", "logger": "none", "rows": None, "columns": None}  # fmt: skip
 RESUMABLE = (INTERRUPTED, FAILED, RUNNING)  # RUNNING here: a record no process holds (a killed run)
 BLOCKING = (DIVERGED, "running_now")
 
@@ -78,6 +81,30 @@ def plan_runs(
 def run_name(point: experiments.Point, run_key: str, source_hash: str) -> str:
     """The run directory's name: the swept values, the config hash and the code hash."""
     return f"{point.label}-{run_key[:8]}-{source_hash[:6]}"
+
+
+def selected_points(
+    spec: Any, points: Sequence[experiments.Point], rows: str | None, columns: str | None
+) -> list[experiments.Point]:
+    """The points of the cells in the ``rows`` and ``columns`` named (comma-separated keys; None: all), in
+    grid order; an unknown key is refused naming the valid ones."""
+    chosen = []
+    for part, wanted in (("rows", rows), ("columns", columns)):
+        entries = list(spec[part])
+        if wanted is None:
+            chosen.append(entries)
+            continue
+        keys = [key.strip() for key in wanted.split(",") if key.strip()]
+        valid = [str(entry.get("key")) for entry in entries]
+        unknown = [key for key in keys if key not in valid]
+        if unknown or not keys:
+            raise ConfigError(f"{part}={wanted}: not a key of the table's {part}; valid: {', '.join(valid)}.")
+        chosen.append([entry for entry in entries if str(entry.get("key")) in keys])
+    cells = [set(tables.cell_points(row, column, points)) for row in chosen[0] for column in chosen[1]]
+    selected = [point for point in points if any(point in cell for cell in cells)]
+    if not selected:
+        raise ConfigError(f"rows={rows} columns={columns} select no run of the grid: name cells that have runs.")
+    return selected
 
 
 def parse_arguments(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -190,13 +217,15 @@ def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
         )
     spec = experiments.load_experiment(name)
     points = experiments.grid_points(name, spec, scale)
+    points = selected_points(spec, points, options["rows"], options["columns"])
     configs = dict(zip(points, experiments.compose_points(points), strict=True))
     run_keys = {p: store.config_key(experiments.resolved(c)) for p, c in configs.items()}
     runs, out = Path(options["runs"]), Path(options["out"])
     source = code_version()
     plan = plan_runs(points, run_keys, index(runs, out), source["source_hash"])
+    chosen = "" if options["rows"] is None and options["columns"] is None else " selected"
     print(
-        f"{name} (scale={scale}): {len(points)} runs: {len(plan.skip)} complete (skipped), "
+        f"{name} (scale={scale}): {len(points)}{chosen} runs: {len(plan.skip)} complete (skipped), "
         f"{len(plan.resume)} to resume, {len(plan.launch)} to launch, {len(plan.blocked)} left alone"
     )
     for point, status in plan.blocked:

@@ -99,3 +99,25 @@ def test_logger_wandb_groups_every_run_of_the_experiment(tiny_experiment: Path, 
     assert store.config_key(experiments.resolved(grouped)) == keys[points[0]]
     with pytest.raises(ConfigError, match="logger=mlflow is not a logger; valid: none, wandb"):
         reproduce.parse_arguments(["experiment=tiny", "scale=offline", "logger=mlflow"])
+
+
+def test_rows_and_columns_select_the_runs_of_those_cells(tiny_experiment: Path, capsys) -> None:
+    """rows=/columns= launch only the named cells' points; the table is still rendered whole."""
+    spec = experiments.load_experiment("tiny")
+    points = experiments.grid_points("tiny", spec, "offline")
+    chosen = reproduce.selected_points(spec, points, "non_private", None)
+    assert [p.settings["clip"] for p in chosen] == ["nonprivate"]
+    assert reproduce.selected_points(spec, points, None, "eps3") == points  # the non-private row ignores eps
+    assert reproduce.selected_points(spec, points, "flat_fixed,non_private", "eps3") == points
+    with pytest.raises(ConfigError, match="rows=adaptive: not a key of the table's rows; valid: flat_fixed, non"):
+        reproduce.selected_points(spec, points, "adaptive", None)
+    with pytest.raises(ConfigError, match="columns=: not a key"):
+        reproduce.selected_points(spec, points, None, "")
+
+    runs, out = tiny_experiment / "runs", tiny_experiment / "results"
+    arguments = ["experiment=tiny", "scale=offline", f"runs={runs}", f"out={out}", "rows=non_private"]
+    assert reproduce.main(arguments) == 0
+    assert "1 selected runs: 0 complete (skipped), 0 to resume, 1 to launch" in capsys.readouterr().out
+    assert [e["clip"] for e in store.read_index(out / store.INDEX_FILE)] == ["nonprivate"]
+    table = (out / "tables" / "tiny_offline.md").read_text()
+    assert "| Flat clipping, fixed | not run |" in table
