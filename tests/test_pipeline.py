@@ -1,7 +1,11 @@
 """Per-device clipping on a two-stage pipeline (distributed=pipeline) on two CPU processes with gloo: at
 noise 0 its steps equal single-process group-wise clipping with groups = stages (fixed and adaptive
 thresholds), every stage draws its noise once per step (variance; independent across stages), the epsilon is
-the single-process one, a failing stage ends its neighbour with a clear error, and a bad split is refused."""
+the single-process one, a failing stage ends its neighbour with a clear error, and a bad split is refused.
+Trainer level (``run_training`` and torchrun): a run at noise 0 equals one process' group-wise clipping, the
+record's plan and epsilon are the single-process ones (and ``PipelineStage.get_epsilon``'s), a failing stage
+ends rank 0 with a recorded error, an interrupted run resumes bit for bit, and what a stage cannot honour is
+refused in one line before training."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,7 +48,7 @@ from dpexp.training.pipeline import (
 from dpexp.training.resume import load_run_config
 from dpexp.training.rng import seed_everything
 from dpexp.training.signals import RunInterrupted
-from tests.conftest import CONF_DIR, TINY_RUN
+from tests.conftest import CONF_DIR, REPO_ROOT, TINY_RUN
 from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     JOIN_S,
     RESUMED_RUN,
@@ -517,6 +523,26 @@ def test_interrupted_pipeline_run_resumes_as_an_uninterrupted_one(tmp_path):
     task, factory = instantiate(cfg.task, "task"), instantiate(cfg.model, "model")
     task.setup(factory)
     factory.build(task.info).load_state_dict(final[0]["model"])  # strict: the keys and shapes of one process
+
+
+@pytest.mark.slow  # torchrun starts two interpreters that train: ~30 s on a shared core
+def test_torchrun_cli_runs_a_pipeline(tmp_path):
+    """``torchrun ... -m dpexp.train distributed=pipeline distributed.split_at=[3] clip=groupwise``: one run
+    directory, one completed record (rank 0's), the epsilon and sigma of one process' group-wise run, the
+    summary printed once."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dpexp.train", *SPLIT_RUN]
+    command += [*TINY_RUN, "clip=groupwise", f"output.root={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=JOIN_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = list(tmp_path.glob("runs/digits/groupwise/ddp_*/metrics.json"))
+    assert len(records) == 1
+    record = json.loads(records[0].read_text())
+    assert record["status"] == "completed" and record["steps_done"] == 3
+    assert done.stdout.count("metrics: ") == 1
+    single = run_training(_compose([*TINY_RUN, "clip=groupwise"]), tmp_path / "one")
+    assert record["epsilon"] == single["epsilon"] and record["noise_multiplier"] == single["noise_multiplier"]
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -40,12 +40,15 @@ Micro-batches run one after another (forward and backward of micro-batch m on ev
 without GPipe's overlap: the schedule changes the speed, not the released values.
 
 The trainer (``torchrun ... -m dpexp.train distributed=pipeline distributed.split_at=[k]``) runs a stage
-through :class:`PipelineBackend`: every rank builds the whole model from the run's seed, keeps the modules of
-its stage (:func:`stage_of`: the model's sequential view, :func:`dpexp.models.base.sequential_view`) and
-hands the task :class:`StageModel`, whose forward runs the whole pipeline (:meth:`PipelineStage.forward`):
-the last stage sends the model's output back to every other stage, so that every rank's task computes the
-same per-example losses and metrics, and the trainer's loop, evaluation and record are the single process'
-ones. Only the last stage backpropagates its losses; the others backpropagate the gradient they receive.
+through :class:`PipelineBackend`: every rank builds the whole model (the run's seed, rank 0's parameters),
+keeps the modules of its stage (:func:`stage_of`: the model's sequential view,
+:func:`dpexp.models.base.sequential_view`) and hands the task :class:`StageModel`, whose forward runs the
+whole pipeline (:meth:`PipelineStage.forward`): the last stage sends the model's output back to every other
+stage, so that every rank's task computes the same per-example losses and metrics, and the trainer's loop,
+evaluation and record are the single process' ones. Only the last stage backpropagates its losses; the others
+backpropagate the gradient they receive. Rank 0 (stage 0) writes the run record and the checkpoints, every
+stage's state gathered to it (:meth:`~dpexp.training.distributed.DataParallel.gather`); what a stage cannot
+honour is refused before training (:func:`check_pipeline_config`).
 """
 
 from __future__ import annotations
@@ -321,7 +324,8 @@ class PipelineStage:
         except RuntimeError as error:
             raise DistributedError(
                 f"stage {self.stage} of {self.num_stages}: gathering the stages' thresholds failed: another "
-                f"stage failed or stalled longer than distributed.timeout_s={self.timeout_s:g} ({error})"
+                f"stage failed (its own error says why) or stalled longer than "
+                f"distributed.timeout_s={self.timeout_s:g} ({_first_line(error)})"
             ) from error
         return [float(t) for t in every]
 
@@ -372,17 +376,21 @@ class PipelineStage:
         try:
             call(tensor, peer)
         except RuntimeError as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise DistributedError(
                 f"stage {self.stage} of {self.num_stages}: {what} with stage {peer} failed: that stage "
                 f"failed (its own error says why) or stalled longer than "
                 f"distributed.timeout_s={self.timeout_s:g} "
-                f"({first})"
+                f"({_first_line(error)})"
             ) from error
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 # ---------------------------------------------------------------------------------------------- the trainer
-def check_pipeline_config(cfg: Any, num_stages: int) -> None:
+def check_pipeline_config(cfg: DictConfig, num_stages: int) -> None:
     """Refuse, before any data loads, what a stage cannot honour (``cfg``: the run's config), naming the key
     and the fix: every stage clips its own parameters with the dpexp engine as one group of group-wise
     clipping with equal budgets, and steps its own optimizer on nothing but its own coordinates."""
