@@ -248,6 +248,7 @@ class DistributedSchema:
     backend: str
     timeout_s: float
     world_size: int | None
+    split_at: list[int] | None = None  # distributed=pipeline only (conf/distributed/pipeline.yaml)
 
 
 @dataclass

@@ -1,14 +1,23 @@
 """Per-device clipping on a two-stage pipeline (distributed=pipeline) on two CPU processes with gloo: at
 noise 0 its steps equal single-process group-wise clipping with groups = stages (fixed and adaptive
 thresholds), every stage draws its noise once per step (variance; independent across stages), the epsilon is
-the single-process one, a failing stage ends its neighbour with a clear error, and a bad split is refused."""
+the single-process one, a failing stage ends its neighbour with a clear error, and a bad split is refused.
+Trainer level (``run_training`` and torchrun): a run at noise 0 equals one process' group-wise clipping, the
+record's plan and epsilon are the single-process ones (and ``PipelineStage.get_epsilon``'s), a failing stage
+ends rank 0 with a recorded error, an interrupted run resumes bit for bit, and what a stage cannot honour is
+refused in one line before training."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,12 +28,40 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 
 from dpexp.config import ConfigError
-from dpexp.privacy import PrivacyEngine
+from dpexp.models.base import sequential_view
+from dpexp.models.cnn import SmallCNN
+from dpexp.models.wrn import WideResNet
+from dpexp.privacy import PrivacyEngine, accounting
 from dpexp.privacy.adaptive import AdaptiveConfig
 from dpexp.training.distributed import DistributedError, start_data_parallel
-from dpexp.training.pipeline import PipelineStage, split_stages, stage_engine_kwargs, stage_generator
-from tests.conftest import CONF_DIR
-from tests.test_distributed import JOIN_S, WORLD, _env, _free_port, _spawn, error_of_a_failing_pair
+from dpexp.training.hooks import RunHooks
+from dpexp.training.loop import instantiate, run_training
+from dpexp.training.pipeline import (
+    PipelineBackend,
+    PipelineStage,
+    check_pipeline_config,
+    split_stages,
+    stage_engine_kwargs,
+    stage_generator,
+    stage_of,
+)
+from dpexp.training.resume import load_run_config
+from dpexp.training.rng import seed_everything
+from dpexp.training.signals import RunInterrupted
+from tests.conftest import CONF_DIR, REPO_ROOT, TINY_RUN
+from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
+    JOIN_S,
+    RESUMED_RUN,
+    WORLD,
+    Wide,
+    _env,
+    _free_port,
+    _SignalAt,
+    _spawn,
+    assert_resumed_as_uninterrupted,
+    error_of_a_failing_pair,
+    outside_torchrun,
+)
 
 ADAPTIVE = {"target_quantile": 0.5, "quantile_lr": 0.3, "budget_fraction": 0.1, "rescale_to_global": False}
 CASES = {
@@ -290,15 +327,303 @@ def test_stage_generators_differ():
     assert not torch.equal(torch.randn(8, generator=a), torch.randn(8, generator=b))
 
 
+def test_a_subclass_of_sequential_splits_with_the_model_names():
+    """SmallCNN (an nn.Sequential subclass whose constructor takes no module dict) splits into plain
+    Sequentials that keep the model's module names and share its parameters."""
+    model = SmallCNN((1, 8, 8), 10, channels=[4, 8], num_groups=2, activation="tanh")
+    first, second = split_stages(model, [3])
+    assert list(dict(first.named_children())) == ["0", "1", "2"]
+    assert {**first.state_dict(), **second.state_dict()}.keys() == model.state_dict().keys()
+    assert first[0] is model[0]
+
+
+def test_wide_resnet_has_a_sequential_view_with_its_forward():
+    torch.manual_seed(0)
+    model = WideResNet(depth=10, width=1, num_groups=4)
+    nn.init.normal_(model.head.weight)  # the head starts at zero: make the output depend on everything
+    view = sequential_view(model)
+    assert isinstance(view, nn.Sequential) and view[1] is model.stem
+    assert {id(p) for p in view.parameters()} == {id(p) for p in model.parameters()}
+    x = torch.rand(3, 3, 8, 8)
+    assert torch.equal(view(x), model(x))
+    assert sequential_view(Wide()) is None  # no sequential() method: no view
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+SPLIT_RUN = ["distributed=pipeline", "distributed.split_at=[3]"]  # SmallCNN: conv, norm, tanh | the rest
+STAGE_PARAMS = [
+    ["0.weight", "0.bias", "1.weight", "1.bias"],
+    ["3.weight", "3.bias", "4.weight", "4.bias", "7.weight", "7.bias"],
+]
+PIPELINE_RUNS = {
+    "zero": [*TINY_RUN, "clip=groupwise", "privacy.noise_multiplier=0", "batch_size=64"],
+    "calibrated": [*TINY_RUN, "clip=groupwise", "batch_size=64"],
+}
+
+
 def _compose(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(config_name="config", overrides=overrides)
 
 
-def test_trainer_refuses_pipeline():
-    """The trainer does not run distributed=pipeline yet (PipelineStage is the API): refused in one line."""
-    cfg = _compose(["distributed=pipeline"])
-    assert cfg.distributed.split_at is None
-    with pytest.raises(ConfigError, match="distributed=pipeline") as error:
-        start_data_parallel(cfg.distributed, torch.device("cpu"))
-    assert "\n" not in str(error.value)
+class _StageRecorder(RunHooks):
+    """Saves the trained model's state (a stage's part under a pipeline) and records the stage's own epsilon
+    (``PipelineStage.get_epsilon``) in the run record."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.backend = None
+
+    def backend_ready(self, backend, sample_rate):
+        self.backend = backend
+
+    def finished(self, model, task):
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, self.path)
+        if not isinstance(self.backend, PipelineBackend):
+            return {}
+        delta = accounting.default_delta(len(task.train_dataset), "1/2n")  # the plan's (privacy.delta_rule)
+        return {"stage_epsilon": self.backend.stage.get_epsilon(delta)}
+
+
+def _trainer_worker(rank: int, port: int, root: str, second_port: int) -> None:
+    for name, run_port in zip(PIPELINE_RUNS, (port, second_port), strict=True):
+        _env(rank, run_port)  # each run starts and ends its own process group
+        cfg = _compose([*PIPELINE_RUNS[name], *SPLIT_RUN])
+        run_training(cfg, Path(root) / name / "pipe", hooks=_StageRecorder(f"{root}/{name}_rank{rank}.pt"))
+
+
+def _single_groupwise(overrides: list[str], out: Path, path: str) -> dict:
+    """One process, group-wise clipping with groups = the pipeline's stages (their parameter names)."""
+    cfg = _compose(overrides)
+    cfg.clip.engine.groups = STAGE_PARAMS
+    return run_training(cfg, out, hooks=_StageRecorder(path))
+
+
+@pytest.mark.slow  # two short runs on two processes and two in one: ~40 s on a shared core
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_pipeline_trainer_equals_single_process_groupwise_clipping(tmp_path):
+    """``run_training`` with distributed=pipeline on two stages: at privacy.noise_multiplier=0 the stages'
+    parameters are one process' group-wise clipping's (groups = the stages, same seed), and so are the
+    record's loss and accuracy; rank 0 alone writes metrics.json, whose plan and epsilon (every accountant)
+    equal the single-process run's for a calibrated sigma, and the stage's own epsilon
+    (``PipelineStage.get_epsilon``) is the record's."""
+    assert _spawn(_trainer_worker, str(tmp_path), _free_port()) == [0] * WORLD
+    for name, overrides in PIPELINE_RUNS.items():
+        single = _single_groupwise(overrides, tmp_path / name / "one", f"{tmp_path}/{name}_single.pt")
+        pipe = json.loads((tmp_path / name / "pipe" / "metrics.json").read_text())
+        assert pipe["status"] == "completed" and pipe["config"]["distributed"]["name"] == "pipeline"
+        assert [h["step"] for h in pipe["history"]] == [3]
+        for key in ("sample_size", "batch_size", "steps", "noise_multipliers", "examples_seen", "delta"):
+            assert pipe[key] == single[key], key
+        if name == "calibrated":
+            assert pipe["epsilon"] == single["epsilon"] and math.isfinite(pipe["epsilon"]["rdp"])
+            assert pipe["stage_epsilon"] == pytest.approx(pipe["epsilon"]["rdp"], rel=1e-9)
+            continue
+        assert pipe["epsilon"]["rdp"] == "Infinity" and single["epsilon"]["rdp"] == math.inf
+        stages = [torch.load(tmp_path / f"{name}_rank{r}.pt") for r in range(WORLD)]
+        assert [sorted(stage) for stage in stages] == [sorted(names) for names in STAGE_PARAMS]
+        want = torch.load(tmp_path / f"{name}_single.pt")
+        got = {**stages[0], **stages[1]}
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert not torch.equal(want["7.weight"], _initial_head()), "the run did not train"
+        assert pipe["loss"] == pytest.approx(single["loss"], rel=1e-5)
+        assert pipe["accuracy"] == single["accuracy"] and pipe["train_loss"] == pytest.approx(
+            single["train_loss"], rel=1e-5
+        )
+
+
+def _initial_head() -> torch.Tensor:
+    cfg = _compose(list(TINY_RUN))
+    seed_everything(cfg.seed)
+    task, factory = instantiate(cfg.task, "task"), instantiate(cfg.model, "model")
+    task.setup(factory)
+    return factory.build(task.info)[7].weight.detach()
+
+
+def _failing_trainer_worker(rank: int, port: int, mode: str, out: str) -> None:
+    _env(rank, port)
+    cfg = _compose([*TINY_RUN, "clip=groupwise", *SPLIT_RUN, "distributed.timeout_s=5"])
+    hooks = _FailAt(2, mode) if rank == 1 else None
+    try:
+        run_training(cfg, Path(out).parent / "run", hooks=hooks)
+    except DistributedError as error:
+        Path(out).write_text(str(error))
+        os._exit(0)
+    os._exit(5)  # the run completed without stage 1: wrong
+
+
+class _FailAt(RunHooks):
+    """Stage 1 crashes (or stalls) in step ``step``, after its micro-batches."""
+
+    def __init__(self, step: int, mode: str) -> None:
+        self.step, self.mode = step, mode
+
+    def before_step(self, step: int) -> None:
+        if step == self.step:
+            if self.mode == "crash":
+                os._exit(3)
+            time.sleep(30)  # killed by the test once stage 0 has given up
+            os._exit(4)
+
+
+@pytest.mark.parametrize("mode", ["crash", pytest.param("stall", marks=pytest.mark.slow)])  # stall: ~20 s
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_failing_stage_ends_the_trainer_job_with_a_clear_error(tmp_path, mode):
+    """Stage 1 of a trainer run crashes (or stalls) in step 2, after its micro-batches: stage 0 (rank 0) does
+    not hang but fails at the end of the step (where the stages agree the parameters are finite) with a
+    one-line DistributedError naming the timeout key, and records the run as failed with it."""
+    message = error_of_a_failing_pair(_failing_trainer_worker, mode, tmp_path / "error.txt")
+    assert message.startswith("rank 0 of 2: checking the parameters are finite failed: another rank failed")
+    assert "distributed.timeout_s=5" in message and "\n" not in message
+    record = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert record["status"] == "failed" and record["error"] == f"DistributedError: {message}"
+    assert record["steps_done"] in (2, 3)
+
+
+PIPELINE_RESUMED_RUN = [
+    *(o for o in RESUMED_RUN if not o.startswith("clip=")),
+    "clip=groupwise",
+    "optim.momentum=0.9",  # optimizer state in every stage
+    *SPLIT_RUN,
+]
+
+
+def _resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
+    cfg = _compose(PIPELINE_RESUMED_RUN)
+    _env(rank, port)
+    run_training(cfg, Path(root) / "whole")
+    _env(rank, ports[0])
+    with pytest.raises(RunInterrupted) as info:  # rank 0 alone is signalled: stage 1 stops with it
+        run_training(cfg, Path(root) / "parts", hooks=_SignalAt(4) if rank == 0 else None)
+    assert info.value.signum == signal.SIGTERM and not info.value.mid_step
+    _env(rank, ports[1])
+    run_training(load_run_config(Path(root) / "parts"), Path(root) / "parts", resume=True)
+
+
+@pytest.mark.slow  # three short runs on two processes: ~30 s on a shared core
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_interrupted_pipeline_run_resumes_as_an_uninterrupted_one(tmp_path):
+    """SIGTERM to rank 0 in step 4: both stages stop at its end, rank 0 gathers every stage's state and
+    writes one checkpoint; ``resume`` on two stages ends where the uninterrupted run ends, bit for bit:
+    record, model, every stage's optimizer and engine (its noise generator), sampler. The checkpoint's model
+    has the keys and shapes of the single-process model."""
+    assert _spawn(_resume_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
+    final = assert_resumed_as_uninterrupted(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "parts" / "checkpoints").iterdir()) == [
+        "step_00000004.pt",
+        "step_00000006.pt",
+    ]
+    assert len(final[0]["optimizer"]) == WORLD and len(final[0]["backend"]) == WORLD
+    assert (
+        final[0]["optimizer"][1]["state"][4]["momentum_buffer"].shape == final[0]["model"]["7.weight"].shape
+    )
+    cfg = _compose(PIPELINE_RESUMED_RUN)
+    task, factory = instantiate(cfg.task, "task"), instantiate(cfg.model, "model")
+    task.setup(factory)
+    factory.build(task.info).load_state_dict(final[0]["model"])  # strict: the keys and shapes of one process
+
+
+@pytest.mark.slow  # torchrun starts two interpreters that train: ~30 s on a shared core
+def test_torchrun_cli_runs_a_pipeline(tmp_path):
+    """``torchrun ... -m dpexp.train distributed=pipeline distributed.split_at=[3] clip=groupwise``: one run
+    directory, one completed record (rank 0's), the epsilon and sigma of one process' group-wise run, the
+    summary printed once."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dpexp.train", *SPLIT_RUN]
+    command += [*TINY_RUN, "clip=groupwise", f"output.root={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=JOIN_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = list(tmp_path.glob("runs/digits/groupwise/ddp_*/metrics.json"))
+    assert len(records) == 1
+    record = json.loads(records[0].read_text())
+    assert record["status"] == "completed" and record["steps_done"] == 3
+    assert done.stdout.count("metrics: ") == 1
+    single = run_training(_compose([*TINY_RUN, "clip=groupwise"]), tmp_path / "one")
+    assert record["epsilon"] == single["epsilon"] and record["noise_multiplier"] == single["noise_multiplier"]
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["clip=opacus"], r"clip=opacus \(clip.method=opacus\) runs in one process: .* use clip=groupwise"),
+        (["clip=opacus_perlayer"], r"clip=opacus_perlayer \(clip.method=opacus\) runs in one process"),
+        (["clip=nonprivate"], r"clip=nonprivate \(clip.method=nonprivate\) runs in one process"),
+        (["clip=bk"], r"clip=bk \(clip.engine.clipping=flat\) needs .* or distributed=ddp for flat"),
+        (["clip=adaptive_flat"], r"clip.engine.clipping=flat\) needs every example's gradient norm"),
+        (
+            ["clip=perlayer"],
+            r"clip.engine.clipping=per_layer: .* use clip=groupwise with clip.engine.groups=2",
+        ),
+        (["clip=groupwise", "clip.engine.groups=3"], r"clip.engine.groups=3: .* set clip.engine.groups=2"),
+        (
+            ["clip=groupwise", "clip.engine.noise_allocation=global"],
+            r"clip.engine.noise_allocation=global: .* set clip.engine.noise_allocation=equal_budget",
+        ),
+        (["clip=groupwise", "optim=adadp"], r"optim=adadp .* use optim=sgd"),
+        (
+            ["clip=groupwise", "privacy.individual.variant=sampling", "privacy.individual.epsilons=[1,2]"],
+            r"privacy.individual is not run on a pipeline: set privacy.individual.variant=none",
+        ),
+    ],
+)
+def test_what_a_stage_cannot_honour_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        check_pipeline_config(_compose([*overrides, *SPLIT_RUN]), 2)
+    assert "\n" not in str(info.value)
+
+
+def test_the_groupwise_clip_runs_on_a_pipeline():
+    check_pipeline_config(_compose(["clip=groupwise", *SPLIT_RUN]), 2)
+    check_pipeline_config(_compose(["clip=groupwise", "clip.engine.groups=null", *SPLIT_RUN]), 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (SPLIT_RUN, {}, r"distributed=pipeline runs one process per rank under torchrun: torchrun"),
+        (
+            SPLIT_RUN,
+            {"WORLD_SIZE": "1"},
+            r"distributed=pipeline runs one process per stage and needs at least 2",
+        ),
+        (
+            ["distributed=pipeline", "distributed.split_at=[2,4]"],
+            {"WORLD_SIZE": "2"},
+            r"distributed.split_at=\[2, 4\] makes 3 stages but torchrun started 2 processes",
+        ),
+        ([*SPLIT_RUN, "distributed.backend=nccl"], {"WORLD_SIZE": "2"}, r"distributed.backend=nccl: .* gloo"),
+    ],
+)
+def test_pipeline_config_is_refused_before_training(outside_torchrun, overrides, env, message):  # noqa: F811
+    for name, value in env.items():
+        outside_torchrun.setenv(name, value)
+    if env:
+        outside_torchrun.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ConfigError, match=message) as info:
+        start_data_parallel(_compose(overrides).distributed, torch.device("cpu"))
+    assert "\n" not in str(info.value) and not dist.is_initialized()
+
+
+def test_pipeline_on_a_gpu_is_refused(outside_torchrun):  # noqa: F811
+    outside_torchrun.setenv("WORLD_SIZE", "2")
+    outside_torchrun.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ConfigError, match=r"gloo on the CPU, the run trains on cuda: set device=cpu"):
+        start_data_parallel(_compose(SPLIT_RUN).distributed, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("model", "split_at", "message"),
+    [
+        (Wide(), [1], r"Wide has no sequential view .* use model=small_cnn or wrn16_4, or distributed=ddp"),
+        (_model(), [5], r"distributed.split_at=\[5\]: give the index .* in 1..4"),
+        (_model(), None, r"distributed.split_at=None: give the index"),
+    ],
+)
+def test_a_model_the_pipeline_cannot_split_is_refused_in_one_line(model, split_at, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        stage_of(model, SimpleNamespace(split_at=split_at, rank=0))
+    assert "\n" not in str(info.value)

@@ -74,3 +74,14 @@ class ModelFactory(ABC):
 
         Raise ``ValueError`` naming both sides when the model cannot serve this kind of task.
         """
+
+
+def sequential_view(model: nn.Module) -> nn.Sequential | None:
+    """``model`` as a sequence of modules whose chained forward is the model's, sharing its modules (and so
+    its parameters): the model itself if it is an ``nn.Sequential``, else what its ``sequential()`` method
+    returns (models that have such a view define it); None for a model without one. A pipeline
+    (``distributed=pipeline``) splits this sequence into stages."""
+    if isinstance(model, nn.Sequential):
+        return model
+    view = getattr(model, "sequential", None)
+    return view() if callable(view) else None

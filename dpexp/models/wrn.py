@@ -10,6 +10,7 @@ head is GroupNorm -> ReLU -> global average pooling -> linear, and the linear he
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -89,6 +90,28 @@ class WideResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         features = F.relu(self.norm(self.blocks(self.stem(self.input(x)))))
         return self.head(features.mean(dim=(2, 3)))
+
+    def sequential(self) -> nn.Sequential:
+        """The model as a sequence of its own modules, whose chained forward is :meth:`forward`: input, stem,
+        ``block<i>`` for every block, and ``head`` (GroupNorm -> ReLU -> average pooling -> linear); what a
+        pipeline splits into stages (:func:`dpexp.models.base.sequential_view`). Its parameter names are the
+        view's (``block0.conv1.weight``, ``head.norm.weight``), its parameters the model's."""
+        blocks = [(f"block{index}", block) for index, block in enumerate(self.blocks)]
+        pooled = PooledHead(self.norm, self.head)
+        return nn.Sequential(
+            OrderedDict([("input", self.input), ("stem", self.stem), *blocks, ("head", pooled)])
+        )
+
+
+class PooledHead(nn.Module):
+    """GroupNorm -> ReLU -> global average pooling -> linear: the end of :class:`WideResNet` as one module."""
+
+    def __init__(self, norm: nn.GroupNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.norm(x)).mean(dim=(2, 3)))
 
 
 class WideResNetFactory(ModelFactory):

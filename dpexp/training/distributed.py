@@ -1,5 +1,6 @@
 """Data-parallel private training on ``torch.distributed`` (``distributed=ddp`` and ``fsdp``, one process per
-rank under torchrun; gloo on CPU, NCCL on GPU).
+rank under torchrun; gloo on CPU, NCCL on GPU), and the process group of a pipeline (``distributed=pipeline``,
+one process per stage: :mod:`dpexp.training.pipeline`).
 
 Every rank r of P holds the whole model and, per logical step of DP-SGD (Abadi et al. 2016, Algorithm 1):
 
@@ -28,6 +29,11 @@ the trainer to skip :meth:`~DataParallel.check_same` (every coordinate lives on 
 to gather the full state for checkpoints on every rank (:meth:`~DataParallel.full_state`; rank 0 writes it),
 and to agree (:meth:`~DataParallel.largest`) on stopping after a signal, on rank 0's checkpoint clock and on
 the parameters' finiteness.
+
+``distributed=pipeline`` uses the same process group for other ends: every stage runs the whole logical
+batch (:meth:`DataParallel.share` checks that every stage drew rank 0's batch and keeps all of it), each
+through its own modules; :meth:`~DataParallel.largest` agrees on stopping, checkpointing and finiteness, and
+:meth:`~DataParallel.gather` brings every stage's state to rank 0, which writes the record and checkpoints.
 
 A rank that fails ends the job instead of hanging it: its peers' next collective fails when its connection
 closes, or at the latest after ``distributed.timeout_s``, with a :class:`DistributedError` naming that key.
@@ -63,15 +69,19 @@ class DistributedError(RuntimeError):
 class DistributedConfig:
     """The ``distributed`` config group, checked."""
 
-    name: str  # none | ddp | fsdp (pipeline is refused by the trainer for now)
+    name: str  # none | ddp | fsdp | pipeline
     backend: str  # auto | gloo | nccl
     timeout_s: float
     world_size: int | None  # None: what torchrun started
+    split_at: list[int] | None = None  # pipeline: the first module of every stage after the first
 
 
 def distributed_config(node: DictConfig) -> DistributedConfig:
     """The ``distributed`` group's values, refused with the key to change unless valid."""
-    config = DistributedConfig(str(node.name), str(node.backend), node.timeout_s, node.world_size)
+    split_at = node.get("split_at")
+    if split_at is not None and not isinstance(split_at, (int, str)):
+        split_at = list(split_at)  # checked against the model by dpexp.training.pipeline.split_stages
+    config = DistributedConfig(str(node.name), str(node.backend), node.timeout_s, node.world_size, split_at)
     if config.name not in MODES:
         raise ConfigError(f"distributed={config.name}: valid choices are {', '.join(MODES)}.")
     if config.backend not in BACKENDS:
@@ -86,6 +96,11 @@ def distributed_config(node: DictConfig) -> DistributedConfig:
         )
     if config.world_size is not None and not (isinstance(config.world_size, int) and config.world_size >= 1):
         raise ConfigError(f"distributed.world_size must be null or an integer >= 1, got {config.world_size}.")
+    if config.name == "pipeline" and config.backend == "nccl":
+        raise ConfigError(
+            "distributed.backend=nccl: distributed=pipeline passes activations with gloo on the CPU; set "
+            "distributed.backend=gloo (or auto)."
+        )
     return config
 
 
@@ -108,11 +123,6 @@ def start_data_parallel(node: DictConfig | None, device: torch.device) -> DataPa
                 "separate models: add distributed=ddp (or fsdp)."
             )
         return None
-    if config.name == "pipeline":
-        raise ConfigError(
-            "distributed=pipeline is not run by the trainer yet: build the stages with "
-            "dpexp.training.pipeline.PipelineStage, or use distributed=none or ddp."
-        )
     if launched is None or "MASTER_ADDR" not in os.environ:
         raise ConfigError(
             f"distributed={config.name} runs one process per rank under torchrun: "
@@ -123,6 +133,23 @@ def start_data_parallel(node: DictConfig | None, device: torch.device) -> DataPa
             f"distributed.world_size={config.world_size} but torchrun started {launched} processes: set "
             f"--nproc-per-node (and --nnodes) to match, or distributed.world_size=null."
         )
+    if config.name == "pipeline":
+        if launched < 2:
+            raise ConfigError(
+                "distributed=pipeline runs one process per stage and needs at least 2: "
+                + TORCHRUN.format(name="pipeline distributed.split_at=[k]")
+            )
+        if isinstance(config.split_at, list) and len(config.split_at) + 1 != launched:
+            raise ConfigError(
+                f"distributed.split_at={config.split_at} makes {len(config.split_at) + 1} stages but "
+                f"torchrun started {launched} processes (one per stage): give {launched - 1} split points, "
+                f"or --nproc-per-node={len(config.split_at) + 1}."
+            )
+        if device.type != "cpu":
+            raise ConfigError(
+                f"distributed=pipeline passes activations with gloo on the CPU, the run trains on {device}: "
+                "set device=cpu."
+            )
     return DataParallel(config, device)
 
 
@@ -142,6 +169,8 @@ class DataParallel:
             )
         self.timeout_s = float(config.timeout_s)
         self.sharded = config.name == "fsdp"  # parameters and optimizer state sharded (FSDP2) between steps
+        self.pipelined = config.name == "pipeline"  # a stage of the model per rank (training/pipeline.py)
+        self.split_at = config.split_at
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
@@ -171,8 +200,9 @@ class DataParallel:
                 tensor.copy_(piece.view(tensor.shape))
 
     def share(self, indices: list[int]) -> list[int]:
-        """This rank's share ``indices[rank::P]`` of the logical batch, after checking that every rank drew
-        the same batch as rank 0 (else examples would be clipped twice or never)."""
+        """This rank's share ``indices[rank::P]`` of the logical batch (a pipeline stage's: all of it, every
+        example runs through every stage), after checking that every rank drew the same batch as rank 0 (else
+        examples would be clipped twice or never, or the stages would pass activations of other batches)."""
         mine = torch.tensor(indices, dtype=torch.int64)
         size = torch.tensor([len(indices)], dtype=torch.int64, device=self.device)
         self._collective("agreeing on the logical batch", dist.broadcast, size, 0)
@@ -187,7 +217,7 @@ class DataParallel:
                 f"rank {self.rank} drew another logical batch than rank 0 ({len(indices)} examples, rank 0 "
                 f"{int(size)}): every rank must run the same config (seed, data) on the same data set."
             )
-        return indices[self.rank :: self.world_size]
+        return list(indices) if self.pipelined else indices[self.rank :: self.world_size]
 
     def check_same(self, what: str, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse to go on unless ``tensors`` are the same on every rank, as far as their sums and sums of
@@ -211,6 +241,13 @@ class DataParallel:
         both = torch.tensor([value], dtype=torch.float64, device=self.device)
         self._collective(what, dist.all_reduce, both, dist.ReduceOp.MAX)
         return float(both)
+
+    def gather(self, what: str, state: Any) -> list[Any] | None:
+        """Every rank's ``state`` (picklable: tensors, dicts, lists, numbers) in rank order on rank 0, None on
+        the others: a collective every rank runs (a pipeline's checkpoint: every stage holds its own part)."""
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        self._collective(what, dist.gather_object, state, gathered, 0)
+        return gathered
 
     def full_state(self, state: Any) -> Any:
         """``state`` (nested dicts and lists) with every sharded tensor (DTensor) gathered whole, on the CPU:

@@ -53,6 +53,7 @@ from dpexp.training.optim import (
     effective_lr,
     optimizer_report,
 )
+from dpexp.training.pipeline import build_pipeline_backend, check_pipeline_config, stage_of
 from dpexp.training.plan import (
     RunPlan,
     calibration_accountant,
@@ -156,10 +157,14 @@ class _Run:
         parallel: DataParallel | None = None,
     ) -> None:
         self.cfg = cfg
-        self.parallel = parallel  # this process' rank of a data-parallel job (distributed=ddp|fsdp), or None
+        self.parallel = parallel  # this process' rank of a distributed job (distributed=ddp|fsdp|pipeline)
         # distributed=fsdp: the parameters and optimizer state are sharded, so a checkpoint gathers them on
         # every rank (rank 0 alone writes it) and the ranks agree on when to stop and to checkpoint
         self.sharded = parallel is not None and parallel.sharded
+        # distributed=pipeline: every rank trains one stage of the model (dpexp.training.pipeline); the same
+        # agreements as fsdp, and a checkpoint gathers every stage's part to rank 0
+        self.pipelined = parallel is not None and parallel.pipelined
+        self.lockstep = self.sharded or self.pipelined  # every rank holds a part of the state
         self.record = record
         self.choices = choices
         self.hooks = hooks
@@ -189,7 +194,7 @@ class _Run:
             self._at_boundary = True
             self._train(guard)
         except RunInterrupted as interrupt:
-            if self._at_boundary and not interrupt.mid_step and (self.record.writer or self.sharded):
+            if self._at_boundary and not interrupt.mid_step and (self.record.writer or self.lockstep):
                 self.save_checkpoint()
             raise
         finally:
@@ -211,6 +216,8 @@ class _Run:
         check_run_keys(cfg)
         check_individual(cfg)
         check_optim_values(cfg.optim)
+        if self.pipelined:
+            check_pipeline_config(cfg, self.parallel.world_size)
         if _choice(cfg.logger) == "wandb" and self.record.writer:
             resolved = self.record.data["config"]
             wandb = cfg.wandb
@@ -228,6 +235,8 @@ class _Run:
             self.parallel.broadcast_module(self.model)
         if self.sharded:  # every rank keeps its shard of rank 0's parameters (FSDP2)
             shard_model(self.model)
+        if self.pipelined:  # every rank keeps the modules of its stage
+            self.model = stage_of(self.model, self.parallel)
         self.model.train()
         self.dataset = self.hooks.training_set(self.task, self.task.train_dataset)
         self.privacy_groups = privacy_groups(cfg, self.task, self.dataset)
@@ -265,21 +274,34 @@ class _Run:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim.schedule, self.plan.steps)
-        self.backend = build_backend(
-            cfg.clip,
-            model=self.model,
-            optimizer=self.optimizer,
-            batch_size=self.plan.batch_size,
-            sample_size=self.plan.sample_size,
-            noise_multiplier=(
-                self.plan.noise_multiplier
-                if self.plan.noise_schedule == "constant"
-                else self.plan.noise_multipliers
-            ),
-            individual=individual,
-            aggregation=self.parallel,
-            sharded=self.sharded,
+        plan = self.plan
+        noise_multiplier = (
+            plan.noise_multiplier if plan.noise_schedule == "constant" else plan.noise_multipliers
         )
+        if self.pipelined:
+            self.backend = build_pipeline_backend(
+                cfg.clip,
+                module=self.model,
+                optimizer=self.optimizer,
+                batch_size=plan.batch_size,
+                sample_size=plan.sample_size,
+                noise_multiplier=noise_multiplier,
+                seed=int(cfg.seed),
+                timeout_s=self.parallel.timeout_s,
+            )
+            self.model = self.backend.model  # the stage, whose forward runs the whole pipeline
+        else:
+            self.backend = build_backend(
+                cfg.clip,
+                model=self.model,
+                optimizer=self.optimizer,
+                batch_size=plan.batch_size,
+                sample_size=plan.sample_size,
+                noise_multiplier=noise_multiplier,
+                individual=individual,
+                aggregation=self.parallel,
+                sharded=self.sharded,
+            )
         sampling_rates = individual is not None and individual.variant == "sampling"
         self.sampler = build_batch_sampler(
             _choice(cfg.sampling),
@@ -313,11 +335,11 @@ class _Run:
             if self.step:  # resumed: the step of the checkpoint may have stopped before its report
                 self._report(bar)
             while self.step < plan.steps:
-                with guard.step(self._agree_on_signal if self.sharded else None):
+                with guard.step(self._agree_on_signal if self.lockstep else None):
                     self._train_step(next(batches), lengths)
                 bar.update()
                 self._report(bar)
-                if (self.record.writer or self.sharded) and self._checkpoint_due():
+                if (self.record.writer or self.lockstep) and self._checkpoint_due():
                     with self._outside_training():
                         self.save_checkpoint()
         finally:
@@ -329,7 +351,8 @@ class _Run:
 
     def _train_step(self, indices: list[int], lengths: list[int] | None) -> None:
         """One logical step: micro-batches, the privatised update, the counters; stops a diverged run. Under
-        data parallelism this rank runs its share of the batch; the loss is summed over the ranks."""
+        data parallelism this rank runs its share of the batch; the loss is summed over the ranks. A pipeline
+        stage runs the whole batch (through its modules) and every stage has the whole loss."""
         step_loss = torch.zeros((), device=self.device)
         share = indices if self.parallel is None else self.parallel.share(indices)
         with unsharded(self.model) if self.sharded else nullcontext():  # fsdp: one all-gather per step
@@ -341,9 +364,9 @@ class _Run:
                 step_loss += loss.detach().sum()
         self.hooks.before_step(self.step + 1)
         self.backend.step()
-        if self.parallel is not None:
+        if self.parallel is not None and not self.pipelined:
             self.parallel.sum_([step_loss])
-        if self.parallel is not None and not self.sharded:
+        if self.parallel is not None and not self.lockstep:
             # fsdp: nothing to compare, every coordinate of a parameter (and of its optimizer state) is held
             # by one rank only, and every rank's forward all-gathers those same shards
             self.parallel.check_same("the parameters after the step", self.params)
@@ -367,23 +390,24 @@ class _Run:
             )
 
     def _parameters_finite(self) -> bool:
-        """Whether every parameter is finite; sharded (fsdp): every rank's shards, agreed by all ranks."""
-        if not self.sharded:
+        """Whether every parameter is finite; sharded (fsdp): every rank's shards, a pipeline: every stage's
+        parameters, agreed by all ranks."""
+        if not self.lockstep:
             return bool(torch.isfinite(torch.nn.utils.get_total_norm(self.params, norm_type=math.inf)))
-        local = [p.to_local() for p in self.params]
+        local = [p.to_local() for p in self.params] if self.sharded else self.params
         finite = all(bool(torch.isfinite(t).all()) for t in local)
         return self.parallel.largest("checking the parameters are finite", float(not finite)) == 0
 
     def _agree_on_signal(self, signum: int) -> int:
-        """fsdp: the signal any rank received in this step (0: none), so that all ranks stop after the same
-        step and gather its checkpoint together."""
+        """fsdp and pipeline: the signal any rank received in this step (0: none), so that all ranks stop
+        after the same step and gather its checkpoint together."""
         return int(self.parallel.largest("agreeing whether to stop", float(signum)))
 
     def _checkpoint_due(self) -> bool:
-        """Whether to checkpoint after this step; fsdp: rank 0's decision on every rank (its clock, with
-        checkpoint.every_minutes), since every rank gathers the state."""
+        """Whether to checkpoint after this step; fsdp and pipeline: rank 0's decision on every rank (its
+        clock, with checkpoint.every_minutes), since every rank gathers the state."""
         due = self.checkpointer.due(self.step)
-        if self.sharded and self.checkpointer.policy.every_minutes is not None:
+        if self.lockstep and self.checkpointer.policy.every_minutes is not None:
             rank0 = float(due) if self.record.writer else 0.0
             due = self.parallel.largest("agreeing whether to checkpoint", rank0) > 0
         return due
@@ -451,19 +475,31 @@ class _Run:
     def run_dir(self) -> Path:
         return self.record.path.parent
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything the run needs to go on from this step boundary as if it had never stopped."""
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """Everything the run needs to go on from this step boundary as if it had never stopped. A pipeline:
+        the model's state whole (every stage's part), the optimizer's, the engine's and the generators' as
+        lists by stage; gathered to rank 0 (a collective on every rank; None on the others)."""
         model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        backend, rng = self.backend.state_dict(), rng_state()
         if self.sharded:  # the full state, as one process holds it (a collective on every rank)
             model, optimizer = self.parallel.full_state(model), self.parallel.full_state(optimizer)
+        if self.pipelined:
+            parts = {"model": model, "optimizer": optimizer, "backend": backend, "rng": rng}
+            stages = self.parallel.gather("gathering the stages' checkpoint", parts)
+            if stages is None:
+                return None
+            model = {key: value for stage in stages for key, value in stage["model"].items()}
+            optimizer, backend, rng = (
+                [stage[part] for stage in stages] for part in ("optimizer", "backend", "rng")
+            )
         return {
             "plan": asdict(self.plan),
             "model": model,
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "backend": self.backend.state_dict(),
-            "rng": rng_state(),
+            "backend": backend,
+            "rng": rng,
             "progress": {
                 "steps_accounted": self.steps_accounted,
                 "examples": self.examples,
@@ -477,8 +513,8 @@ class _Run:
         }
 
     def save_checkpoint(self) -> None:
-        """Write the checkpoint of this step: rank 0 alone; under fsdp every rank calls it (they all gather
-        the state) and the others stop there."""
+        """Write the checkpoint of this step: rank 0 alone; under fsdp and pipeline every rank calls it (they
+        all gather the state) and the others stop there."""
         state = self.checkpoint_state()
         if not self.record.writer:
             return
@@ -503,16 +539,22 @@ class _Run:
                     f"resume: {found[-1]} was written for the plan {state['plan']}, this run plans "
                     f"{asdict(self.plan)}: its data or its code changed, so it is not the same run."
                 )
+            backend, rng = state["backend"], state["rng"]
             if self.sharded:  # every rank read the full state and keeps its own shards
                 self.model.load_state_dict(model_shards(self.model, state["model"]))
                 self.optimizer.load_state_dict(optimizer_shards(self.optimizer, state["optimizer"]))
+            elif self.pipelined:  # every stage read the whole state and keeps its own part
+                rank = self.parallel.rank
+                self.model.load_state_dict({key: state["model"][key] for key in self.model.state_dict()})
+                self.optimizer.load_state_dict(state["optimizer"][rank])
+                backend, rng = backend[rank], rng[rank]
             else:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.sampler.load_state_dict(state["sampler"])
-            self.backend.load_state_dict(state["backend"])
-            set_rng_state(state["rng"])
+            self.backend.load_state_dict(backend)
+            set_rng_state(rng)
             progress = state["progress"]
             self.step = state["step"]
             self.steps_accounted = progress["steps_accounted"]

@@ -8,9 +8,12 @@ step of DP-SGD every stage:
 2. runs it backward through its own privacy engine: the last stage on the per-example losses, stage k < K - 1
    on the per-example surrogate ``l_i = <h_i, g_i>`` with ``h_i`` its output for example i and ``g_i`` the
    output gradient received from stage k + 1, whose parameter gradient is example i's as long as ``g_i`` is
-   ``d loss_i / d h_i``, i.e. the later stages do not mix examples (the single-process engine's assumption
-   too; note that the engine accepts a parameter-free batch-mixing op such as ``x - x.mean(0)`` in front of
-   a Linear, in one process as on a stage); it sends the gradient of its input back to stage k - 1;
+   ``d loss_i / d h_i``, i.e. the later stages do not mix examples. Every stage's engine verifies that of
+   its own modules (check 4 of :mod:`dpexp.privacy.verification`, ``check_independence``) and refuses an op
+   that mixes examples, a parameter-free or detached one included (``x - x.mean(0)`` or
+   ``x - x.mean(0).detach()`` in front of a Linear): that stage fails with a VerificationError on its first
+   micro-batch and its neighbours with a :class:`DistributedError`. It sends the gradient of its input back
+   to stage k - 1;
 3. clips each example's gradient of its own parameters to its own threshold C_k (fixed or adaptive: the
    stage is one group of He et al.'s group-wise clipping, Algorithm 1 with groups = stages), adds its own
    noise and steps its own optimizer. No per-example norm, threshold or count crosses stages.
@@ -35,12 +38,24 @@ A stage that fails ends the job instead of hanging it: its neighbours' next send
 connection closes, or at the latest after ``distributed.timeout_s``, with a :class:`DistributedError`.
 Micro-batches run one after another (forward and backward of micro-batch m on every stage before m + 1),
 without GPipe's overlap: the schedule changes the speed, not the released values.
+
+The trainer (``torchrun ... -m dpexp.train distributed=pipeline distributed.split_at=[k]``) runs a stage
+through :class:`PipelineBackend`: every rank builds the whole model (the run's seed, rank 0's parameters),
+keeps the modules of its stage (:func:`stage_of`: the model's sequential view,
+:func:`dpexp.models.base.sequential_view`) and hands the task :class:`StageModel`, whose forward runs the
+whole pipeline (:meth:`PipelineStage.forward`): the last stage sends the model's output back to every other
+stage, so that every rank's task computes the same per-example losses and metrics, and the trainer's loop,
+evaluation and record are the single process' ones. Only the last stage backpropagates its losses; the others
+backpropagate the gradient they receive. Rank 0 (stage 0) writes the run record and the checkpoints, every
+stage's state gathered to it (:meth:`~dpexp.training.distributed.DataParallel.gather`); what a stage cannot
+honour is refused before training (:func:`check_pipeline_config`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -48,12 +63,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from dpexp.backends import TrainingBackend, check_per_example_loss, method_of
+from dpexp.backends.base import refuse_privacy_groups
 from dpexp.config import ConfigError
+from dpexp.models.base import sequential_view
 from dpexp.privacy import PrivacyEngine, accounting
 from dpexp.privacy.grouping import default_thresholds
-from dpexp.training.distributed import DistributedError
+from dpexp.training.distributed import DataParallel, DistributedError
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # activation dtypes, by header code
 MAX_DIMS = 6  # activation dimensions a header describes
@@ -79,7 +98,8 @@ def split_stages(model: nn.Sequential, split_at: Sequence[int] | None) -> list[n
             f"(e.g. [{n // 2}])."
         )
     bounds = [0, *split_at, n]
-    stages = [model[a:b] for a, b in itertools.pairwise(bounds)]
+    children = list(model.named_children())  # not model[a:b]: a subclass of Sequential may not take a dict
+    stages = [nn.Sequential(OrderedDict(children[a:b])) for a, b in itertools.pairwise(bounds)]
     for k, stage in enumerate(stages):
         if not any(p.requires_grad for p in stage.parameters()):
             raise ConfigError(
@@ -180,6 +200,8 @@ class PipelineStage:
             **kwargs,
         )
         self.optimizer = self.engine.attach(optimizer)
+        # the micro-batch between forward and backpropagate: this stage's input, output and input gradient
+        self._pending: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
 
     @property
     def first(self) -> bool:
@@ -198,28 +220,79 @@ class PipelineStage:
         """Forward and backward of one micro-batch of ``size`` examples through this stage: ``inputs`` on the
         first stage, ``loss_fn`` (output -> per-example losses, shape (size,)) on the last; returns the
         losses there, None elsewhere. Dim 0 of every activation is the batch: refused unless it is
-        ``size``."""
+        ``size``. (The trainer's protocol, :meth:`forward` then :meth:`backpropagate`, also returns the
+        model's output on every stage.)"""
         if (inputs is None) == self.first or (loss_fn is None) == self.last:
             raise ValueError(
                 f"stage {self.stage}: the first stage takes inputs, the last loss_fn, no other stage either"
             )
-        x = inputs if self.first else self._receive_activation(size)
-        received: list[torch.Tensor] = []
-        if not self.first:
-            x.requires_grad_(True)
-            x.register_hook(lambda grad: received.append(grad))  # every pass forms the same; keep the last
-        out = self.module(x)
-        self._check_batch(out, size, "its output")
+        out = self._forward_stage(size, inputs)
+        losses = loss_fn(out) if self.last else None
+        self.backpropagate(losses)
+        return losses.detach() if self.last else None
+
+    def forward(self, size: int, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's output for one micro-batch of ``size`` examples, on every stage: stage 0 runs
+        ``inputs`` (the other stages take none), every stage its own modules on what the stage before sent,
+        and the last stage sends its output to every other stage (the last stage's output keeps its graph;
+        elsewhere it is a received copy). With gradients enabled (training) :meth:`backpropagate` must follow
+        before the next forward."""
+        if (inputs is None) == self.first:
+            raise ValueError(f"stage {self.stage}: the first stage takes the inputs, no other stage does")
+        out = self._forward_stage(size, inputs)
         if self.last:
-            losses = loss_fn(out)
+            for peer in range(self.num_stages - 1):
+                self._send_activation(out.detach(), peer, "sending the model's output")
+            return out
+        return self._receive_activation(size, self.num_stages - 1, "receiving the model's output")
+
+    def backpropagate(self, losses: torch.Tensor | None = None) -> None:
+        """Backward of the micro-batch of the last :meth:`forward` through this stage's engine: on the last
+        stage its per-example ``losses`` (shape (size,)); on the others (``losses`` None) the surrogate
+        ``<h_i, g_i>`` of the output gradient received from the next stage. Sends the gradient of its input
+        to the stage before."""
+        if self._pending is None:
+            raise RuntimeError(
+                f"stage {self.stage}: backpropagate() without a forward with gradients enabled before it"
+            )
+        x, out, received = self._pending
+        self._pending = None
+        if self.last:
+            if losses is None:
+                raise ValueError(f"stage {self.stage}: the last stage backpropagates the per-example losses")
         else:
-            self._send(out.detach(), self.stage + 1, "sending its output")
+            if losses is not None:
+                raise ValueError(f"stage {self.stage}: only the last stage takes the losses")
             grad = self._receive(out.shape, out.dtype, self.stage + 1, "receiving its output gradient")
             losses = (out * grad).flatten(1).sum(1)  # per-example: d/dtheta <h_i, g_i> = J_i^T g_i
         self.engine.backward(losses)
-        if not self.first:
-            self._send(received[-1].detach(), self.stage - 1, "sending its input gradient")
-        return losses.detach() if self.last else None
+        if not self.first:  # every pass forms the same gradient; none reached x: it is zero
+            grad_x = received[-1].detach() if received else torch.zeros_like(x)
+            self._send(grad_x, self.stage - 1, "sending its input gradient")
+
+    def _forward_stage(self, size: int, inputs: torch.Tensor | None) -> torch.Tensor:
+        """This stage's output on ``inputs`` (stage 0) or on the activation received from the stage before,
+        sent on to the next stage; with gradients enabled, kept with its input for :meth:`backpropagate`."""
+        x = inputs if self.first else self._receive_activation(size, self.stage - 1, "receiving its input")
+        track = torch.is_grad_enabled()
+        received: list[torch.Tensor] = []
+        if track:
+            if self._pending is not None:
+                raise RuntimeError(
+                    f"stage {self.stage}: a second forward before the backward of the first; on a pipeline "
+                    "the model is called once per micro-batch (a task whose loss calls the model twice "
+                    "cannot run on one)"
+                )
+            if not self.first:
+                x.requires_grad_(True)
+                x.register_hook(received.append)
+        out = self.module(x)
+        self._check_batch(out, size, "its output")
+        if not self.last:
+            self._send_activation(out.detach(), self.stage + 1, "sending its output")
+        if track:
+            self._pending = (x, out, received)
+        return out
 
     def step(self) -> None:
         """The stage's private step: its noise, / B, its optimizer (``engine.attach``)."""
@@ -242,6 +315,20 @@ class PipelineStage:
             repeat=1 if scheduled else steps,
         )
 
+    def all_thresholds(self) -> list[float]:
+        """Every stage's threshold C_k, in stage order (an all-gather every stage runs)."""
+        mine = self.engine.thresholds.detach().to(torch.float64).reshape(1)
+        every = [torch.empty_like(mine) for _ in range(self.num_stages)]
+        try:
+            dist.all_gather(every, mine)
+        except RuntimeError as error:
+            raise DistributedError(
+                f"stage {self.stage} of {self.num_stages}: gathering the stages' thresholds failed: another "
+                f"stage failed (its own error says why) or stalled longer than "
+                f"distributed.timeout_s={self.timeout_s:g} ({_first_line(error)})"
+            ) from error
+        return [float(t) for t in every]
+
     def close(self) -> None:
         """Remove the engine's hooks; end the process group if this stage started it."""
         self.engine.detach()
@@ -249,26 +336,28 @@ class PipelineStage:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ point to point
-    def _receive_activation(self, size: int) -> torch.Tensor:
-        header = self._receive((MAX_DIMS + 2,), torch.int64, self.stage - 1, "receiving its input's shape")
+    def _receive_activation(self, size: int, peer: int, what: str) -> torch.Tensor:
+        """An activation from ``peer``: its header (dims, dtype, shape), then the tensor."""
+        header = self._receive((MAX_DIMS + 2,), torch.int64, peer, f"{what} (shape)")
         ndim, code = int(header[0]), int(header[1])
-        x = self._receive(
-            tuple(header[2 : 2 + ndim].tolist()), DTYPES[code], self.stage - 1, "receiving input"
-        )
-        self._check_batch(x, size, f"the input from stage {self.stage - 1}")
+        x = self._receive(tuple(header[2 : 2 + ndim].tolist()), DTYPES[code], peer, what)
+        self._check_batch(x, size, f"the tensor from stage {peer}")
         return x
 
+    def _send_activation(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        """An activation to ``peer`` with its header (a gradient needs none: it has its output's shape)."""
+        if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
+            raise ValueError(
+                f"stage {self.stage}: an activation of {tensor.dim()} dims, {tensor.dtype}; a pipeline "
+                f"passes at most {MAX_DIMS} dims of {', '.join(map(str, DTYPES))}"
+            )
+        header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
+        header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        self._p2p(f"{what} (shape)", dist.send, header, peer)
+        self._send(tensor, peer, what)
+
     def _send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
-        if peer > self.stage:  # activations go with their shape; gradients have their output's
-            if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
-                raise ValueError(
-                    f"stage {self.stage}: an activation of {tensor.dim()} dims, {tensor.dtype}; a pipeline "
-                    f"passes at most {MAX_DIMS} dims of {', '.join(map(str, DTYPES))}"
-                )
-            header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
-            header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
-            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-            self._p2p(f"{what} (shape)", dist.send, header, peer)
         self._p2p(what, dist.send, tensor.contiguous(), peer)
 
     def _receive(self, shape: Sequence[int], dtype: torch.dtype, peer: int, what: str) -> torch.Tensor:
@@ -287,10 +376,167 @@ class PipelineStage:
         try:
             call(tensor, peer)
         except RuntimeError as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise DistributedError(
                 f"stage {self.stage} of {self.num_stages}: {what} with stage {peer} failed: that stage "
                 f"failed (its own error says why) or stalled longer than "
                 f"distributed.timeout_s={self.timeout_s:g} "
-                f"({first})"
+                f"({_first_line(error)})"
             ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+def check_pipeline_config(cfg: DictConfig, num_stages: int) -> None:
+    """Refuse, before any data loads, what a stage cannot honour (``cfg``: the run's config), naming the key
+    and the fix: every stage clips its own parameters with the dpexp engine as one group of group-wise
+    clipping with equal budgets, and steps its own optimizer on nothing but its own coordinates."""
+    clip = cfg.clip
+    method = method_of(clip)
+    if method != "dpexp":
+        raise ConfigError(
+            f"clip={clip.name} (clip.method={method}) runs in one process: under distributed=pipeline every "
+            f"stage clips its own parameters with the dpexp engine; use clip=groupwise "
+            f"(clip.engine.groups={num_stages})."
+        )
+    engine = clip.engine
+    if engine.clipping == "flat":
+        raise ConfigError(
+            f"clip={clip.name} (clip.engine.clipping=flat) needs every example's gradient norm over all "
+            "stages, which no stage has: use clip=groupwise (a threshold per stage), or distributed=ddp for "
+            "flat clipping."
+        )
+    if engine.clipping != "groups":
+        raise ConfigError(
+            f"clip.engine.clipping={engine.clipping}: under distributed=pipeline every stage is one clipping "
+            f"group; use clip=groupwise with clip.engine.groups={num_stages}."
+        )
+    if engine.groups is not None and engine.groups != num_stages:
+        raise ConfigError(
+            f"clip.engine.groups={engine.groups}: under distributed=pipeline the groups are the "
+            f"{num_stages} stages (distributed.split_at); set clip.engine.groups={num_stages} (or null)."
+        )
+    if engine.get("coordinate") is not None:
+        raise ConfigError(
+            "clip.engine.coordinate (coordinate-wise clipping) is not run on a pipeline; set "
+            "clip.engine.coordinate=null, or use distributed=ddp."
+        )
+    stage_engine_kwargs(engine, 0, num_stages)  # noise allocation, rescaling, thresholds
+    if cfg.optim.name == "adadp":
+        raise ConfigError(
+            "optim=adadp accepts or discards a step by an error over all parameters, which no stage has: "
+            "use optim=sgd (or adam, adamw) under distributed=pipeline, or distributed=ddp."
+        )
+    if str(cfg.privacy.individual.variant) != "none":
+        raise ConfigError(
+            "privacy.individual is not run on a pipeline: set privacy.individual.variant=none, or use "
+            "distributed=none or ddp."
+        )
+
+
+def stage_of(model: nn.Module, parallel: DataParallel) -> nn.Sequential:
+    """This rank's stage of ``model``: the modules ``split_at`` gives it of the model's sequential view
+    (its parameters are the model's); refused for a model without one."""
+    view = sequential_view(model)
+    if view is None:
+        raise ConfigError(
+            f"distributed=pipeline splits a sequence of modules and {type(model).__name__} has no sequential "
+            "view (dpexp.models.base.sequential_view): use model=small_cnn or wrn16_4, or distributed=ddp."
+        )
+    return split_stages(view, parallel.split_at)[parallel.rank]
+
+
+class StageModel(nn.Module):
+    """The model as the task sees it on this stage: the stage's modules (with the model's names, so its
+    parameters and ``state_dict`` are this stage's part of the model's), called on the model's input; its
+    forward runs the whole pipeline and returns the model's output on every stage
+    (:meth:`PipelineStage.forward`). Tasks call the model once per batch, on one batch-first tensor."""
+
+    def __init__(self, stage: PipelineStage) -> None:
+        super().__init__()
+        for name, child in stage.module.named_children():
+            self.add_module(name, child)
+        self.pipeline = stage  # not a module: the engine's root stays stage.module
+
+    def forward(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or not isinstance(inputs, torch.Tensor):
+            raise TypeError(
+                "a pipeline stage takes the model's one batch-first input tensor; this task passes "
+                f"{1 + len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        stage = self.pipeline
+        return stage.forward(inputs.shape[0], inputs if stage.first else None)
+
+    def train(self, mode: bool = True) -> StageModel:
+        super().train(mode)
+        self.pipeline.module.train(mode)
+        return self
+
+
+class PipelineBackend(TrainingBackend):
+    """One stage of a pipeline behind the trainer's backend interface: ``model`` is the :class:`StageModel`
+    of the stage; :meth:`backward` backpropagates the micro-batch of its last forward (the losses on the
+    last stage, the received output gradient elsewhere); :meth:`step` is the stage's private step."""
+
+    def __init__(self, stage: PipelineStage) -> None:
+        self.stage = stage
+        self.model = StageModel(stage)
+        self.optimizer = stage.optimizer
+
+    def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:
+        refuse_privacy_groups("pipeline", privacy_groups)
+        check_per_example_loss(per_example_loss)
+        self.stage.backpropagate(per_example_loss if self.stage.last else None)
+
+    def step(self) -> None:
+        self.stage.step()
+
+    def close(self) -> None:
+        self.stage.close()  # the trainer's process group stays (DataParallel owns it)
+
+    def released(self) -> dict[str, Any]:
+        """Adaptive thresholds of every stage, ``{"thresholds": {"k stage k": C_k}}`` (each moved by noised
+        counts only); a collective, every stage calls it (at every evaluation)."""
+        if self.stage.engine.adaptive is None:
+            return {}
+        values = self.stage.all_thresholds()
+        return {"thresholds": {f"{k} stage {k}": value for k, value in enumerate(values)}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stage.engine.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.stage.engine.load_state_dict(state)
+
+
+def build_pipeline_backend(
+    clip_cfg: Any,
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch_size: int,
+    sample_size: int,
+    noise_multiplier: float | Sequence[float],
+    seed: int,
+    timeout_s: float,
+) -> PipelineBackend:
+    """The backend of this rank's stage ``module`` (:func:`stage_of`), its ``optimizer`` over the stage's
+    parameters, from the run's ``clip`` config (:func:`check_pipeline_config` passed) and plan (B, N,
+    sigma: the job's, each stage scales it by sqrt(K))."""
+    if isinstance(clip_cfg, DictConfig):
+        clip_cfg = OmegaConf.to_container(clip_cfg, resolve=True)
+    stage = PipelineStage(
+        module,
+        optimizer,
+        batch_size=batch_size,
+        sample_size=sample_size,
+        max_grad_norm=float(clip_cfg["max_grad_norm"]),
+        noise_multiplier=noise_multiplier,
+        engine_kwargs=clip_cfg["engine"],
+        seed=seed,
+        timeout_s=timeout_s,
+    )
+    return PipelineBackend(stage)
