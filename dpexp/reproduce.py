@@ -103,7 +103,7 @@ def selected_points(
     cells = [set(tables.cell_points(row, column, points)) for row in chosen[0] for column in chosen[1]]
     selected = [point for point in points if any(point in cell for cell in cells)]
     if not selected:
-        raise ConfigError(f"rows={rows} columns={columns} select no run of the grid: name cells that have runs.")
+        raise ConfigError(f"rows={rows} columns={columns} select no run of the grid: name cells with runs.")
     return selected
 
 

@@ -462,31 +462,30 @@ def test_every_rank_shares_one_run_directory(outside_torchrun):
         _run_dir(None, fresh)
 
 
-@pytest.mark.slow  # torchrun starts two interpreters that train: about a minute on a busy machine
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_torchrun_cli_writes_one_record(tmp_path, mode):
-    """``torchrun ... -m dpexp.train distributed=ddp`` (or fsdp): one run directory, one completed record from
-    rank 0, epsilon as planned for one process, the summary printed once."""
+def assert_torchrun_cli_writes_one_record(tmp_path: Path, distributed: list[str], clip: str) -> None:
+    """``torchrun --nproc-per-node=2 -m dpexp.train <distributed> clip=<clip>`` on the tiny run: one run
+    directory, one completed record (rank 0's), the epsilon and sigma of one process, the summary printed
+    once."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [
-        str(torchrun),
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "dpexp.train",
-        f"distributed={mode}",
-    ]
-    command += [*TINY_RUN, "clip=bk", f"output.root={tmp_path}"]
+    command = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dpexp.train", *distributed]
+    command += [*TINY_RUN, f"clip={clip}", f"output.root={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=JOIN_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = list(tmp_path.glob("runs/digits/bk/ddp_*/metrics.json"))
+    records = list(tmp_path.glob(f"runs/digits/{clip}/ddp_*/metrics.json"))
     assert len(records) == 1
     record = json.loads(records[0].read_text())
     assert record["status"] == "completed" and record["steps_done"] == 3
     assert done.stdout.count("metrics: ") == 1
-    single = run_training(_compose([*TINY_RUN, "clip=bk"]), tmp_path / "one")
+    single = run_training(_compose([*TINY_RUN, f"clip={clip}"]), tmp_path / "one")
     assert record["epsilon"] == single["epsilon"] and record["noise_multiplier"] == single["noise_multiplier"]
+
+
+@pytest.mark.slow  # torchrun starts two interpreters that train: about a minute on a busy machine
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_cli_writes_one_record(tmp_path, mode):
+    """``torchrun ... -m dpexp.train distributed=ddp`` (or fsdp) writes one record as one process would."""
+    assert_torchrun_cli_writes_one_record(tmp_path, [f"distributed={mode}"], "bk")
 
 
 class _SignalAt(RunHooks):

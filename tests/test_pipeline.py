@@ -13,8 +13,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,7 +46,7 @@ from dpexp.training.pipeline import (
 from dpexp.training.resume import load_run_config
 from dpexp.training.rng import seed_everything
 from dpexp.training.signals import RunInterrupted
-from tests.conftest import CONF_DIR, REPO_ROOT, TINY_RUN
+from tests.conftest import CONF_DIR, TINY_RUN
 from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     JOIN_S,
     RESUMED_RUN,
@@ -59,6 +57,7 @@ from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     _SignalAt,
     _spawn,
     assert_resumed_as_uninterrupted,
+    assert_torchrun_cli_writes_one_record,
     error_of_a_failing_pair,
     outside_torchrun,
 )
@@ -530,19 +529,7 @@ def test_torchrun_cli_runs_a_pipeline(tmp_path):
     """``torchrun ... -m dpexp.train distributed=pipeline distributed.split_at=[3] clip=groupwise``: one run
     directory, one completed record (rank 0's), the epsilon and sigma of one process' group-wise run, the
     summary printed once."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dpexp.train", *SPLIT_RUN]
-    command += [*TINY_RUN, "clip=groupwise", f"output.root={tmp_path}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=JOIN_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = list(tmp_path.glob("runs/digits/groupwise/ddp_*/metrics.json"))
-    assert len(records) == 1
-    record = json.loads(records[0].read_text())
-    assert record["status"] == "completed" and record["steps_done"] == 3
-    assert done.stdout.count("metrics: ") == 1
-    single = run_training(_compose([*TINY_RUN, "clip=groupwise"]), tmp_path / "one")
-    assert record["epsilon"] == single["epsilon"] and record["noise_multiplier"] == single["noise_multiplier"]
+    assert_torchrun_cli_writes_one_record(tmp_path, SPLIT_RUN, "groupwise")
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -109,7 +109,7 @@ def test_rows_and_columns_select_the_runs_of_those_cells(tiny_experiment: Path, 
     assert [p.settings["clip"] for p in chosen] == ["nonprivate"]
     assert reproduce.selected_points(spec, points, None, "eps3") == points  # the non-private row ignores eps
     assert reproduce.selected_points(spec, points, "flat_fixed,non_private", "eps3") == points
-    with pytest.raises(ConfigError, match="rows=adaptive: not a key of the table's rows; valid: flat_fixed, non"):
+    with pytest.raises(ConfigError, match="rows=adaptive: not a key of the table"):
         reproduce.selected_points(spec, points, "adaptive", None)
     with pytest.raises(ConfigError, match="columns=: not a key"):
         reproduce.selected_points(spec, points, None, "")
