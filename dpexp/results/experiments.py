@@ -7,7 +7,10 @@ every run and one or more ``sweeps``, each a Hydra sweep in ``hydra.sweeper.para
 ``range(...)``, ``choice(...)``) with its own extra ``overrides``. A sweep's grid is the Cartesian product of
 its params, as Hydra's basic sweeper forms it (Hydra's own override parser reads the values). An optional
 ``curves: true`` also draws each row's metric against the epsilon spent, from the runs' evaluation histories
-(:func:`dpexp.results.tables.curve_figure`), for tables that stand for a paper's training curves.
+(:func:`dpexp.results.tables.curve_figure`), for tables that stand for a paper's training curves. An optional
+``spread`` (e.g. ``"{metric}_std"``) names a record field holding a std measured within each run (Li et al.
+2022's Table 9: exposure's std over the canaries); the cells' ± is then that std (pooled over seeds) instead
+of the std over seeds.
 
 :func:`grid_points` enumerates the runs of an experiment at a scale (pure), :func:`compose_points` composes a
 run's config exactly as ``python -m dpexp.train`` would, and :func:`point_config` writes the same run as a
@@ -46,6 +49,7 @@ SPEC_KEYS = {
     "columns",
     "scales",
     "curves",
+    "spread",
 }
 SCALE_KEYS = {"note", "overrides", "sweeps"}
 SWEEP_KEYS = {"params", "overrides"}

@@ -37,6 +37,7 @@ class Cell:
     points: int = 0  # grid points in the cell (0: the experiment does not run this cell at this scale)
     scale: float = 1.0  # factor from the record's metric to the table's unit (100 for percent)
     setting: str | None = None  # setting key of ``ours`` (the best setting's runs)
+    spread: float | None = None  # the experiment's ``spread``: a std recorded within runs (pooled over seeds)
 
     @property
     def mean(self) -> float | None:
@@ -44,6 +45,8 @@ class Cell:
 
     @property
     def std(self) -> float | None:
+        if self.spread is not None:
+            return self.spread * self.scale
         return None if self.ours is None or self.ours.std is None else self.ours.std * self.scale
 
     @property
@@ -67,6 +70,17 @@ def _reported(value: Any) -> tuple[float, float | None] | None:
     if isinstance(value, ListConfig | list | tuple):
         return float(value[0]), float(value[1]) if len(value) > 1 else None
     return float(value), None
+
+
+def pooled_std(means: Sequence[float], stds: Sequence[float]) -> float | None:
+    """The (population) std of the union of equally sized groups from each group's mean and population std:
+    ``sqrt(mean(std_i^2) + mean((mean_i - mean)^2))`` (the law of total variance); one group: its std."""
+    if not means or len(means) != len(stds):
+        return None
+    grand = sum(means) / len(means)
+    within = sum(s * s for s in stds) / len(stds)
+    between = sum((m - grand) ** 2 for m in means) / len(means)
+    return math.sqrt(within + between)
 
 
 def cell_points(row: DictConfig, column: DictConfig, points: Sequence[Point]) -> list[Point]:
@@ -105,6 +119,11 @@ def build_cells(
             best = max(done, key=lambda k: done[k].mean) if done else next(iter(summaries), None)
             varying = _varying([p.settings for p in chosen])
             choice = {k: v for k, v in settings[best][0].settings.items() if k in varying} if done else {}
+            spread = None
+            if spec.get("spread") and best in done:  # e.g. "{metric}_std": the std over canaries in a run
+                within = summarize(entries, best, spec.spread.format(metric=metric), source_hash)
+                if within.seeds == done[best].seeds:
+                    spread = pooled_std(done[best].values, within.values)
             path = spec.published.path.format(row=row.get("key", ""), column=column.get("key", ""))
             cells.append(
                 Cell(
@@ -115,6 +134,7 @@ def build_cells(
                     points=len(chosen),
                     scale=factor,
                     setting=best,
+                    spread=spread,
                 )
             )
         table.append(cells)
@@ -167,10 +187,16 @@ def footer(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mappin
     """The lines under a table: the scale and its setup, how cells read, the code version."""
     stale = any(cell.stale is not None for row in cells for cell in row)
     dirty = " (uncommitted changes)" if source.get("dirty") else ""
+    spread = (
+        f"mean over seeds ± the std recorded within each run ({spec.spread.format(metric=spec.metric)}; "
+        "population std, pooled over seeds)"
+        if spec.get("spread")
+        else "mean ± sample std over seeds"
+    )
     lines = [
         f"Scale: {scale}. {spec.scales[scale].get('note', '')}".strip(),
         "",
-        "Cells: ours as mean ± sample std over seeds (n runs) of completed runs of the current code, "
+        f"Cells: ours as {spread} (n runs) of completed runs of the current code, "
         "the paper's value and ours minus the paper's. Several settings in a cell (a tuned hyperparameter): "
         "the best mean, its values in brackets. Runs that did not complete are counted by status, never "
         "averaged. n/a: the experiment has no such run at this scale.",

@@ -63,6 +63,11 @@ class Task(ABC):
     def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
         """Task metrics on the held-out split(s), e.g. ``{"accuracy": 0.91}``."""
 
+    def record_fields(self) -> dict[str, Any]:
+        """Fields the run record keeps about the task's data once set up (e.g. the canaries a generation
+        task inserted into its training set); none by default."""
+        return {}
+
     def relabelled(self, example: Any, label: int) -> Any:
         """A copy of a training example with another label (the black-box privacy audit's mislabelled
         canaries); classification tasks implement it."""

@@ -60,6 +60,8 @@ class E2ETask(GenerationTask):
         "test": "testset_w_refs.csv",
     }
     offline_splits: ClassVar[tuple[str, str] | None] = ("dev", "test")
+    # canary prefixes "name : <word> | Type : <word> | area : <word>" (Li et al. 2022, app. M)
+    canary_fields: ClassVar[tuple[str, ...] | None] = ("name", "Type", "area")
 
     def __init__(self, *, hub_name: str = "tuetschek/e2e_nlg", **kwargs: Any) -> None:
         super().__init__(hub_name=hub_name, **kwargs)

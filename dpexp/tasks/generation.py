@@ -23,6 +23,16 @@ Evaluation on the held-out split (``evaluate``):
   references (``dpexp.metrics.text``; that module's docstring says how the numbers differ from the official
   E2E and GEM scripts).
 
+Canaries (``canaries``, a task whose ``canary_fields`` says how a canary's prefix is formatted: E2E): the
+secret-sharer test of Carlini et al. (2019) as Li et al. (2022, app. M) run it. Random (prefix, suffix)
+pairs (:mod:`dpexp.tasks.canaries`) are appended to the *training* split only, each canary ``r`` times, after
+the tokenizer is made (a tokenizer trained on the texts never sees them); the evaluated split is untouched.
+Every evaluation then scores each canary's suffix and the candidate suffixes behind its prefix by
+log-perplexity and records their exposure (:mod:`dpexp.metrics.exposure`): ``exposure`` and ``exposure_std``
+(the skew-normal distribution model, Table 9's estimate) and ``exposure_rank`` (exact rank when the whole
+space is enumerated, else the sampled rank), each also per repetition count as ``exposure_r<r>``. The run
+record's ``canaries`` lists them (:meth:`GenerationTask.record_fields`).
+
 ``eval_max_inputs`` caps the number of distinct inputs evaluated (evenly spaced through the split, so the
 subset is deterministic and not just the first tables of a sorted file) to keep offline runs fast.
 
@@ -43,15 +53,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from dpexp.metrics import exposure
 from dpexp.metrics.generation import beam_search
 from dpexp.metrics.text import corpus_bleu, rouge
 from dpexp.models.base import ModelFactory, TaskInfo
 from dpexp.tasks.base import Task
+from dpexp.tasks.canaries import CanaryConfig, CanarySet, is_single_token, make_canaries, word_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +136,7 @@ class GenerationTask(Task):
     local_files: ClassVar[dict[str, str]] = {}  # split -> file name inside the task's data folder
     hub_splits: ClassVar[dict[str, str]] = {"train": "train", "dev": "validation", "test": "test"}
     offline_splits: ClassVar[tuple[str, str] | None] = None  # (train, eval) if no local train file
+    canary_fields: ClassVar[tuple[str, ...] | None] = None  # fields of a canary's prefix; None: no canaries
 
     def __init__(
         self,
@@ -141,6 +155,7 @@ class GenerationTask(Task):
         max_new_tokens: int = 100,
         max_eval_batch_size: int = 32,
         lora: dict[str, Any] | None = None,
+        canaries: dict[str, Any] | None = None,
     ) -> None:
         if on_overflow not in ("truncate", "error"):
             raise ValueError(f"on_overflow must be 'truncate' or 'error', got {on_overflow!r}")
@@ -161,6 +176,10 @@ class GenerationTask(Task):
         self.max_new_tokens = max_new_tokens
         self.max_eval_batch_size = max_eval_batch_size
         self.lora = dict(lora) if lora else None
+        if canaries is not None and self.canary_fields is None:
+            raise ValueError(f"task {self.name} has no canary format; canaries are implemented for task=e2e")
+        self.canary_config = CanaryConfig.from_mapping(canaries) if canaries is not None else None
+        self.canaries: CanarySet | None = None
         self._info: TaskInfo | None = None
         self._encoder_decoder = False  # set by setup from the factory
         self._tok: Any = None
@@ -325,6 +344,16 @@ class GenerationTask(Task):
         train_pairs = self._load_pairs(train_split)
         eval_groups = self._select_eval_groups(group_pairs(self._load_pairs(eval_split)))
         self._tok = self._tokenizer(factory, [text for pair in train_pairs for text in pair])
+        if self.canary_config is not None:  # training split only, after the tokenizer is made
+            assert self.canary_fields is not None
+            words = word_candidates(self._tok, self.canary_config.min_word_length)
+            self.canaries = make_canaries(
+                self.canary_config,
+                list(words),
+                self.canary_fields,
+                accept=lambda word: is_single_token(self._tok, word, words[word]),
+            )
+            train_pairs = [*train_pairs, *self.canaries.training_pairs()]
         self._encoder_decoder = factory.encoder_decoder
         self._sep = [] if self._encoder_decoder else self.separator_ids(self._tok)
         model_limit = int(self._tok.model_max_length)
@@ -347,6 +376,14 @@ class GenerationTask(Task):
         self._fit(f"{eval_split} (prompt)", prompts, [[] for _ in prompts], prompt_limit)
         self._eval_prompts = [p + self._sep for p in prompts]
         self._eval_references = [g.references for g in eval_groups]
+        if self.canaries is not None:
+            self._canary_examples = [
+                self._tokenize_pairs(
+                    "canary", [(c.prefix, c.suffix)] + [(c.prefix, s) for s in self.canaries.candidates]
+                )
+                for c in self.canaries.canaries
+            ]
+            self._check_canary_tokens()
         longest = max(
             max(map(len, self._train.input_ids)),
             max(map(len, self._eval_pairs.input_ids)),
@@ -362,14 +399,34 @@ class GenerationTask(Task):
             lora=self.lora,
         )
         logger.info(
-            "%s: %d training pairs (%s), %d evaluation inputs with %d references (%s)",
+            "%s: %d training pairs (%s%s), %d evaluation inputs with %d references (%s)",
             self.name,
             len(self._train),
             train_split,
+            f", {len(self.canaries.training_pairs())} of them canary copies" if self.canaries else "",
             len(eval_groups),
             len(eval_pairs),
             eval_split,
         )
+
+    def _check_canary_tokens(self) -> None:
+        """Every canary sequence has the suffix's words as its target tokens, one token a word."""
+        assert self.canaries is not None
+        expected = self.canaries.config.suffix_length + 1  # the words and eos
+        for examples in self._canary_examples:
+            for ids, prompt in zip(examples.input_ids, examples.prompt_lengths, strict=True):
+                if len(ids) - prompt != expected:
+                    raise ValueError(
+                        f"a canary suffix encodes to {len(ids) - prompt - 1} tokens, not "
+                        f"{expected - 1} (one per word): {self._tok.decode(ids[prompt:])!r}"
+                    )
+
+    def record_fields(self) -> dict[str, Any]:
+        """The run record's ``canaries`` (config, sub-vocabulary, each canary and its copies), if any."""
+        if self.canaries is None:
+            return {}
+        self._require_setup()
+        return {"canaries": self.canaries.record()}
 
     def _require_setup(self) -> None:
         if self._info is None:
@@ -429,6 +486,12 @@ class GenerationTask(Task):
         engine handles. An encoder-decoder gets its decoder input from the labels
         (``prepare_decoder_input_ids_from_labels``: shifted right behind the start token, -100 as padding).
         """
+        return self._token_losses(model, batch)[0].sum(dim=1)
+
+    def _token_losses(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position target losses and their labels, aligned (both (B, T'); IGNORE where no loss)."""
         if self._encoder_decoder:
             decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
             output = model(
@@ -437,10 +500,84 @@ class GenerationTask(Task):
                 decoder_input_ids=decoder_input_ids,
                 use_cache=False,
             )
-            return target_token_losses(output.logits, batch["labels"], shift=False).sum(dim=1)
+            return target_token_losses(output.logits, batch["labels"], shift=False), batch["labels"]
         output = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        logits = output.logits
-        return target_token_losses(logits, batch["labels"]).sum(dim=1)
+        return target_token_losses(output.logits, batch["labels"]), batch["labels"][:, 1:]
+
+    def _scored_positions(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Target log-perplexities of a decoder-only batch with the output head applied only from the first
+        target position on (Hugging Face's ``logits_to_keep``: the head over the whole vocabulary dominates a
+        small model's forward, and a canary's prompt is most of its sequence); None where the model does
+        not take ``logits_to_keep``. The model is called whole, so the privacy engine's hooks see an
+        ordinary forward."""
+        if self._encoder_decoder:
+            return None
+        labels = batch["labels"]
+        width = labels.shape[1]
+        first = int((labels != IGNORE).int().argmax(dim=1).min())  # earliest target position of the batch
+        keep = width - first + 1  # logits from the position predicting it to the last
+        try:
+            output = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                use_cache=False,
+                logits_to_keep=keep,
+            )
+        except TypeError:  # a model without logits_to_keep
+            return None
+        if output.logits.shape[1] != keep:
+            return None
+        window = labels[:, width - keep :]
+        losses = target_token_losses(output.logits, window)
+        scored = window[:, 1:]
+        return (losses * ((scored != IGNORE) & (scored != self._tok.eos_token_id))).sum(dim=1)
+
+    @torch.no_grad()
+    def log_perplexities(self, model: nn.Module, examples: TokenizedExamples, batch_size: int) -> np.ndarray:
+        """Each example's target log-perplexity ``-sum log p(token | prefix)`` (nats) over its target tokens,
+        the final eos excluded (Carlini et al. 2019's ``Px`` of the secret); the model in eval mode. A
+        decoder-only model is scored with its head on the target positions only (:meth:`_scored_positions`),
+        once checked on the first batch against the full forward (else the full forward throughout)."""
+        device = next(model.parameters()).device
+        eos = self._tok.eos_token_id
+        fast: bool | None = None
+        out = []
+        for start in range(0, len(examples), batch_size):
+            batch = self.collate([examples[i] for i in range(start, min(start + batch_size, len(examples)))])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            values = self._scored_positions(model, batch) if fast is not False else None
+            if fast is None or values is None:
+                losses, labels = self._token_losses(model, batch)
+                full = (losses * ((labels != IGNORE) & (labels != eos))).sum(dim=1)
+                fast = values is not None and torch.allclose(values, full, rtol=1e-4, atol=1e-3)
+                values = full
+            out.append(values.double().cpu())
+        return torch.cat(out).numpy()
+
+    def canary_metrics(self, model: nn.Module, batch_size: int) -> dict[str, float]:
+        """Exposure of every canary against its candidates (:mod:`dpexp.metrics.exposure`): ``exposure``
+        (skew-normal distribution model, Li et al. 2022's Table 9) and ``exposure_rank`` (exact rank if the
+        whole space is enumerated, else the sampled rank), mean and std over the canaries of each
+        repetition count (``_r<r>``) and over all; ``{}`` without canaries."""
+        if self.canaries is None:
+            return {}
+        exact = self.canaries.config.exact
+        model_based: dict[int, list[float]] = {}
+        by_rank: dict[int, list[float]] = {}
+        for canary, examples in zip(self.canaries.canaries, self._canary_examples, strict=True):
+            values = self.log_perplexities(model, examples, batch_size)
+            secret, others = float(values[0]), values[1:]
+            if exact:  # R enumerated: drop the canary's own suffix from the others
+                others = np.delete(others, self.canaries.candidates.index(canary.suffix))
+                ranked = exposure.rank_exposure(secret, others)
+            else:
+                ranked = exposure.sampled_exposure(secret, others)
+            model_based.setdefault(canary.repetitions, []).append(exposure.skewnorm_exposure(secret, others))
+            by_rank.setdefault(canary.repetitions, []).append(ranked)
+        return {
+            **exposure.exposure_summary(model_based, "exposure"),
+            **exposure.exposure_summary(by_rank, "exposure_rank"),
+        }
 
     @torch.no_grad()
     def _nll(self, model: nn.Module, batch_size: int) -> float:
@@ -456,7 +593,8 @@ class GenerationTask(Task):
         return total / count
 
     def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
-        """Test-set per-token NLL, then beam-search generations scored by :meth:`score`.
+        """Test-set per-token NLL, the canaries' exposure if the task has canaries
+        (:meth:`canary_metrics`), then beam-search generations scored by :meth:`score`.
 
         Batches hold ``min(batch_size, max_eval_batch_size)`` inputs: a GPT-2 forward over 512 sequences
         would materialise (512, T, 50257) logits.
@@ -467,6 +605,7 @@ class GenerationTask(Task):
         model.eval()
         try:
             nll = self._nll(model, batch_size)
+            canaries = self.canary_metrics(model, batch_size)
         finally:
             model.train(was_training)
         generated = beam_search(
@@ -482,4 +621,4 @@ class GenerationTask(Task):
         for hypothesis, refs in list(zip(hypotheses, self._eval_references, strict=True))[:2]:
             logger.info("%s sample: %r (reference: %r)", self.name, hypothesis, refs[0])
         metrics = self.score(hypotheses, list(self._eval_references))
-        return {**metrics, "nll": nll, "eval_inputs": float(len(hypotheses))}
+        return {**metrics, "nll": nll, "eval_inputs": float(len(hypotheses)), **canaries}

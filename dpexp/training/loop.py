@@ -260,6 +260,7 @@ class _Run:
         tokenizer = factory.tokenizer_record()
         if tokenizer is not None:  # where the vocabulary came from, and whether it saw the training data
             fields["tokenizer"] = tokenizer
+        fields.update(self.task.record_fields())  # e.g. the canaries inserted into the training set
         if resume:  # the record keeps what the run recorded first
             fields = {k: v for k, v in fields.items() if k not in self.record.data}
         self.record.update(**fields, device=str(self.device))
