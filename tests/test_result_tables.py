@@ -166,7 +166,7 @@ def test_a_row_without_noise_is_a_horizontal_line_against_epsilon_and_a_curve_ag
 ) -> None:
     """A run with noise multiplier 0 records epsilon "Infinity" at every evaluation (he2023_figure3's rows
     "no noise"): against epsilon it is its final value as a horizontal line, never points at an epsilon;
-    against epochs it is a curve like every row."""
+    against epochs it is a curve like every row, dashed."""
     entries = [_entry("dp", 0, 0.60), _entry("np_large", 0, 0.80)]
     cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
 
@@ -185,4 +185,6 @@ def test_a_row_without_noise_is_a_horizontal_line_against_epsilon_and_a_curve_ag
     assert tables.curve_figure(SPEC, "offline", rows, tmp_path / "e.png", x="epoch")
     lines = {line.get_label(): line for line in drawn[-1].axes[0].get_lines()}
     assert list(lines["Non-private (ours)"].get_xdata()) == [0.5, 1.0, 1.5]
+    assert lines["Non-private (ours)"].get_linestyle() == "--"  # dashed: it spends no finite epsilon
+    assert lines["Flat clipping, fixed (ours)"].get_linestyle() == "-"
     assert drawn[-1].axes[0].get_xlabel() == "epoch"

@@ -355,10 +355,19 @@ def curve_figure(
         if not drawn:  # non-private against epsilon: nothing to draw against
             axes.axhline(last.mean, color=color, linestyle=":", label=f"{row.label} (ours, final)")
             continue
+        private = any(_finite(p.get("epsilon")) for points in runs for p in points)
+        label = f"{row.label}{_column_of(spec, row, row_cells, last)} (ours)"
         for number, points in enumerate(drawn):
             xs = [float(p[x]) for p in points]
             ys = [float(p[spec.metric]) * factor for p in points]
-            axes.plot(xs, ys, color=color, marker=".", label=f"{row.label} (ours)" if number == 0 else None)
+            axes.plot(
+                xs,
+                ys,
+                color=color,
+                marker=".",
+                linestyle="-" if private else "--",  # dashed: a run that spends no finite epsilon
+                label=label if number == 0 else None,
+            )
         for column, cell in zip(spec.columns, row_cells, strict=True):
             epsilon = (column.get("match") or {}).get("privacy.epsilon")
             if x == "epsilon" and cell.reported is not None and epsilon is not None:
@@ -367,6 +376,15 @@ def curve_figure(
     axes.set(xlabel=CURVE_AXES[x], ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})")
     axes.legend(fontsize=7, **({"title": "x: paper", "title_fontsize": 7} if x == "epsilon" else {}))
     return _save(figure, path)
+
+
+def _column_of(spec: DictConfig, row: Any, row_cells: Sequence[Cell], last: Cell) -> str:
+    """``", <column label>"``: the column whose runs a row's curves show (its last with a result), when the
+    row's runs differ by column (e.g. ``", ε = 8"``); empty when every column holds the same runs."""
+    keys = {key for column in spec.columns for key in (column.get("match") or {})}
+    if len(spec.columns) < 2 or keys <= set(row.get("ignore") or []):
+        return ""
+    return f", {spec.columns[next(i for i, cell in enumerate(row_cells) if cell is last)].label}"
 
 
 def _finite(value: Any) -> bool:
@@ -447,7 +465,7 @@ def layer_norm_figure(
     for number, (axes, panel, values) in enumerate(zip(grid[0][:-1], panels, arrays, strict=True)):
         image = axes.imshow(values, cmap="Blues", vmin=0.0, vmax=top, aspect="auto", interpolation="nearest")
         axes.set_title(panel, fontsize=8)
-        axes.set_xticks(range(len(layers)), layers, rotation=90, fontsize=5)
+        axes.set_xticks(range(len(layers)), layers, rotation=90, fontsize=6)
         axes.set_yticks(range(len(examples)), examples if number == 0 else [], fontsize=5)
         axes.set_xlabel("layer (input → output)", fontsize=7)
     grid[0][0].set_ylabel("training example (class)", fontsize=7)
