@@ -116,6 +116,7 @@ class CheckpointSchema:
     every: int | None = MISSING
     every_minutes: float | None = MISSING
     keep: int = MISSING
+    at_epochs: list[float] | None = MISSING
 
 
 @dataclass

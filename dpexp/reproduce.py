@@ -14,11 +14,13 @@ the rest are launched. ``rows=`` / ``columns=`` (the table's row and column keys
 only the points of those cells, e.g. one row of a table whose runs take hours; the table is rendered whole
 (cells not run say so). Runs go to ``<runs>/<experiment>/<scale>/<values>-<config hash>-<code hash>/``.
 Then the store is re-indexed (``<out>/index.jsonl``) and the table rendered (``<out>/tables/<experiment>_
-<scale>.md`` and ``.tex``, ``<out>/figures/<experiment>_<scale>_epsilon.png``). The second form (``make
-tables``) re-indexes and renders the table of every experiment at scale offline and at every scale that has
-a runs folder, from the records alone. Launchers: ``basic`` (Hydra's, one run after another), ``local``
-(hydra-joblib-launcher, parallel processes: ``conf/hydra/launcher/local.yaml``), ``slurm``
-(hydra-submitit-launcher: ``conf/hydra/launcher/slurm.yaml``). ``logger=wandb`` mirrors every run to
+<scale>.md`` and ``.tex``, ``<out>/figures/<experiment>_<scale>_epsilon.png``; with ``curves``,
+``_curves.png`` (against epsilon), ``_time.png``, ``_epochs.png``; with ``layer_norms``,
+``_layer_norms.png``, He et al. 2023's Figure 2, a diagnostic outside the privacy guarantee). The second
+form (``make tables``) re-indexes and renders the table of every experiment at scale offline and at every
+scale that has a runs folder, from the records alone. Launchers: ``basic`` (Hydra's, one run after
+another), ``local`` (hydra-joblib-launcher, parallel processes: ``conf/hydra/launcher/local.yaml``),
+``slurm`` (hydra-submitit-launcher: ``conf/hydra/launcher/slurm.yaml``). ``logger=wandb`` mirrors every run to
 Weights & Biases (offline unless configured) in one group, ``<experiment>-<scale>``. Bad input is refused in
 one line naming the valid values (exit 2); exit 1 when some run of the grid did not complete.
 """
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dpexp.config import ConfigError
-from dpexp.results import experiments, store, tables
+from dpexp.results import experiments, layer_norms, store, tables
 from dpexp.runtime import code_version
 from dpexp.training.record import COMPLETED, DIVERGED, FAILED, INTERRUPTED, RUNNING
 
@@ -41,6 +43,7 @@ LAUNCHERS = ("basic", "local", "slurm")  # Hydra's basic launcher; conf/hydra/la
 LOGGERS = ("none", "wandb")  # wandb: every run of the experiment in one wandb group, <experiment>-<scale>
 OPTIONS = {"experiment": None, "scale": None, "launcher": "basic", "runs": "results/runs", "out": "results",
            "dry_run": "false", "logger": "none", "rows": None, "columns": None}  # fmt: skip
+CURVE_FILES = {"epsilon": "curves", "train_time_s": "time", "epoch": "epochs"}  # curves' axis: file suffix
 RESUMABLE = (INTERRUPTED, FAILED, RUNNING)  # RUNNING here: a record no process holds (a killed run)
 BLOCKING = (DIVERGED, "running_now")
 
@@ -198,8 +201,10 @@ def render(
         written.append(figure)
     rows = tables.current_histories(spec, cells, entries, source["source_hash"])
     figures = [(tables.threshold_figure, "thresholds", {})]
-    if spec.get("curves"):
-        figures += [(tables.curve_figure, "curves", {}), (tables.curve_figure, "time", {"x": "train_time_s"})]
+    for axis in experiments.curve_axes(spec, name):
+        figures.append((tables.curve_figure, CURVE_FILES[axis], {"x": axis}))
+    if spec.get("layer_norms") is not None:  # He et al. 2023, Figure 2 (a diagnostic, not private)
+        figures.append((layer_norms.figure, "layer_norms", {}))
     for draw, suffix, options in figures:
         path = out / "figures" / f"{stem}_{suffix}.png"
         if draw(spec, scale, rows, path, **options):

@@ -191,8 +191,55 @@ def test_checkpointer_keeps_the_last_k_and_writes_by_steps_or_time(tmp_path, mon
     assert load_checkpoint(checkpoints(tmp_path)[-1])["value"] == 6
 
 
+def test_checkpoints_at_epochs_are_written_and_never_dropped(tmp_path):
+    policy = CheckpointPolicy.from_config(
+        OmegaConf.create({"every": 3, "every_minutes": None, "keep": 1, "at_epochs": [0, 0.5, 1]})
+    )
+    kept = policy.steps_at_epochs(sample_rate=0.25, steps=6)  # 4 steps an epoch
+    assert kept == {0.0: 0, 0.5: 2, 1.0: 4}
+    writer = Checkpointer(tmp_path, policy, frozenset(kept.values()))
+    assert [step for step in range(1, 7) if writer.due(step)] == [2, 3, 4, 6]
+    for step in (0, 2, 3, 4, 5, 6):  # 5: as an interrupt writes one
+        writer.save(step, {"value": torch.tensor(step)})
+    # 0, 2 and 4 are kept whatever keep says; of the others only the last one (keep=1)
+    assert [p.name for p in checkpoints(tmp_path)] == [f"step_{s:08d}.pt" for s in (0, 2, 4, 6)]
+    with pytest.raises(ConfigError, match=r"epochs \[2.0\] come after the run's last step \(6 steps"):
+        CheckpointPolicy(at_epochs=(1.0, 2.0)).steps_at_epochs(sample_rate=0.25, steps=6)
+
+
+def test_a_run_keeps_its_checkpoints_at_epochs_from_before_the_first_step(compose_config, tmp_path):
+    """checkpoint.at_epochs=[0, 1]: the untrained model (step 0) and the one after the first epoch are kept
+    beside the last periodic one; an epoch the run does not reach is refused."""
+    cfg = compose_config(
+        [
+            "epochs=2",
+            "batch_size=479",
+            "physical_batch_size=479",
+            "progress=false",
+            "eval_every=null",
+            "checkpoint.every=1",
+            "checkpoint.keep=1",
+            "checkpoint.at_epochs=[0,1]",
+        ]
+    )  # digits: N = 1437, q = 1/3, 3 steps an epoch
+    run_training(cfg, tmp_path)
+    assert [p.name for p in checkpoints(tmp_path)] == [f"step_{s:08d}.pt" for s in (0, 3, 6)]
+    first = load_checkpoint(checkpoints(tmp_path)[0])
+    assert first["step"] == 0 and first["progress"]["steps_accounted"] == 0
+    bad = compose_config(["steps=3", "progress=false", "checkpoint.at_epochs=[5]"])
+    with pytest.raises(ConfigError, match=r"checkpoint\.at_epochs=\[5\.0\]: epochs \[5\.0\] come after"):
+        run_training(bad, tmp_path / "bad")
+
+
 @pytest.mark.parametrize(
-    ("key", "value"), [("every", 0), ("every_minutes", 0), ("every_minutes", float("inf")), ("keep", 0)]
+    ("key", "value"),
+    [
+        ("every", 0),
+        ("every_minutes", 0),
+        ("every_minutes", float("inf")),
+        ("keep", 0),
+        ("at_epochs", [1, -1]),
+    ],
 )
 def test_checkpoint_policy_refuses_bad_values(key, value):
     node = OmegaConf.create({"every": None, "every_minutes": None, "keep": 2} | {key: value})

@@ -25,7 +25,8 @@ CASES = [
 PAPER_TABLES = (
     "he2023_table2", "he2023_table3_sst2", "he2023_table4", "he2023_table5_e2e", "he2023_table5_dart",
     "he2023_table10", "he2023_table11a", "he2023_table11b", "he2023_table12", "li2022_table2",
-    "he2023_figure5_cifar10", "he2023_figure6", "li2022_table8", "li2022_table9",
+    "he2023_figure5_cifar10", "he2023_figure6", "li2022_table8", "li2022_table9", "he2023_figure2",
+    "he2023_figure3",
 )  # fmt: skip
 
 
@@ -213,7 +214,7 @@ def test_launchers_compose(launcher: str, target: str, key: str, value) -> None:
     [
         (
             ["experiment=he2023_table99", "scale=offline"],
-            "valid experiments: he2023_figure5_cifar10, he2023_figure6, he2023_table10, he2023_table11a",
+            "valid experiments: he2023_figure2, he2023_figure3, he2023_figure5_cifar10, he2023_figure6",
         ),
         (["experiment=he2023_table11a", "scale=huge"], "valid scales: offline, paper"),
         (["experiment=he2023_table11a", "scale=offline", "launcher=k8s"], "valid: basic, local, slurm"),
@@ -232,3 +233,67 @@ def test_unknown_keys_of_an_experiment_file_are_refused(tmp_path: Path, monkeypa
     monkeypatch.setattr(experiments, "EXPERIMENT_DIR", tmp_path)
     with pytest.raises(ConfigError, match=r"unknown keys \['metrik'\]"):
         experiments.load_experiment("bad")
+
+
+def test_he2023_figures_2_and_3_expand_to_their_grids_at_both_scales() -> None:
+    sizes = {("he2023_figure2", "offline"): 1 + 3, ("he2023_figure2", "paper"): 1 + 3,
+             ("he2023_figure3", "offline"): 2 * 2 + 2 * 2 + 2 + 2 + 3,   # bk/adaptive x eps, fixed x C x eps,
+             ("he2023_figure3", "paper"): 2 * 2 * 2 + 2 + 2 * 2 + 2 + 3}  # no noise, non-private  # fmt: skip
+    for (name, scale), size in sizes.items():
+        spec = experiments.load_experiment(name)
+        assert len(experiments.grid_points(name, spec, scale)) == size, (name, scale)
+    # Figure 2: the adaptive per-layer run at epsilon 8 keeps checkpoints at epochs within its run, and is
+    # another run than he2023_table2's of the same computation (which keeps none)
+    spec = experiments.load_experiment("he2023_figure2")
+    for scale, epochs in (("offline", 20), ("paper", 300)):
+        point = next(
+            p
+            for p in experiments.grid_points("he2023_figure2", spec, scale)
+            if "checkpoint.at_epochs" in p.settings
+        )
+        assert point.settings["clip"] == "adaptive_perlayer" and float(point.settings["privacy.epsilon"]) == 8
+        (cfg,) = experiments.compose_points([point])
+        assert 0 in cfg.checkpoint.at_epochs and max(cfg.checkpoint.at_epochs) == cfg.epochs == epochs
+    table2 = experiments.load_experiment("he2023_table2")
+    twin = next(
+        p for p in experiments.grid_points("he2023_table2", table2, "offline")
+        if p.settings["clip"] == "adaptive_perlayer" and p.settings["privacy.epsilon"] == "8"
+    )  # fmt: skip
+    kept = next(
+        p
+        for p in experiments.grid_points("he2023_figure2", spec, "offline")
+        if p.settings["clip"] != "nonprivate"
+    )
+    ours, theirs = (experiments.resolved(c) for c in experiments.compose_points([kept, twin]))
+    theirs_kept = {
+        **theirs,
+        "checkpoint": {**theirs["checkpoint"], "at_epochs": ours["checkpoint"]["at_epochs"]},
+    }
+    assert store.config_key(ours) == store.config_key(theirs_kept) != store.config_key(theirs)
+
+
+@pytest.mark.parametrize("scale", ["offline", "paper"])
+def test_figure3_rows_without_noise_are_labelled_not_private_and_never_set_an_epsilon(scale: str) -> None:
+    spec = experiments.load_experiment("he2023_figure3")
+    assert experiments.curve_axes(spec) == ["epoch", "epsilon", "train_time_s"]
+    points = experiments.grid_points("he2023_figure3", spec, scale)
+    for row in spec.rows:
+        chosen = [p for column in spec.columns for p in cell_points(row, column, points)]
+        noiseless = {
+            p.settings.get("clip") == "nonprivate" or p.settings.get("privacy.noise_multiplier") == "0"
+            for p in chosen
+        }
+        assert len(noiseless) == 1, row.label  # a row is all private or all without noise
+        if noiseless.pop():
+            assert "not private" in row.label or row.label.startswith("Non-private"), row.label
+            assert "privacy.epsilon" in row.ignore and not any(
+                "privacy.epsilon" in p.settings for p in chosen
+            )
+        else:
+            assert "not private" not in row.label and "privacy.epsilon" not in (row.get("ignore") or [])
+    configs = experiments.compose_points(
+        [p for p in points if p.settings.get("privacy.noise_multiplier") == "0"]
+    )
+    assert configs and all(c.privacy.noise_multiplier == 0 for c in configs)
+    rows = {r.key: r for r in spec.rows}
+    assert {"flat_no_noise", "perlayer_fixed_no_noise", "perlayer_adaptive_no_noise"} <= set(rows)

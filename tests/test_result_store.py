@@ -55,6 +55,18 @@ def test_keys_of_the_computation_change_the_config_key(key, value) -> None:
     assert store.config_key(_with(CONFIG, key, value)) != store.config_key(CONFIG)
 
 
+def test_kept_checkpoints_are_part_of_the_key_only_when_set() -> None:
+    """checkpoint.at_epochs (he2023_figure2's checkpoints) makes another run; null or [] is the key of a
+    config that predates the option, so no older record changes key."""
+    kept = _with(CONFIG, "checkpoint.at_epochs", [0.0, 1.0])
+    assert store.config_key(_with(CONFIG, "checkpoint.at_epochs", None)) == store.config_key(CONFIG)
+    assert store.config_key(_with(CONFIG, "checkpoint.at_epochs", [])) == store.config_key(CONFIG)
+    assert store.config_key(kept) != store.config_key(CONFIG)
+    assert store.config_key(kept, with_seed=False) != store.config_key(CONFIG, with_seed=False)
+    assert store.config_key(_with(kept, "checkpoint.every", 5)) == store.config_key(kept)  # still run-local
+    assert store.config_key(_with(kept, "checkpoint.at_epochs", [0.0, 2.0])) != store.config_key(kept)
+
+
 def test_the_setting_key_ignores_only_the_seed() -> None:
     assert store.config_key(_with(CONFIG, "seed", 7), with_seed=False) == store.config_key(
         CONFIG, with_seed=False

@@ -159,3 +159,32 @@ def test_threshold_figure_draws_the_recorded_thresholds_of_each_rows_first_seed(
         SPEC, "offline", _histories(cells, entries, lambda _: [{"step": 1}]), none
     )
     assert not none.exists()
+
+
+def test_a_row_without_noise_is_a_horizontal_line_against_epsilon_and_a_curve_against_epochs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run with noise multiplier 0 records epsilon "Infinity" at every evaluation (he2023_figure3's rows
+    "no noise"): against epsilon it is its final value as a horizontal line, never points at an epsilon;
+    against epochs it is a curve like every row, dashed."""
+    entries = [_entry("dp", 0, 0.60), _entry("np_large", 0, 0.80)]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+
+    def history(run_dir: str) -> list[dict]:
+        epsilon = (lambda e: "Infinity") if "np_" in run_dir else (lambda e: e)
+        return [{"step": s, "epoch": s / 2, "epsilon": epsilon(s), "accuracy": 0.2 * s} for s in (1, 2, 3)]
+
+    drawn = []
+    monkeypatch.setattr(tables, "_save", lambda figure, path: drawn.append(figure) or True)
+    rows = _histories(cells, entries, history)
+    assert tables.curve_figure(SPEC, "offline", rows, tmp_path / "c.png")
+    lines = {line.get_label(): line for line in drawn[-1].axes[0].get_lines()}
+    assert list(lines["Flat clipping, fixed (ours)"].get_xdata()) == [1.0, 2.0, 3.0]
+    final = lines["Non-private (ours, final)"]  # the row's final value, a horizontal line
+    assert list(final.get_ydata()) == [pytest.approx(80.0)] * 2 and "Non-private (ours)" not in lines
+    assert tables.curve_figure(SPEC, "offline", rows, tmp_path / "e.png", x="epoch")
+    lines = {line.get_label(): line for line in drawn[-1].axes[0].get_lines()}
+    assert list(lines["Non-private (ours)"].get_xdata()) == [0.5, 1.0, 1.5]
+    assert lines["Non-private (ours)"].get_linestyle() == "--"  # dashed: it spends no finite epsilon
+    assert lines["Flat clipping, fixed (ours)"].get_linestyle() == "-"
+    assert drawn[-1].axes[0].get_xlabel() == "epoch"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch import nn
 from dpexp.backends.base import TrainingBackend, check_per_example_loss
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.aggregation import StepAggregation
+from dpexp.privacy.grouping import group_label
 from dpexp.privacy.individual import IndividualPrivacy
 
 
@@ -64,7 +64,7 @@ class EngineBackend(TrainingBackend):
             return {}
         values = self.engine.thresholds.tolist()
         return {
-            "thresholds": {_group_label(k, names): values[k] for k, names in enumerate(self.engine.groups)}
+            "thresholds": {group_label(k, names): values[k] for k, names in enumerate(self.engine.groups)}
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -96,11 +96,3 @@ def build(
         individual=individual,
         aggregation=aggregation,
     )
-
-
-def _group_label(k: int, names: list[str]) -> str:
-    """``"k path"``: the group's index and the module path its parameter names share (or its one name)."""
-    parts = [name.split(".") for name in names]
-    common = itertools.takewhile(lambda column: len(set(column)) == 1, zip(*parts, strict=False))
-    shared = [column[0] for column in common] if len(names) > 1 else parts[0]
-    return f"{k} {'.'.join(shared) or names[0]}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpexp.privacy.broadcast import BroadcastExpander
+from dpexp.privacy.grouping import ParameterLayout
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.rules import CallLayout, LayerRule, rule_for, supported_types
 from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
@@ -100,6 +101,13 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     if not params:
         raise ValueError("the model has no trainable parameters")
     return layers, params
+
+
+def parameter_layout(layers: Sequence[Layer], params: Mapping[str, nn.Parameter]) -> ParameterLayout:
+    """What :func:`dpexp.privacy.grouping.partition` needs of :func:`discover_layers`' result: the trainable
+    parameters in model order, their sizes and the layers that use each."""
+    owners = {n: [layer.name for layer in layers if n in layer.params.values()] for n in params}
+    return ParameterLayout(list(params), {n: p.numel() for n, p in params.items()}, owners)
 
 
 def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:

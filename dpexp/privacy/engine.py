@@ -37,9 +37,9 @@ from dpexp.privacy.adaptive import (
     update_thresholds_from_norms,
 )
 from dpexp.privacy.aggregation import SingleProcess, StepAggregation
-from dpexp.privacy.capture import Capture, Use, discover_layers
+from dpexp.privacy.capture import Capture, Use, discover_layers, parameter_layout
 from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, StrategyName, make_strategy
-from dpexp.privacy.grouping import ClippingMode, ParameterLayout, default_thresholds, partition
+from dpexp.privacy.grouping import ClippingMode, default_thresholds, partition
 from dpexp.privacy.individual import IndividualPrivacy, check_group_indices
 from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
@@ -214,8 +214,8 @@ class PrivacyEngine:
         self.sharded = sharded
         if sharded:
             self._params = LiveParameters(model, list(self._params))
-        owners = {n: [ly.name for ly in layers if n in ly.params.values()] for n in self._params}
-        layout = ParameterLayout(list(self._params), {n: p.numel() for n, p in self._params.items()}, owners)
+        layout = parameter_layout(layers, self._params)
+        owners = layout.owners
         self.groups = partition(layout, clipping, groups)
         self._group_dims = torch.tensor(
             [sum(layout.numel[n] for n in g) for g in self.groups], dtype=torch.float64

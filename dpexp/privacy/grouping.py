@@ -12,6 +12,7 @@ One mechanism covers every clipping mode (He et al. 2023, sections 3 and 4):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,3 +115,12 @@ def _validated(layout: ParameterLayout, groups: Sequence[Sequence[str]]) -> list
 def default_thresholds(max_grad_norm: float, num_groups: int) -> list[float]:
     """``C_k = C / sqrt(K)``, so that the total sensitivity ``sqrt(sum C_k^2)`` equals C."""
     return [max_grad_norm / math.sqrt(num_groups)] * num_groups
+
+
+def group_label(k: int, names: Sequence[str]) -> str:
+    """``"k path"``: group k's index and the module path its parameter names share (or its one name), e.g.
+    ``"2 blocks.0.conv"``; the labels of the recorded adaptive thresholds and of per-layer analyses."""
+    parts = [name.split(".") for name in names]
+    common = itertools.takewhile(lambda column: len(set(column)) == 1, zip(*parts, strict=False))
+    shared = [column[0] for column in common] if len(names) > 1 else parts[0]
+    return f"{k} {'.'.join(shared) or names[0]}"

@@ -6,9 +6,13 @@ data, models and sizes; ``offline``: ``../shared/data`` and small models), the t
 every run and one or more ``sweeps``, each a Hydra sweep in ``hydra.sweeper.params`` syntax (``key: a,b``,
 ``range(...)``, ``choice(...)``) with its own extra ``overrides``. A sweep's grid is the Cartesian product of
 its params, as Hydra's basic sweeper forms it (Hydra's own override parser reads the values). An optional
-``curves: true`` also draws each row's metric against the epsilon spent, from the runs' evaluation histories
-(:func:`dpexp.results.tables.curve_figure`), for tables that stand for a paper's training curves. An optional
-``spread`` (e.g. ``"{metric}_std"``) names a record field holding a std measured within each run (Li et al.
+``curves: true`` also draws each row's metric against the epsilon spent and against the training time, from
+the runs' evaluation histories (:func:`dpexp.results.tables.curve_figure`), for tables that stand for a
+paper's training curves; ``curves`` may instead list the x axes to draw, among :data:`CURVE_AXES` (He et al.
+2023, Figure 3: ``[epoch, ...]``). An optional ``layer_norms`` (``row``: the key of the row whose runs keep
+checkpoints with ``checkpoint.at_epochs``, ``examples``, ``seed``) draws the per-layer gradient norms of
+that row's run at its kept checkpoints (He et al. 2023, Figure 2: :mod:`dpexp.results.layer_norms`). An
+optional ``spread`` (e.g. ``"{metric}_std"``) names a record field holding a std measured within each run (Li et al.
 2022's Table 9: exposure's std over the canaries); the cells' ± is then that std (pooled over seeds) instead
 of the std over seeds.
 
@@ -50,11 +54,14 @@ SPEC_KEYS = {
     "scales",
     "curves",
     "spread",
+    "layer_norms",
 }
 SCALE_KEYS = {"note", "overrides", "sweeps"}
 SWEEP_KEYS = {"params", "overrides"}
 SEED_OVERRIDE = "seed="
 ROW_KEYS = {"label", "key", "match", "ignore", "metric"}  # a row or a column of the table
+CURVE_AXES = ("epsilon", "train_time_s", "epoch")  # the x axes of curves: [...]; curves: true = the first two
+LAYER_NORM_KEYS = {"row", "examples", "seed"}
 
 
 @dataclass(frozen=True)
@@ -94,11 +101,34 @@ def load_experiment(name: str) -> DictConfig:
     for part in ("rows", "columns"):
         for index, entry in enumerate(spec[part]):
             _check_keys(entry, ROW_KEYS, f"experiment {name}, {part}[{index}]")
+    curve_axes(spec, name)
+    if spec.get("layer_norms") is not None:
+        _check_keys(spec.layer_norms, LAYER_NORM_KEYS, f"experiment {name}, layer_norms")
+        if spec.layer_norms.get("row") not in [row.get("key") for row in spec.rows]:
+            raise ConfigError(f"experiment {name}: layer_norms.row must be the key of one of its rows.")
     for scale, node in spec.scales.items():
         _check_keys(node, SCALE_KEYS, f"experiment {name}, scales.{scale}")
         for index, sweep in enumerate(node.sweeps):
             _check_keys(sweep, SWEEP_KEYS, f"experiment {name}, scales.{scale}.sweeps[{index}]")
     return spec
+
+
+def curve_axes(spec: DictConfig, name: str = "") -> list[str]:
+    """The x axes of the experiment's training-curve figures: none without ``curves``, epsilon spent and
+    training time for ``curves: true``, else the axes it lists (refused unless among :data:`CURVE_AXES`)."""
+    curves = spec.get("curves")
+    if not curves:
+        return []
+    if curves is True:
+        return list(CURVE_AXES[:2])
+    axes = [curves] if isinstance(curves, str) else list(curves)
+    unknown = [axis for axis in axes if axis not in CURVE_AXES]
+    if unknown:
+        raise ConfigError(
+            f"experiment {name}: curves {unknown} are not axes; valid: true, or a list of "
+            f"{', '.join(CURVE_AXES)}."
+        )
+    return axes
 
 
 def _check_keys(node: DictConfig, valid: set[str], where: str) -> None:

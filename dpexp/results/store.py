@@ -4,7 +4,10 @@ Every ``<run dir>/metrics.json`` under a runs folder (``results/runs``) becomes 
 (``results/index.jsonl``), rebuilt from the records alone. A run is identified by
 
 - ``run_key``: sha256 of its resolved config without the run-local keys (:data:`RUN_LOCAL_KEYS`: where it
-  writes, how it reports, how it resumes: nothing that changes what it computes), 16 hex digits;
+  writes, how it reports, how it resumes: nothing that changes what it computes), 16 hex digits; except
+  ``checkpoint.at_epochs`` when set (:data:`KEPT_CHECKPOINTS`): such a run leaves the checkpoints an analysis
+  reads after training (``he2023_figure2``), so it must never be taken for a run of the same computation
+  that did not keep them;
 - ``setting_key``: the same without ``seed``: the runs that differ only by seed, averaged into mean +- std;
 - ``source_hash``: the code version that made it (:func:`dpexp.runtime.code_version`).
 
@@ -34,6 +37,7 @@ from dpexp.training.resume import RUNTIME_KEYS
 # Keys that do not change what a run computes: the runtime keys a resume may set, plus where the run writes
 # and reads its files and how often the progress bar reports.
 RUN_LOCAL_KEYS = (*RUNTIME_KEYS, "output", "data.root", "log_every")
+KEPT_CHECKPOINTS = ("checkpoint", "at_epochs")  # a run-local key that, when set, is part of the run key
 INDEX_FILE = "index.jsonl"
 UNKNOWN_CODE = "unknown"  # source_hash of a record written before records stored their code version
 
@@ -53,9 +57,15 @@ def strip_keys(config: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]
 
 def config_key(config: Mapping[str, Any], *, with_seed: bool = True) -> str:
     """sha256 (16 hex digits) of the resolved ``config`` without :data:`RUN_LOCAL_KEYS` (and ``seed`` unless
-    ``with_seed``), serialised with sorted keys: equal for configs that compute the same run."""
+    ``with_seed``) but with ``checkpoint.at_epochs`` if set, serialised with sorted keys: equal for configs
+    that compute the same run and keep the same checkpoints."""
     dropped = RUN_LOCAL_KEYS if with_seed else (*RUN_LOCAL_KEYS, "seed")
-    text = json.dumps(strip_keys(config, dropped), sort_keys=True, separators=(",", ":"), default=str)
+    kept = strip_keys(config, dropped)
+    group, key = KEPT_CHECKPOINTS
+    at_epochs = (config.get(group) or {}).get(key)
+    if at_epochs:  # null or [] (no kept checkpoints) leaves the key as it was before the option existed
+        kept[group] = {key: at_epochs}
+    text = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

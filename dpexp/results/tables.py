@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dpexp.results.experiments import Point, matches, published
@@ -303,7 +305,7 @@ def load_history(run_dir: str) -> list[dict[str, Any]]:
     return json.loads((Path(run_dir) / METRICS_FILE).read_text()).get("history", [])
 
 
-CURVE_AXES = {"epsilon": "ε spent", "train_time_s": "training time (s)"}  # curve_figure's x, its label
+CURVE_AXES = {"epsilon": "ε spent", "train_time_s": "training time (s)", "epoch": "epoch"}  # x: its label
 
 
 @dataclass(frozen=True)
@@ -316,6 +318,7 @@ class RowHistory:
     cells: list[Cell]
     last: Cell
     runs: list[list[dict[str, Any]]]
+    run_dirs: list[str] = field(default_factory=list)  # the run directory of each of ``runs``
 
 
 def current_histories(
@@ -331,13 +334,14 @@ def current_histories(
         done = [cell for cell in row_cells if cell.mean is not None]
         if not done:
             continue
-        runs, seeds = [], set()
+        runs, run_dirs, seeds = [], [], set()
         for entry in sorted(entries, key=lambda e: e["run_dir"]):
             wanted = entry["setting_key"] == done[-1].setting and entry["source_hash"] == source_hash
             if wanted and entry["status"] == COMPLETED and entry["seed"] not in seeds:
                 seeds.add(entry["seed"])
                 runs.append(history(entry["run_dir"]))
-        out.append(RowHistory(index, row, row_cells, done[-1], runs))
+                run_dirs.append(entry["run_dir"])
+        out.append(RowHistory(index, row, row_cells, done[-1], runs, run_dirs))
     return out
 
 
@@ -346,9 +350,12 @@ def curve_figure(
 ) -> bool:
     """Metric over training (``spec.curves``), one line per row and seed, from ``rows``
     (:func:`current_histories`). ``x="epsilon"``: against the epsilon spent, the paper's values as crosses
-    at their columns' epsilon, a non-private row as a horizontal line; ``x="train_time_s"``: against the
-    training time, every row a line (He et al. 2023's argument that adaptive per-layer clipping reaches flat
-    clipping's accuracy sooner). False (nothing written) when no run has an evaluation."""
+    at their columns' epsilon; a row that spends no finite epsilon (non-private, or noise multiplier 0:
+    epsilon = inf) is a horizontal line at its final value, never a curve against epsilon;
+    ``x="train_time_s"``: against the training time, every row a line (He et al. 2023's argument that
+    adaptive per-layer clipping reaches flat clipping's accuracy sooner); ``x="epoch"``: against the epochs
+    done, every row a line (He et al. 2023, Figure 3). False (nothing written) when no run has an
+    evaluation."""
     curves = [
         (
             r.index,
@@ -370,14 +377,23 @@ def curve_figure(
     figure, axes = plt.subplots(figsize=(6, 4))
     for index, row, row_cells, last, runs in curves:
         color = f"C{index}"
-        drawn = [points for points in runs if points and points[-1].get(x) is not None]
+        drawn = [kept for points in runs if (kept := [p for p in points if _finite(p.get(x))])]
         if not drawn:  # non-private against epsilon: nothing to draw against
             axes.axhline(last.mean, color=color, linestyle=":", label=f"{row.label} (ours, final)")
             continue
+        private = any(_finite(p.get("epsilon")) for points in runs for p in points)
+        label = f"{row.label}{_column_of(spec, row, row_cells, last)} (ours)"
         for number, points in enumerate(drawn):
             xs = [float(p[x]) for p in points]
             ys = [float(p[spec.metric]) * factor for p in points]
-            axes.plot(xs, ys, color=color, marker=".", label=f"{row.label} (ours)" if number == 0 else None)
+            axes.plot(
+                xs,
+                ys,
+                color=color,
+                marker=".",
+                linestyle="-" if private else "--",  # dashed: a run that spends no finite epsilon
+                label=label if number == 0 else None,
+            )
         for column, cell in zip(spec.columns, row_cells, strict=True):
             epsilon = (column.get("match") or {}).get("privacy.epsilon")
             if x == "epsilon" and cell.reported is not None and epsilon is not None:
@@ -386,6 +402,23 @@ def curve_figure(
     axes.set(xlabel=CURVE_AXES[x], ylabel=metric, title=f"{spec.title.split(':')[0]} ({scale})")
     axes.legend(fontsize=7, **({"title": "x: paper", "title_fontsize": 7} if x == "epsilon" else {}))
     return _save(figure, path)
+
+
+def _column_of(spec: DictConfig, row: Any, row_cells: Sequence[Cell], last: Cell) -> str:
+    """``", <column label>"``: the column whose runs a row's curves show (its last with a result), when the
+    row's runs differ by column (e.g. ``", ε = 8"``); empty when every column holds the same runs."""
+    keys = {key for column in spec.columns for key in (column.get("match") or {})}
+    if len(spec.columns) < 2 or keys <= set(row.get("ignore") or []):
+        return ""
+    return f", {spec.columns[next(i for i, cell in enumerate(row_cells) if cell is last)].label}"
+
+
+def _finite(value: Any) -> bool:
+    """Whether a recorded value is a finite number (records write inf as the string "Infinity")."""
+    try:
+        return value is not None and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def threshold_figure(spec: DictConfig, scale: str, rows: Sequence[RowHistory], path: Path) -> bool:
@@ -416,4 +449,53 @@ def threshold_figure(spec: DictConfig, scale: str, rows: Sequence[RowHistory], p
         if len(groups) <= 12:  # a legend of more groups would hide the lines
             axes.legend(fontsize=6, title="group", title_fontsize=6)
     figure.suptitle(f"{spec.title.split(':')[0]} ({scale}): adaptive thresholds", fontsize=9)
+    return _save(figure, path)
+
+
+def layer_norm_figure(
+    norms: Sequence[Any],
+    panels: Sequence[str],
+    layers: Sequence[str],
+    examples: Sequence[str],
+    path: Path,
+    title: str,
+    caption: str,
+) -> bool:
+    """Heatmaps of per-example, per-layer gradient norms (He et al. 2023, Figure 2), one panel per
+    checkpoint: ``norms[j]`` has shape ``(len(examples), len(layers))`` (rows: examples, columns: layers from
+    input to output) and is titled ``panels[j]``; one colour scale for all panels, from 0 to the largest
+    norm, darker for larger norms (as the paper); ``caption`` is printed under the panels. False (nothing
+    written) when there is no panel."""
+    if not len(norms):
+        return False
+    arrays = [np.asarray(values, dtype=float) for values in norms]
+    expected = (len(examples), len(layers))
+    for panel, values in zip(panels, arrays, strict=True):
+        if values.shape != expected:
+            raise ValueError(f"{panel}: norms of shape {values.shape}, expected {expected}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max(float(np.nanmax(values)) for values in arrays) or 1.0
+    width = max(2.2, 0.16 * len(layers) + 1.2)
+    height = max(3.0, 0.13 * len(examples) + 1.8)
+    figure, grid = plt.subplots(
+        1,
+        len(arrays) + 1,  # the last, narrow one holds the shared colour bar
+        figsize=(width * len(arrays) + 1.2, height),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [1.0] * len(arrays) + [0.06]},
+    )
+    for number, (axes, panel, values) in enumerate(zip(grid[0][:-1], panels, arrays, strict=True)):
+        image = axes.imshow(values, cmap="Blues", vmin=0.0, vmax=top, aspect="auto", interpolation="nearest")
+        axes.set_title(panel, fontsize=8)
+        axes.set_xticks(range(len(layers)), layers, rotation=90, fontsize=6)
+        axes.set_yticks(range(len(examples)), examples if number == 0 else [], fontsize=5)
+        axes.set_xlabel("layer (input → output)", fontsize=7)
+    grid[0][0].set_ylabel("training example (class)", fontsize=7)
+    figure.colorbar(image, cax=grid[0][-1]).set_label("gradient norm", fontsize=7)
+    lines = textwrap.wrap(caption, width=int(28 * figure.get_figwidth()))
+    figure.suptitle("\n".join([title, *lines]), fontsize=7)
     return _save(figure, path)

@@ -1,5 +1,10 @@
 """Checkpoints of a run: ``<run dir>/checkpoints/step_<k>.pt``, written atomically (temporary file, fsync,
-rename), the last ``checkpoint.keep`` of them kept.
+rename), the last ``checkpoint.keep`` of them kept, and those of ``checkpoint.at_epochs`` kept for good.
+
+``checkpoint.at_epochs`` keeps the model as it was at chosen epochs for analyses after training (He et al.
+2023, Figure 2 and app. B: per-layer gradient norms of checkpoints at several epochs; the experiment
+``he2023_figure2``): epoch e is the checkpoint after step ``round(e / q)`` (q = B / N, as the plan turns
+``epochs`` into steps), epoch 0 the model before the first step.
 
 A checkpoint holds what the run needs to go on as if it had never stopped (the run assembles it:
 :meth:`dpexp.training.loop._Run.checkpoint_state`): model, optimizer, schedule, batch sampler and global
@@ -31,11 +36,13 @@ _NAME = re.compile(r"step_(\d+)\.pt")
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """When a run writes checkpoints besides the one on an interrupt: every ``every`` steps and/or every
-    ``every_minutes`` minutes (None: never), keeping the last ``keep``."""
+    ``every_minutes`` minutes (None: never), keeping the last ``keep``; and at the epochs ``at_epochs``,
+    each of those kept whatever ``keep`` says."""
 
     every: int | None = None
     every_minutes: float | None = None
     keep: int = 2
+    at_epochs: tuple[float, ...] = ()
 
     @classmethod
     def from_config(cls, node: DictConfig) -> CheckpointPolicy:
@@ -47,28 +54,56 @@ class CheckpointPolicy:
             raise ConfigError(f"checkpoint.every_minutes must be a number > 0, or null; got {minutes}.")
         if keep < 1:
             raise ConfigError(f"checkpoint.keep must be >= 1 (the checkpoints kept), got {keep}.")
-        return cls(every, minutes, keep)
+        at_epochs = tuple(float(e) for e in (node.get("at_epochs") or ()))
+        if not all(e >= 0 and math.isfinite(e) for e in at_epochs):
+            raise ConfigError(
+                f"checkpoint.at_epochs must be a list of epochs >= 0 (0: before the first step), or null; "
+                f"got {list(at_epochs)}."
+            )
+        return cls(every, minutes, keep, at_epochs)
+
+    def steps_at_epochs(self, sample_rate: float, steps: int) -> dict[float, int]:
+        """The step of every epoch of ``at_epochs`` in a run of ``steps`` steps at sample rate ``sample_rate``
+        (:func:`epoch_step`); an epoch beyond the run is refused."""
+        kept = {epoch: epoch_step(epoch, sample_rate) for epoch in self.at_epochs}
+        beyond = [epoch for epoch, step in kept.items() if step > steps]
+        if beyond:
+            raise ConfigError(
+                f"checkpoint.at_epochs={list(self.at_epochs)}: epochs {beyond} come after the run's last "
+                f"step ({steps} steps, {steps * sample_rate:g} epochs); keep only epochs it reaches."
+            )
+        return kept
+
+
+def epoch_step(epoch: float, sample_rate: float) -> int:
+    """The step at which ``epoch`` passes over the data are done, ``round(epoch / q)``, as the plan turns
+    ``epochs`` into steps (:func:`dpexp.training.plan.plan_run`)."""
+    return round(epoch / sample_rate)
 
 
 class Checkpointer:
-    """Writes the checkpoints of the run in ``run_dir`` by ``policy``."""
+    """Writes the checkpoints of the run in ``run_dir`` by ``policy``; those of ``kept_steps`` (the steps of
+    ``checkpoint.at_epochs``: :meth:`CheckpointPolicy.steps_at_epochs`) are written and never removed."""
 
-    def __init__(self, run_dir: str | os.PathLike, policy: CheckpointPolicy) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike, policy: CheckpointPolicy, kept_steps: frozenset[int] = frozenset()
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.policy = policy
+        self.kept_steps = frozenset(kept_steps)
         self._last_save = time.monotonic()
 
     def due(self, step: int) -> bool:
         """Whether the policy asks for a checkpoint after ``step``."""
         every, minutes = self.policy.every, self.policy.every_minutes
-        by_steps = every is not None and step % every == 0
+        by_steps = (every is not None and step % every == 0) or step in self.kept_steps
         return by_steps or (minutes is not None and time.monotonic() - self._last_save >= 60 * minutes)
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` as the checkpoint of ``step`` and drop all but the last ``keep``; its path."""
-        folder = self.run_dir / CHECKPOINT_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"step_{step:08d}.pt"
+        """Write ``state`` as the checkpoint of ``step`` and drop all but the last ``keep`` of those not in
+        ``kept_steps``; its path."""
+        path = checkpoint_path(self.run_dir, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".pt.tmp")
         with tmp.open("wb") as handle:
             torch.save({"format": FORMAT, "step": step, **state}, handle)
@@ -76,9 +111,19 @@ class Checkpointer:
             os.fsync(handle.fileno())
         tmp.replace(path)
         self._last_save = time.monotonic()
-        for old in checkpoints(self.run_dir)[: -self.policy.keep]:
+        ordinary = [p for p in checkpoints(self.run_dir) if _step_of(p) not in self.kept_steps]
+        for old in ordinary[: -self.policy.keep]:
             old.unlink()
         return path
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of ``step`` of the run in ``run_dir`` is (or would be) written."""
+    return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:08d}.pt"
+
+
+def _step_of(path: Path) -> int:
+    return int(_NAME.fullmatch(path.name).group(1))
 
 
 def checkpoints(run_dir: str | os.PathLike) -> list[Path]:

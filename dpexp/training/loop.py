@@ -224,7 +224,7 @@ class _Run:
             self.record.add_sink(
                 WandbSink(wandb.project, wandb.entity, wandb.mode, wandb.group, resolved, self.run_dir)
             )
-        self.checkpointer = Checkpointer(self.run_dir, CheckpointPolicy.from_config(cfg.checkpoint))
+        checkpointing = CheckpointPolicy.from_config(cfg.checkpoint)  # refused before any data is loaded
         self.budget = PrivacyBudget(accounting_limits(cfg.privacy))
         seed_everything(cfg.seed)
         self.task: Task = instantiate(cfg.task, "task")
@@ -248,6 +248,8 @@ class _Run:
             self.privacy_groups,
             self.budget.calibrate_individual,
         )
+        kept = checkpointing.steps_at_epochs(self.plan.sample_rate, self.plan.steps)  # checkpoint.at_epochs
+        self.checkpointer = Checkpointer(self.run_dir, checkpointing, frozenset(kept.values()))
         names = {
             "task": self.task.name,
             "model": type(factory).__name__,
@@ -335,6 +337,9 @@ class _Run:
         try:
             if self.step:  # resumed: the step of the checkpoint may have stopped before its report
                 self._report(bar)
+            elif 0 in self.checkpointer.kept_steps and (self.record.writer or self.sharded):
+                with self._outside_training():  # checkpoint.at_epochs holds 0: the model before training
+                    self.save_checkpoint()
             while self.step < plan.steps:
                 with guard.step(self._agree_on_signal if self.lockstep else None):
                     self._train_step(next(batches), lengths)
