@@ -12,9 +12,9 @@ paper's training curves; ``curves`` may instead list the x axes to draw, among :
 2023, Figure 3: ``[epoch, ...]``). An optional ``layer_norms`` (``row``: the key of the row whose runs keep
 checkpoints with ``checkpoint.at_epochs``, ``examples``, ``seed``) draws the per-layer gradient norms of
 that row's run at its kept checkpoints (He et al. 2023, Figure 2: :mod:`dpexp.results.layer_norms`). An
-optional ``spread`` (e.g. ``"{metric}_std"``) names a record field holding a std measured within each run (Li et al.
-2022's Table 9: exposure's std over the canaries); the cells' ± is then that std (pooled over seeds) instead
-of the std over seeds.
+optional ``spread`` (e.g. ``"{metric}_std"``) names a record field holding a std measured within each run
+(Li et al. 2022's Table 9: exposure's std over the canaries); the cells' ± is then that std (pooled over
+seeds) instead of the std over seeds.
 
 :func:`grid_points` enumerates the runs of an experiment at a scale (pure), :func:`compose_points` composes a
 run's config exactly as ``python -m dpexp.train`` would, and :func:`point_config` writes the same run as a
