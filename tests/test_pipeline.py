@@ -803,3 +803,53 @@ def test_a_trainable_tied_weight_across_stages_is_refused():
     assert "\n" not in message and "embed.wte.weight of stage 0 is head.lm_head.weight" in message
     assert len(split_stages(sequential_view(_gpt2(lora=False, tie=False)), GPT2_SPLIT)) == 2
     assert len(split_stages(sequential_view(_gpt2(lora=True)), GPT2_SPLIT)) == 2
+
+
+E2E_LORA_RUN = [
+    "task=e2e",
+    "model=gpt2_tiny",
+    "model.lora={rank: 4, alpha: 4, dropout: 0.0, target_modules: [c_attn]}",
+    "model.dropout=0.0",  # the stages' dropout masks come from their own processes' generators
+    "data.root=/work/shared/data",
+    "task.eval_max_inputs=2",
+    "task.num_beams=2",
+    "task.max_new_tokens=6",
+    "clip=groupwise",
+    "privacy.noise_multiplier=0",
+    "optim.lr=0.5",
+    "steps=2",
+    "batch_size=16",
+    "physical_batch_size=8",
+    "eval_every=null",
+    "progress=false",
+]
+E2E_SPLIT = ["distributed=pipeline", "distributed.split_at=[3]"]  # embed, h0, h1 | h2, h3, head
+E2E_ADAPTERS = "base_model.model.transformer.h.{}.attn.c_attn.lora_{}.default.weight"
+
+
+def _e2e_worker(rank: int, port: int, root: str) -> None:
+    torch.set_num_threads(1)
+    _env(rank, port)
+    run_training(_compose([*E2E_LORA_RUN, *E2E_SPLIT]), Path(root) / "pipe")
+
+
+@pytest.mark.slow  # two GPT-2 runs on two processes (one evaluating) and one in one process: ~1 min
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.skipif(not Path("/work/shared/data/e2e/testset_w_refs.csv").exists(), reason="no E2E data")
+def test_e2e_lora_gpt2_trainer_pipeline_evaluates_as_one_process(tmp_path):
+    """``run_training`` on E2E with LoRA GPT-2-tiny on two stages at noise 0: rank 0's evaluation of the
+    whole model (every stage's adapters gathered to it; beam search) gives the single-process group-wise
+    run's NLL, BLEU and generations' metrics, so the gathered adapters are the trained ones."""
+    assert _spawn(_e2e_worker, str(tmp_path)) == [0] * WORLD
+    cfg = _compose(list(E2E_LORA_RUN))
+    cfg.clip.engine.groups = [
+        [E2E_ADAPTERS.format(layer, ab) for layer in layers for ab in "AB"] for layers in ((0, 1), (2, 3))
+    ]
+    single = run_training(cfg, tmp_path / "one")
+    pipe = json.loads((tmp_path / "pipe" / "metrics.json").read_text())
+    assert pipe["status"] == "completed" and [h["step"] for h in pipe["history"]] == [2]
+    assert pipe["eval_inputs"] == single["eval_inputs"] == 2
+    assert pipe["nll"] == pytest.approx(single["nll"], rel=1e-5)
+    for metric in ("bleu", "rougeL"):
+        assert pipe[metric] == pytest.approx(single[metric], abs=1e-6), metric
+    assert pipe["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
