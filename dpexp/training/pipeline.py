@@ -49,6 +49,15 @@ evaluation and record are the single process' ones. Only the last stage backprop
 backpropagate the gradient they receive. Rank 0 (stage 0) writes the run record and the checkpoints, every
 stage's state gathered to it (:meth:`~dpexp.training.distributed.DataParallel.gather`); what a stage cannot
 honour is refused before training (:func:`check_pipeline_config`).
+
+Side inputs (GPT-2, :class:`dpexp.models.gpt2.GPT2Sequential`): the stages are
+:class:`~dpexp.models.base.Chain` s, whose modules also take the batch's side inputs (the attention mask).
+Only the activations cross stages: every rank collates the same micro-batch (``DataParallel.share`` checks
+the indices against rank 0's), so every stage passes its own copy of the mask, and builds its blocks' causal
+mask from it. The stage's view maps the task's call onto (first input, side inputs) and the last output
+back (``Chain.pipeline_inputs``/``pipeline_output``). Generation tasks evaluate on rank 0 alone
+(:func:`evaluate_whole`: beam search calls ``generate``, which no stage serves), on a whole copy of the
+model that every stage's trainable parameters are gathered into.
 """
 
 from __future__ import annotations
