@@ -120,8 +120,8 @@ def split_stages(model: nn.Sequential, split_at: Sequence[int] | None) -> list[C
                 raise ConfigError(
                     f"distributed.split_at={list(split_at)}: the trainable parameter {first[1]} of stage "
                     f"{first[0]} is {name} of stage {k} (tied weights): each stage would step its own copy; "
-                    "untie them (GPT-2: model.config.tie_word_embeddings=false) or train LoRA adapters, "
-                    "which freeze them (model=gpt2_lora)."
+                    "untie them (a random GPT-2: +model.config.tie_word_embeddings=false) or train LoRA "
+                    "adapters, which freeze them (model=gpt2_lora)."
                 )
     for k, stage in enumerate(stages):
         if not any(p.requires_grad for p in stage.parameters()):
