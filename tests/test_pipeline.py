@@ -605,7 +605,11 @@ def test_pipeline_on_a_gpu_is_refused(outside_torchrun):  # noqa: F811
 @pytest.mark.parametrize(
     ("model", "split_at", "message"),
     [
-        (Wide(), [1], r"Wide has no sequential view .* use model=small_cnn or wrn16_4, or distributed=ddp"),
+        (
+            Wide(),
+            [1],
+            r"Wide has no sequential view .* use model=small_cnn, wrn16_4 or a GPT-2 .*, or distributed=ddp",
+        ),
         (_model(), [5], r"distributed.split_at=\[5\]: give the index .* in 1..4"),
         (_model(), None, r"distributed.split_at=None: give the index"),
     ],
@@ -614,3 +618,238 @@ def test_a_model_the_pipeline_cannot_split_is_refused_in_one_line(model, split_a
     with pytest.raises(ConfigError, match=message) as info:
         stage_of(model, SimpleNamespace(split_at=split_at, rank=0))
     assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------ GPT-2 on a pipeline
+GPT2_SPLIT = [2]  # embed, h0 | h1, h2, head
+GPT2_B, GPT2_N, GPT2_STEPS = 6, 30, 2
+GPT2_C = 0.05  # both stages' examples clipped
+
+
+def _gpt2(lora: bool = True, tie: bool = True, impl: str = "sdpa", dtype=torch.float32) -> nn.Module:
+    """A random 3-layer GPT-2 without dropout (the same forward in every process), LoRA on c_attn with B
+    moved off zero (so that every adapter has a gradient and the view's LoRA path counts)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dpexp.models.lora import apply_lora
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3, n_embd=32, n_head=4, n_positions=32, vocab_size=50, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie, attn_implementation=impl,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config).to(dtype)
+    if lora:
+        model = apply_lora(model, rank=4, alpha=4.0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    return model
+
+
+def _gpt2_batch(idx: list[int]) -> dict[str, torch.Tensor]:
+    """Example i of a fixed synthetic set: 12 tokens, the last i % 4 of them right padding (0s), the first 2
+    left padding if i % 5 == 4; the labels the real tokens after the first 3 (-100 elsewhere)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 50, (GPT2_N, 12), generator=g)
+    mask = torch.ones(GPT2_N, 12, dtype=torch.long)
+    for i in range(GPT2_N):
+        if i % 4:
+            mask[i, -(i % 4) :] = 0
+        if i % 5 == 4:  # and 2 in front: there the mask changes the real tokens' logits
+            mask[i, :2] = 0
+    ids = ids * mask
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    labels[:, :3] = -100
+    return {"input_ids": ids[idx], "attention_mask": mask[idx], "labels": labels[idx]}
+
+
+def _gpt2_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The generation tasks' per-example loss (GenerationTask.per_example_loss's call)."""
+    from dpexp.tasks.generation import target_token_losses
+
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    return target_token_losses(out.logits, batch["labels"]).sum(dim=1)
+
+
+GPT2_STEP_BATCHES = [[[0, 1, 2, 3], [4, 5, 6]], [[7, 8, 9], [10, 11, 12, 13]]]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("lora", [True, False])
+def test_gpt2_sequential_view_equals_the_model_forward(impl, lora):
+    """The chained view (embedding, blocks with transformers' own causal+padding mask, ln_f + lm_head) gives
+    the model's logits to 1e-6 in float64, with rows padded on the right and one on the left (there the mask
+    changes real positions too), and its modules are the model's."""
+    import dpexp.models.gpt2  # noqa: F401 (registers the view)
+
+    model = _gpt2(lora=lora, impl=impl, dtype=torch.float64).eval()
+    view = sequential_view(model)
+    assert list(dict(view.named_children())) == ["embed", "h0", "h1", "h2", "head"]
+    assert {id(p) for p in view.parameters()} == {id(p) for p in model.parameters()}
+    batch = _gpt2_batch([0, 1, 2, 3])
+    ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
+    ids[0], mask[0] = ids[0].roll(2), mask[0].roll(2)  # left padding: 2 pads in front
+    mask[0, :2], ids[0, :2] = 0, 0
+    for attention in (mask, None):
+        want = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        got = view(ids, **({} if attention is None else {"attention_mask": attention}))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    masked, unmasked = view(ids, attention_mask=mask), view(ids)
+    assert not torch.allclose(unmasked[0, 2:], masked[0, 2:], atol=1e-3), "the mask made no difference"
+    inputs, side = view.pipeline_inputs(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert inputs is ids and side == {"attention_mask": mask}
+    with pytest.raises(TypeError, match="position_ids"):
+        view.pipeline_inputs(input_ids=ids, attention_mask=mask, position_ids=ids)
+
+
+def _gpt2_stage_worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    _env(rank, port)
+    import dpexp.models.gpt2  # noqa: F401 (registers the view)
+
+    model = _gpt2()
+    module = split_stages(sequential_view(model), GPT2_SPLIT)[rank]
+    stage = PipelineStage(
+        module,
+        torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=2.0),
+        batch_size=GPT2_B,
+        sample_size=GPT2_N,
+        max_grad_norm=GPT2_C,
+        noise_multiplier=0.0,
+        engine_kwargs={"noise_allocation": "equal_budget"},
+        seed=7,
+        timeout_s=60.0,
+    )
+    backend = PipelineBackend(stage)
+    losses = []
+    for micro_batches in GPT2_STEP_BATCHES:
+        for idx in micro_batches:
+            loss = _gpt2_loss(backend.model, _gpt2_batch(idx))  # the task's call, on every stage
+            backend.backward(loss)
+            losses.append(loss.detach())
+        backend.step()
+    torch.save(
+        {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "losses": losses}, out
+    )
+    backend.close()  # the stage started the process group and ends it
+
+
+@pytest.mark.slow  # two processes building GPT-2 and peft: ~30 s on a shared core
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_gpt2_lora_pipeline_at_noise_zero_equals_single_process_groupwise_clipping(tmp_path):
+    """GPT-2 with LoRA on two stages (the tasks' call with input_ids and attention_mask, right padding; the
+    mask taken by every stage from its own batch): after 2 steps at noise 0 both stages' adapters equal one
+    process' group-wise clipping with groups = the stages, every stage saw the same losses, and the tied
+    wte/lm_head weight, frozen, is the same on the first and the last stage (and unchanged)."""
+    import dpexp.models.gpt2  # noqa: F401
+
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    context = mp.get_context("spawn")
+    port = _free_port()
+    processes = [context.Process(target=_gpt2_stage_worker, args=(r, port, outs[r])) for r in range(WORLD)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(JOIN_S)
+    assert [p.exitcode for p in processes] == [0] * WORLD
+    model = _gpt2()
+    initial = {k: v.detach().clone() for k, v in sequential_view(model).state_dict().items()}
+    stages = split_stages(sequential_view(model), GPT2_SPLIT)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[names[id(p)] for p in stage.parameters() if p.requires_grad] for stage in stages]
+    trainable = [p for p in model.parameters() if p.requires_grad]  # (the engine turns requires_grad off)
+    engine = PrivacyEngine(
+        model,
+        batch_size=GPT2_B,
+        sample_size=GPT2_N,
+        max_grad_norm=GPT2_C,
+        noise_multiplier=0.0,
+        clipping="groups",
+        groups=groups,
+        noise_allocation="equal_budget",
+    )
+    optimizer = engine.attach(torch.optim.SGD(trainable, lr=2.0))
+    losses = []
+    for micro_batches in GPT2_STEP_BATCHES:
+        for idx in micro_batches:
+            loss = _gpt2_loss(model, _gpt2_batch(idx))
+            engine.backward(loss)
+            losses.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+    got = [torch.load(out) for out in outs]
+    for part in got:
+        for a, b in zip(part["losses"], losses, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for k, stage in enumerate(stages):
+        for name, value in stage.state_dict().items():
+            torch.testing.assert_close(got[k]["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        adapters = [n for n in stage.state_dict() if "lora_B" in n]
+        assert adapters and all(not torch.equal(got[k]["state"][n], initial[n]) for n in adapters)
+    wte, head = got[0]["state"]["embed.wte.weight"], got[1]["state"]["head.lm_head.weight"]
+    assert torch.equal(wte, head) and torch.equal(wte, initial["embed.wte.weight"])
+
+
+def test_a_trainable_tied_weight_across_stages_is_refused():
+    """Without LoRA GPT-2's tied wte/lm_head would be stepped by the first and the last stage each: refused
+    in one line naming the fixes; untied, or frozen under LoRA, it splits."""
+    import dpexp.models.gpt2  # noqa: F401
+
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings=false\) or train LoRA") as info:
+        split_stages(sequential_view(_gpt2(lora=False)), GPT2_SPLIT)
+    message = str(info.value)
+    assert "\n" not in message and "embed.wte.weight of stage 0 is head.lm_head.weight" in message
+    assert len(split_stages(sequential_view(_gpt2(lora=False, tie=False)), GPT2_SPLIT)) == 2
+    assert len(split_stages(sequential_view(_gpt2(lora=True)), GPT2_SPLIT)) == 2
+
+
+E2E_LORA_RUN = [
+    "task=e2e",
+    "model=gpt2_tiny",
+    "model.lora={rank: 4, alpha: 4, dropout: 0.0, target_modules: [c_attn]}",
+    "model.dropout=0.0",  # the stages' dropout masks come from their own processes' generators
+    "data.root=/work/shared/data",
+    "task.eval_max_inputs=2",
+    "task.num_beams=2",
+    "task.max_new_tokens=6",
+    "clip=groupwise",
+    "privacy.noise_multiplier=0",
+    "optim.lr=0.5",
+    "steps=2",
+    "batch_size=16",
+    "physical_batch_size=8",
+    "eval_every=null",
+    "progress=false",
+]
+E2E_SPLIT = ["distributed=pipeline", "distributed.split_at=[3]"]  # embed, h0, h1 | h2, h3, head
+E2E_ADAPTERS = "base_model.model.transformer.h.{}.attn.c_attn.lora_{}.default.weight"
+
+
+def _e2e_worker(rank: int, port: int, root: str) -> None:
+    torch.set_num_threads(1)
+    _env(rank, port)
+    run_training(_compose([*E2E_LORA_RUN, *E2E_SPLIT]), Path(root) / "pipe")
+
+
+@pytest.mark.slow  # two GPT-2 runs on two processes (one evaluating) and one in one process: ~1 min
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.skipif(not Path("/work/shared/data/e2e/testset_w_refs.csv").exists(), reason="no E2E data")
+def test_e2e_lora_gpt2_trainer_pipeline_evaluates_as_one_process(tmp_path):
+    """``run_training`` on E2E with LoRA GPT-2-tiny on two stages at noise 0: rank 0's evaluation of the
+    whole model (every stage's adapters gathered to it; beam search) gives the single-process group-wise
+    run's NLL, BLEU and generations' metrics, so the gathered adapters are the trained ones."""
+    assert _spawn(_e2e_worker, str(tmp_path)) == [0] * WORLD
+    cfg = _compose(list(E2E_LORA_RUN))
+    cfg.clip.engine.groups = [
+        [E2E_ADAPTERS.format(layer, ab) for layer in layers for ab in "AB"] for layers in ((0, 1), (2, 3))
+    ]
+    single = run_training(cfg, tmp_path / "one")
+    pipe = json.loads((tmp_path / "pipe" / "metrics.json").read_text())
+    assert pipe["status"] == "completed" and [h["step"] for h in pipe["history"]] == [2]
+    assert pipe["eval_inputs"] == single["eval_inputs"] == 2
+    assert pipe["nll"] == pytest.approx(single["nll"], rel=1e-5)
+    for metric in ("bleu", "rougeL"):
+        assert pipe[metric] == pytest.approx(single[metric], abs=1e-6), metric
+    assert pipe["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)

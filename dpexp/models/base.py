@@ -8,10 +8,11 @@ import this module (never the other way round).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import torch
 from torch import nn
 
 TaskKind = Literal["classification", "generation"]
@@ -76,12 +77,51 @@ class ModelFactory(ABC):
         """
 
 
+class Chain(nn.Sequential):
+    """A sequence of modules (a model's sequential view, or a pipeline stage of one) whose forward passes the
+    batch's side inputs, keyword tensors such as an attention mask, to every module: ``x = module(x, **side)``
+    (``module(x)`` without side inputs, as ``nn.Sequential``). The model's own call convention maps onto it
+    by :meth:`pipeline_inputs` (the model's arguments -> the first module's input and the side inputs) and
+    :meth:`pipeline_output` (the last module's output -> what the model returns); here, one batch-first
+    tensor in and out. A pipeline stage of a Chain is of the view's class (keeps its convention)."""
+
+    def forward(self, x: Any, **side: Any) -> Any:
+        for module in self:
+            x = module(x, **side) if side else module(x)
+        return x
+
+    @staticmethod
+    def pipeline_inputs(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            raise TypeError(
+                "a pipeline stage takes the model's one batch-first input tensor; this task passes "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        return args[0], {}
+
+    @staticmethod
+    def pipeline_output(output: Any) -> Any:
+        return output
+
+
+# views of model classes that cannot define a ``sequential()`` method themselves (Hugging Face models), by
+# class; a model module registers its own (dpexp.models.gpt2: GPT2LMHeadModel)
+SEQUENTIAL_VIEWS: dict[type, Callable[[nn.Module], nn.Sequential]] = {}
+
+
 def sequential_view(model: nn.Module) -> nn.Sequential | None:
     """``model`` as a sequence of modules whose chained forward is the model's, sharing its modules (and so
     its parameters): the model itself if it is an ``nn.Sequential``, else what its ``sequential()`` method
-    returns (models that have such a view define it); None for a model without one. A pipeline
-    (``distributed=pipeline``) splits this sequence into stages."""
+    returns (models that have such a view define it), else the view registered for its class in
+    :data:`SEQUENTIAL_VIEWS` (a peft model: its base model's, with the adapters); None for a model without
+    one. A pipeline (``distributed=pipeline``) splits this sequence into stages."""
     if isinstance(model, nn.Sequential):
         return model
     view = getattr(model, "sequential", None)
-    return view() if callable(view) else None
+    if callable(view):
+        return view()
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # peft
+    for cls, make in SEQUENTIAL_VIEWS.items():
+        if isinstance(base, cls):
+            return make(base)
+    return None

@@ -249,6 +249,13 @@ class DataParallel:
         self._collective(what, dist.gather_object, state, gathered, 0)
         return gathered
 
+    def broadcast_object(self, what: str, value: Any) -> Any:
+        """Rank 0's ``value`` (picklable) on every rank: a collective every rank runs (the others' ``value``
+        is ignored); they wait in it, up to ``distributed.timeout_s``, for as long as rank 0 works on it."""
+        box = [value if self.rank == 0 else None]
+        self._collective(what, dist.broadcast_object_list, box, 0)
+        return box[0]
+
     def full_state(self, state: Any) -> Any:
         """``state`` (nested dicts and lists) with every sharded tensor (DTensor) gathered whole, on the CPU:
         a collective every rank runs on a state of the same layout (the parameters' and optimizer's)."""

@@ -19,6 +19,7 @@ its own directory, every step accounted exactly once (:meth:`_Run.restore`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -53,7 +54,12 @@ from dpexp.training.optim import (
     effective_lr,
     optimizer_report,
 )
-from dpexp.training.pipeline import build_pipeline_backend, check_pipeline_config, stage_of
+from dpexp.training.pipeline import (
+    build_pipeline_backend,
+    check_pipeline_config,
+    evaluate_whole,
+    stage_of,
+)
 from dpexp.training.plan import (
     RunPlan,
     calibration_accountant,
@@ -174,6 +180,8 @@ class _Run:
         self.privacy_groups: torch.Tensor | None = None  # every training example's privacy group (IDP)
         self.budget: PrivacyBudget | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        # distributed=pipeline and a generation task: rank 0's copy of the whole model, which evaluates
+        self.whole_model: torch.nn.Module | None = None
         self.step = 0  # logical steps done
         self.steps_accounted = 0  # steps whose privacy is spent: step, plus steps redone with fresh noise
         self.examples = 0
@@ -236,6 +244,8 @@ class _Run:
         if self.sharded:  # every rank keeps its shard of rank 0's parameters (FSDP2)
             shard_model(self.model)
         if self.pipelined:  # every rank keeps the modules of its stage
+            if self.task.info.kind == "generation" and self.parallel.rank == 0:  # evaluates the whole model
+                self.whole_model = copy.deepcopy(self.model)
             self.model = stage_of(self.model, self.parallel)
         self.model.train()
         self.dataset = self.hooks.training_set(self.task, self.task.train_dataset)
@@ -461,7 +471,12 @@ class _Run:
     def _evaluate(self) -> None:
         self.model.eval()
         with torch.no_grad():
-            metrics = self.task.evaluate(self.model, int(self.cfg.eval_batch_size))
+            if self.pipelined and self.task.info.kind == "generation":  # beam search: the whole model
+                metrics = evaluate_whole(
+                    self.task, self.model, self.whole_model, self.parallel, int(self.cfg.eval_batch_size)
+                )
+            else:
+                metrics = self.task.evaluate(self.model, int(self.cfg.eval_batch_size))
         self.model.train()
         entry = {
             "step": self.step,

@@ -49,6 +49,15 @@ evaluation and record are the single process' ones. Only the last stage backprop
 backpropagate the gradient they receive. Rank 0 (stage 0) writes the run record and the checkpoints, every
 stage's state gathered to it (:meth:`~dpexp.training.distributed.DataParallel.gather`); what a stage cannot
 honour is refused before training (:func:`check_pipeline_config`).
+
+Side inputs (GPT-2, :class:`dpexp.models.gpt2.GPT2Sequential`): the stages are
+:class:`~dpexp.models.base.Chain` s, whose modules also take the batch's side inputs (the attention mask).
+Only the activations cross stages: every rank collates the same micro-batch (``DataParallel.share`` checks
+the indices against rank 0's), so every stage passes its own copy of the mask, and builds its blocks' causal
+mask from it. The stage's view maps the task's call onto (first input, side inputs) and the last output
+back (``Chain.pipeline_inputs``/``pipeline_output``). Generation tasks evaluate on rank 0 alone
+(:func:`evaluate_whole`: beam search calls ``generate``, which no stage serves), on a whole copy of the
+model that every stage's trainable parameters are gathered into.
 """
 
 from __future__ import annotations
@@ -69,7 +78,7 @@ from torch import nn
 from dpexp.backends import TrainingBackend, check_per_example_loss, method_of
 from dpexp.backends.base import refuse_privacy_groups
 from dpexp.config import ConfigError
-from dpexp.models.base import sequential_view
+from dpexp.models.base import Chain, sequential_view
 from dpexp.privacy import PrivacyEngine, accounting
 from dpexp.privacy.grouping import default_thresholds
 from dpexp.training.distributed import DataParallel, DistributedError
@@ -78,10 +87,12 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # activa
 MAX_DIMS = 6  # activation dimensions a header describes
 
 
-def split_stages(model: nn.Sequential, split_at: Sequence[int] | None) -> list[nn.Sequential]:
+def split_stages(model: nn.Sequential, split_at: Sequence[int] | None) -> list[Chain]:
     """The K = len(split_at) + 1 stages of ``model``: stage k holds modules ``split_at[k-1]:split_at[k]``
-    (keys kept, so parameter names are the model's); refused unless every stage gets modules with trainable
-    parameters."""
+    (keys kept, so parameter names are the model's), a :class:`~dpexp.models.base.Chain` (of the model's
+    class if it is one: its call convention and side inputs); refused unless every stage gets modules with
+    trainable parameters, and for a trainable parameter two stages hold (tied): each would step its own
+    copy. A frozen one (GPT-2's tied ``wte``/``lm_head`` under LoRA) stays the same on both."""
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"distributed=pipeline splits an nn.Sequential, got {type(model).__name__}.")
     n = len(model)
@@ -99,7 +110,19 @@ def split_stages(model: nn.Sequential, split_at: Sequence[int] | None) -> list[n
         )
     bounds = [0, *split_at, n]
     children = list(model.named_children())  # not model[a:b]: a subclass of Sequential may not take a dict
-    stages = [nn.Sequential(OrderedDict(children[a:b])) for a, b in itertools.pairwise(bounds)]
+    kind = type(model) if isinstance(model, Chain) else Chain
+    stages = [kind(OrderedDict(children[a:b])) for a, b in itertools.pairwise(bounds)]
+    owners: dict[int, tuple[int, str]] = {}
+    for k, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            first = owners.setdefault(id(p), (k, name))
+            if first[0] != k and p.requires_grad:
+                raise ConfigError(
+                    f"distributed.split_at={list(split_at)}: the trainable parameter {first[1]} of stage "
+                    f"{first[0]} is {name} of stage {k} (tied weights): each stage would step its own copy; "
+                    "untie them (a random GPT-2: +model.config.tie_word_embeddings=false) or train LoRA "
+                    "adapters, which freeze them (model=gpt2_lora)."
+                )
     for k, stage in enumerate(stages):
         if not any(p.requires_grad for p in stage.parameters()):
             raise ConfigError(
@@ -216,30 +239,32 @@ class PipelineStage:
         size: int,
         inputs: torch.Tensor | None = None,
         loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        **side: torch.Tensor,
     ) -> torch.Tensor | None:
         """Forward and backward of one micro-batch of ``size`` examples through this stage: ``inputs`` on the
         first stage, ``loss_fn`` (output -> per-example losses, shape (size,)) on the last; returns the
         losses there, None elsewhere. Dim 0 of every activation is the batch: refused unless it is
-        ``size``. (The trainer's protocol, :meth:`forward` then :meth:`backpropagate`, also returns the
-        model's output on every stage.)"""
+        ``size``. ``side``: the micro-batch's side inputs (an attention mask), which every stage is given
+        itself (every rank holds the batch) and passes to its modules. (The trainer's protocol,
+        :meth:`forward` then :meth:`backpropagate`, also returns the model's output on every stage.)"""
         if (inputs is None) == self.first or (loss_fn is None) == self.last:
             raise ValueError(
                 f"stage {self.stage}: the first stage takes inputs, the last loss_fn, no other stage either"
             )
-        out = self._forward_stage(size, inputs)
+        out = self._forward_stage(size, inputs, side)
         losses = loss_fn(out) if self.last else None
         self.backpropagate(losses)
         return losses.detach() if self.last else None
 
-    def forward(self, size: int, inputs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, size: int, inputs: torch.Tensor | None = None, **side: torch.Tensor) -> torch.Tensor:
         """The model's output for one micro-batch of ``size`` examples, on every stage: stage 0 runs
         ``inputs`` (the other stages take none), every stage its own modules on what the stage before sent,
         and the last stage sends its output to every other stage (the last stage's output keeps its graph;
-        elsewhere it is a received copy). With gradients enabled (training) :meth:`backpropagate` must follow
-        before the next forward."""
+        elsewhere it is a received copy); ``side``: as in :meth:`backward`. With gradients enabled
+        (training) :meth:`backpropagate` must follow before the next forward."""
         if (inputs is None) == self.first:
             raise ValueError(f"stage {self.stage}: the first stage takes the inputs, no other stage does")
-        out = self._forward_stage(size, inputs)
+        out = self._forward_stage(size, inputs, side)
         if self.last:
             for peer in range(self.num_stages - 1):
                 self._send_activation(out.detach(), peer, "sending the model's output")
@@ -270,7 +295,9 @@ class PipelineStage:
             grad_x = received[-1].detach() if received else torch.zeros_like(x)
             self._send(grad_x, self.stage - 1, "sending its input gradient")
 
-    def _forward_stage(self, size: int, inputs: torch.Tensor | None) -> torch.Tensor:
+    def _forward_stage(
+        self, size: int, inputs: torch.Tensor | None, side: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         """This stage's output on ``inputs`` (stage 0) or on the activation received from the stage before,
         sent on to the next stage; with gradients enabled, kept with its input for :meth:`backpropagate`."""
         x = inputs if self.first else self._receive_activation(size, self.stage - 1, "receiving its input")
@@ -286,7 +313,9 @@ class PipelineStage:
             if not self.first:
                 x.requires_grad_(True)
                 x.register_hook(received.append)
-        out = self.module(x)
+        for name, tensor in side.items():
+            self._check_batch(tensor, size, f"side input {name}")
+        out = self.module(x, **side)
         self._check_batch(out, size, "its output")
         if not self.last:
             self._send_activation(out.detach(), self.stage + 1, "sending its output")
@@ -444,16 +473,19 @@ def stage_of(model: nn.Module, parallel: DataParallel) -> nn.Sequential:
     if view is None:
         raise ConfigError(
             f"distributed=pipeline splits a sequence of modules and {type(model).__name__} has no sequential "
-            "view (dpexp.models.base.sequential_view): use model=small_cnn or wrn16_4, or distributed=ddp."
+            "view (dpexp.models.base.sequential_view): use model=small_cnn, wrn16_4 or a GPT-2 (gpt2_tiny, "
+            "gpt2_lora, ...), or distributed=ddp."
         )
     return split_stages(view, parallel.split_at)[parallel.rank]
 
 
 class StageModel(nn.Module):
     """The model as the task sees it on this stage: the stage's modules (with the model's names, so its
-    parameters and ``state_dict`` are this stage's part of the model's), called on the model's input; its
-    forward runs the whole pipeline and returns the model's output on every stage
-    (:meth:`PipelineStage.forward`). Tasks call the model once per batch, on one batch-first tensor."""
+    parameters and ``state_dict`` are this stage's part of the model's), called as the model is; its forward
+    runs the whole pipeline and returns the model's output on every stage (:meth:`PipelineStage.forward`).
+    Tasks call the model once per batch. The stage's view maps the call (``Chain.pipeline_inputs``): one
+    batch-first tensor (image models), or GPT-2's ``input_ids=..., attention_mask=...`` (the mask is a side
+    input every stage takes from its own copy of the batch), and the output back (GPT-2: ``.logits``)."""
 
     def __init__(self, stage: PipelineStage) -> None:
         super().__init__()
@@ -461,14 +493,12 @@ class StageModel(nn.Module):
             self.add_module(name, child)
         self.pipeline = stage  # not a module: the engine's root stays stage.module
 
-    def forward(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or not isinstance(inputs, torch.Tensor):
-            raise TypeError(
-                "a pipeline stage takes the model's one batch-first input tensor; this task passes "
-                f"{1 + len(args)} positional and {sorted(kwargs)} keyword arguments"
-            )
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         stage = self.pipeline
-        return stage.forward(inputs.shape[0], inputs if stage.first else None)
+        view = stage.module if isinstance(stage.module, Chain) else Chain
+        inputs, side = view.pipeline_inputs(*args, **kwargs)
+        out = stage.forward(inputs.shape[0], inputs if stage.first else None, **side)
+        return view.pipeline_output(out)
 
     def train(self, mode: bool = True) -> StageModel:
         super().train(mode)
@@ -510,6 +540,38 @@ class PipelineBackend(TrainingBackend):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.stage.engine.load_state_dict(state)
+
+
+def evaluate_whole(
+    task: Any, model: StageModel, whole: nn.Module | None, parallel: DataParallel, batch_size: int
+) -> dict[str, float]:
+    """The task's evaluation of the model trained so far, on rank 0 and the whole model ``whole`` (rank 0's
+    copy, kept before the model was split; None on the other ranks): for the generation tasks, whose beam
+    search calls ``generate`` (a cache, many short forwards), which no stage serves. Every stage's trainable
+    parameters (LoRA: the adapters) go to rank 0 (a gather, as a checkpoint's) into ``whole``'s sequential
+    view (the view's names are the stages'); the frozen ones are the same there already (rank 0's, never
+    stepped). The other ranks wait for rank 0's metrics, which every rank returns."""
+    stepped = {id(p) for group in model.pipeline.optimizer.param_groups for p in group["params"]}
+    # (not requires_grad: the engine turns it off between its backward passes)
+    mine = {name: p.detach().cpu() for name, p in model.named_parameters() if id(p) in stepped}
+    stages = parallel.gather("gathering the stages' parameters for evaluation", mine)
+    metrics = None
+    if stages is not None:
+        view = sequential_view(whole)
+        trained = {name: value for stage in stages for name, value in stage.items()}
+        wanted = {name for name, p in view.named_parameters() if p.requires_grad}
+        if set(trained) != wanted:
+            raise RuntimeError(
+                f"the stages' trainable parameters {sorted(set(trained) ^ wanted)} are not the whole "
+                "model's (or the other way round)"
+            )
+        with torch.no_grad():
+            for name, p in view.named_parameters():
+                if name in trained:
+                    p.copy_(trained[name])
+        whole.eval()
+        metrics = task.evaluate(whole, batch_size)
+    return parallel.broadcast_object("waiting for rank 0's evaluation of the whole model", metrics)
 
 
 def build_pipeline_backend(
