@@ -147,6 +147,7 @@ def _geometries() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
     """name -> (ungrouped convolution, input shape of one example): the ghost forms' index arithmetic."""
     return {
         "plain": (nn.Conv2d(3, 4, 3, padding=1), (3, 6, 7)),
+        "wide_zero_border": (nn.Conv2d(3, 4, (3, 2), padding=(3, 2), dilation=(1, 2)), (3, 5, 4)),
         "strided_reflect": (nn.Conv2d(3, 4, 3, stride=2, padding=1, padding_mode="reflect"), (3, 9, 8)),
         "stride_over_kernel": (nn.Conv2d(3, 4, 2, stride=3, padding=1), (3, 10, 9)),
         "pointwise_strided": (nn.Conv2d(3, 4, 1, stride=2), (3, 7, 7)),
@@ -159,6 +160,7 @@ def _geometries() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
         "dilated_strided": (nn.Conv2d(3, 4, 5, stride=3, padding=1, dilation=2), (3, 12, 11)),
         "conv1d_strided_dilated": (nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=3), (3, 11)),
         "conv1d_circular": (nn.Conv1d(3, 4, 3, padding=2, padding_mode="circular"), (3, 7)),
+        "conv1d_zero_padded": (nn.Conv1d(3, 4, 3, padding=1), (3, 7)),
         "ws_reflect_strided": (WSConv2d(3, 4, 3, stride=2, padding=1, padding_mode="reflect"), (3, 7, 7)),
         "ws_same_dilated": (WSConv2d(3, 4, 3, padding="same", dilation=2), (3, 6, 6)),
     }
@@ -230,3 +232,62 @@ def test_ghost_forms_match_oracle(model_name, method, strategy, clipping, groups
     assert set(used) <= {method}
     if strategy == "ghost" or (strategy, clipping) == ("bk", "per_layer"):
         assert used  # no released or forced instantiation: the ghost form was exercised
+
+
+@pytest.mark.parametrize("method", ["unfold", "pixels"])
+@pytest.mark.parametrize("name", ["ws_reflect_strided", "ws_same_dilated"])
+def test_weight_standardised_norm_reads_the_kept_output(name, method, monkeypatch):
+    """The ghost forms of a weight-standardised convolution take ``<a_t, w_hat_r>`` from the layer's kept
+    output (bias removed): the right output gives the instantiated norm, a wrong one a different norm (so
+    it is read, not recomputed); an output of another dtype (autocast) is recomputed instead."""
+    module, shape = _geometries()[name]
+    module = module.double()
+    x = torch.randn(5, *shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    output = module(x).detach()
+    dy = torch.randn_like(output)
+    monkeypatch.setattr(conv_rules, "norm_costs", _costs_favouring(method))
+    rule = rule_for(module)
+    want = rule.per_example_grads(module, x, dy)["weight"].norm_sq("instantiate")
+    for kept in (output, output.float() + 1.0):
+        torch.testing.assert_close(rule.per_example_grads(module, x, dy, output=kept)["weight"].norm_sq(), want)
+    wrong = rule.per_example_grads(module, x, dy, output=output + 1.0)["weight"].norm_sq()
+    assert not torch.allclose(wrong, want)
+
+
+def _ws_stack(inplace: bool) -> nn.Module:
+    """Two weight-standardised convolutions (with and without bias); ``inplace``: a ReLU overwrites the
+    first one's output after the call, so the engine must not use the kept copy."""
+    return nn.Sequential(
+        WSConv2d(3, 4, 3, padding=1, padding_mode="reflect"),
+        nn.ReLU(inplace=inplace),
+        WSConv2d(4, 3, 3, stride=2, padding=1, bias=False),
+        nn.Tanh(),
+    )
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["kept", "overwritten"])
+@pytest.mark.parametrize("strategy,clipping,groups", SETTINGS, ids=[f"{s}-{c}" for s, c, _ in SETTINGS])
+def test_kept_outputs_in_training_match_oracle(inplace, strategy, clipping, groups, monkeypatch):
+    """Every backend x clipping mode with the weight-standardised convolutions' norms by the pixel ghost form
+    (so their outputs are kept from the forward pass): exact against the oracle. Where a ReLU overwrote an
+    output in place the rule recomputes it; elsewhere it reads the kept one."""
+    monkeypatch.setattr(conv_rules, "norm_costs", _costs_favouring("pixels"))
+    read = []
+    responses = Standardized._responses
+    monkeypatch.setattr(
+        Standardized,
+        "_responses",
+        lambda self, dtype: read.append(self.output is not None) or responses(self, dtype),
+    )
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(6, 3, 7, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)}
+
+    def loss(m, b):
+        return F.softplus(m(b["x"]))
+
+    check_clipped_step(
+        Head(_ws_stack(inplace)).double(), loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, groups
+    )
+    if strategy == "ghost" or (strategy, clipping) == ("bk", "per_layer"):
+        assert read and any(read)  # the second convolution's output is always kept and read
+        assert all(read) != inplace  # the overwritten one is recomputed

@@ -139,7 +139,13 @@ class Use:
     args: tuple
     kwargs: dict[str, Any]
     versions: list[int]
-    output: torch.Tensor | None = None  # kept for the torch.func fallback only (it checks its inputs with it)
+    output: torch.Tensor | None = None  # kept for the torch.func fallback and rules with ``keep_output``
+    output_version: int = 0
+
+    def kept_output(self) -> torch.Tensor | None:
+        """The layer's output if it was kept and is unchanged since the call, else None."""
+        unchanged = self.output is not None and self.output._version == self.output_version
+        return self.output if unchanged else None
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -314,8 +320,9 @@ class Capture:
             if self._replayed is not None:
                 return None
             return share(layer.name, self._anchored(output), args[0], partial(self._deliver_shared, use))
-        if layer.rule is None:
-            use.output = output
+        keep = layer.rule.keep_output if layer.rule is not None else None
+        if layer.rule is None or (keep and self._replayed is None and keep(module, args[0], output)):
+            use.output, use.output_version = output, output._version
         return self._record(use, output)
 
     def _called_on_shared(
@@ -447,7 +454,8 @@ class Capture:
             if fold > 1:  # of a call layout's tuple, entry 0 (the main input) is the one folded
                 unfold = partial(torch.Tensor.unflatten, dim=0, sizes=(dy.shape[0], fold))
                 x = (unfold(x[0]), *x[1:]) if isinstance(x, tuple) else unfold(x)
-            grads = layer.rule.per_example_grads(layer.module, x, dy)
+            kept = {} if layer.rule.keep_output is None else {"output": use.kept_output()}
+            grads = layer.rule.per_example_grads(layer.module, x, dy, **kept)
             missing = set(layer.params) - set(grads)
             if missing:  # never leave a trainable parameter without its per-example gradient
                 raise RuntimeError(

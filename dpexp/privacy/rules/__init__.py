@@ -22,8 +22,9 @@ from torch import nn
 
 from dpexp.privacy.per_example import PerExampleGrad
 
-GradFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGrad]]
+GradFn = Callable[..., dict[str, PerExampleGrad]]  # (module, x, dy) -> grads; ``output=`` if it keeps one
 CheckFn = Callable[[nn.Module], None]
+KeepFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], bool]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class LayerRule:
     (:func:`as_sequence`): the layer acts on each position alone, so an input flattened to (B*T, ..., F) with
     example i's positions in rows [i*T, (i+1)*T) is folded back to (B, T, ..., F) before the rule runs. The
     engine's probe establishes that layout; it is never inferred from the sizes alone.
+
+    A rule with ``keep_output`` is asked in the forward pass, with ``(module, x, output)``, whether to keep
+    the layer's output until its backward; its ``per_example_grads`` then takes ``output=``: the tensor the
+    layer returned, or None where it was not kept or was modified in place since (the rule then recomputes
+    what it needs). The weight-standardised convolution reads ``<a_t, w_hat_r>`` off its output this way.
     """
 
     per_example_grads: GradFn
@@ -73,6 +79,7 @@ class LayerRule:
     call: CallLayout | None = None
     claims: tuple[str, ...] = ()
     numbered_tap: bool = False  # the tap is called several times per module call; the rule gets (x, k)
+    keep_output: KeepFn | None = None
 
 
 _RULES: dict[str, LayerRule] = {}
@@ -101,15 +108,19 @@ def register_rule(
     call: CallLayout | None = None,
     claims: tuple[str, ...] = (),
     numbered_tap: bool = False,
+    keep_output: KeepFn | None = None,
 ) -> Callable[[GradFn], GradFn]:
     """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
     qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`."""
+
+    if keep_output is not None and (tap or call or position_wise):
+        raise ValueError("keep_output is for rules of a module's own input and output (no tap, call, fold)")
 
     def decorate(fn: GradFn) -> GradFn:
         for module_type in module_types:
             key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
             _RULES[key] = LayerRule(
-                fn, check, expand_broadcast_input, tap, position_wise, call, claims, numbered_tap
+                fn, check, expand_broadcast_input, tap, position_wise, call, claims, numbered_tap, keep_output
             )
         return fn
 

@@ -25,6 +25,7 @@ explicitly, exactly as the module does.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import torch
@@ -141,26 +142,44 @@ def patch_gram_norm_sq(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, dy: torch
     the component's pixels over channels and kernel offset o reads component r(o) at shift q(o)
     (:meth:`Geometry.components`). The shifted blocks are summed one dimension at a time (a component's
     offsets are a product of per-dimension shifts) into the (T, T) patch Gram, whose inner product with the
-    output gradients' Gram ``dY^T dY`` is the norm. Chunked over examples (:data:`GRAM_VALUES`).
+    output gradients' Gram ``dY^T dY`` is the norm. At stride 1 the Gram is formed over the unpadded pixels
+    and bordered with zeros (a 16 x 16 map with padding 1: 256^2 instead of 324^2 pixel pairs). Chunked over
+    examples (:data:`GRAM_VALUES`).
     """
     x, geo = as_image(module, accurate(x))
-    x = F.pad(x, (geo.padding[1], geo.padding[1], geo.padding[0], geo.padding[0]))
     out = (1, dy.shape[2]) if isinstance(module, nn.Conv1d) else (dy.shape[2], dy.shape[3])
     dy = accurate(dy).flatten(2)  # (B, C_out, T)
     components = geo.components(out)
     per_example = 2 * dy.shape[2] ** 2 + max(h * w * (h * w + h * out[1]) for _, (h, w), _, _ in components)
     chunk = max(1, GRAM_VALUES // per_example)
     chunks = zip(x.split(chunk), dy.split(chunk), strict=True)
-    return torch.cat([_patch_gram_dot(xs, gs, out, geo.stride, components) for xs, gs in chunks])
+    return torch.cat([_patch_gram_dot(xs, gs, out, geo, components) for xs, gs in chunks])
 
 
-def _patch_gram_dot(x, dy, out, stride, components) -> torch.Tensor:
-    """:func:`patch_gram_norm_sq` of one chunk: x (b, C_in, H, W) zero-padded, dy (b, C_out, T)."""
+def _pixel_grams(x: torch.Tensor, geo: Geometry, components: list[Component]) -> Iterator[torch.Tensor]:
+    """The Gram (b, h, w, h, w) of each component's pixels of the zero-padded input, x (b, C_in, H, W)."""
+    b, _, height, width = x.shape
+    if geo.stride == (1, 1):  # one component, the padded input itself: a zero border around x's Gram
+        ((_, (h, w), _, _),) = components
+        flat = x.reshape(b, -1, height * width)
+        gram = torch.einsum("bcp,bcq->bpq", flat, flat).view(b, height, width, height, width)
+        top, left = geo.padding
+        border = [left, w - width - left, top, h - height - top]
+        yield F.pad(gram, border * 2)
+        return
+    x = F.pad(x, (geo.padding[1], geo.padding[1], geo.padding[0], geo.padding[0]))
+    for (r1, r2), (h, w), _, _ in components:
+        flat = x[:, :, r1 :: geo.stride[0], r2 :: geo.stride[1]][:, :, :h, :w].reshape(b, -1, h * w)
+        yield torch.einsum("bcp,bcq->bpq", flat, flat).view(b, h, w, h, w)
+
+
+def _patch_gram_dot(x, dy, out, geo: Geometry, components) -> torch.Tensor:
+    """:func:`patch_gram_norm_sq` of one chunk: x (b, C_in, H, W) before zero padding, dy (b, C_out, T)."""
     (n1, n2), b = out, x.shape[0]
     patch_gram = dy.new_zeros(b, n1, n2, n1, n2)
-    for (r1, r2), (h, w), shifts1, shifts2 in components:
-        flat = x[:, :, r1 :: stride[0], r2 :: stride[1]][:, :, :h, :w].reshape(b, -1, h * w)
-        pixel_gram = torch.einsum("bcp,bcq->bpq", flat, flat).view(b, h, w, h, w)
+    for pixel_gram, (_, _, shifts1, shifts2) in zip(
+        _pixel_grams(x, geo, components), components, strict=True
+    ):
         rows = sum(pixel_gram[:, :, q : q + n2, :, q : q + n2] for q in shifts2)  # (b, h, n2, h, n2)
         for q in shifts1:
             patch_gram += rows[:, q : q + n1, :, q : q + n1]
@@ -169,6 +188,11 @@ def _patch_gram_dot(x, dy, out, stride, components) -> torch.Tensor:
 
 
 NormMethod = Literal["instantiate", "unfold", "pixels"]
+
+INSTANTIATE_CHUNK = 32
+"""Examples per batch-grouped convolution in :meth:`ConvWeightGrads.instantiate`: on CPU (one thread) a WRN
+stage-2 layer (128 channels, 16 x 16) took 125-134 ms at batch 64 in one call and 83-105 ms in two of 32,
+a strided 64 -> 128 layer 44-55 against 35-42 ms (``scripts/conv_norm_bench.py`` shapes)."""
 
 ELEMENT_COST = 15
 """Multiply-adds that one elementwise pass over one value costs (memory-bound: a shifted block's add, an
@@ -184,11 +208,12 @@ def norm_costs(geo: Geometry, c_in: int, c_out: int, out: tuple[int, int]) -> di
     multiply-adds of a matmul (measured on CPU at one thread, ``scripts/conv_norm_bench.py``), with T output
     positions and K kernel offsets: instantiation ``K C_in C_out max(T, INSTANTIATE_MIN_POSITIONS)``; unfolded
     patches ``T^2 (K C_in + C_out)`` plus the unfolding; pixels ``sum_r N_r^2 C_in + T^2 C_out`` plus the
-    shifted blocks' sums (:func:`patch_gram_norm_sq`)."""
+    shifted blocks' sums (:func:`patch_gram_norm_sq`; N_r unpadded at stride 1)."""
     t, k = out[0] * out[1], geo.kernel[0] * geo.kernel[1]
     grad_gram = t * t * c_out
     blocks = sum(
-        (h * w) ** 2 * c_in + ELEMENT_COST * (len(shifts2) * h * h * out[1] ** 2 + len(shifts1) * t * t)
+        _gram_pixels(geo, h, w) ** 2 * c_in
+        + ELEMENT_COST * (len(shifts2) * h * h * out[1] ** 2 + len(shifts1) * t * t)
         for _, (h, w), shifts1, shifts2 in geo.components(out)
     )
     return {
@@ -196,6 +221,14 @@ def norm_costs(geo: Geometry, c_in: int, c_out: int, out: tuple[int, int]) -> di
         "unfold": t * t * k * c_in + grad_gram + ELEMENT_COST * t * k * c_in,
         "pixels": blocks + grad_gram + ELEMENT_COST * t * t,
     }
+
+
+def _gram_pixels(geo: Geometry, h: int, w: int) -> int:
+    """Pixels of the Gram that :func:`_pixel_grams` forms for an (h, w) component: the unpadded ones at
+    stride 1."""
+    if geo.stride == (1, 1):
+        return max(h - 2 * geo.padding[0], 1) * max(w - 2 * geo.padding[1], 1)
+    return h * w
 
 
 class ConvWeightGrads(PerExampleGrad):
@@ -257,9 +290,14 @@ class ConvWeightGrads(PerExampleGrad):
         return Outer(g, unfold_patches(self.module, self.x), self.shape, g.shape[-1]).norm_sq("ghost")
 
     def instantiate(self) -> torch.Tensor:
-        b, groups = self.batch_size, self.module.groups
-        x = self.x.reshape(1, -1, *self.x.shape[2:])
-        dy = self.dy.reshape(1, -1, *self.dy.shape[2:])
+        """The batch-grouped weight gradient, :data:`INSTANTIATE_CHUNK` examples at a time."""
+        chunks = zip(self.x.split(INSTANTIATE_CHUNK), self.dy.split(INSTANTIATE_CHUNK), strict=True)
+        grads = [self._instantiate(x, dy) for x, dy in chunks]
+        return grads[0] if len(grads) == 1 else torch.cat(grads)
+
+    def _instantiate(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        b, groups = x.shape[0], self.module.groups
+        x, dy = x.reshape(1, -1, *x.shape[2:]), dy.reshape(1, -1, *dy.shape[2:])
         grads = _weight_grad(self.module, x, dy, b * groups, (b * self.shape[0], *self.shape[1:]))
         return grads.view(b, *self.shape)
 

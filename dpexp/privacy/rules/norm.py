@@ -46,8 +46,22 @@ def layer_norm_2d_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor)
 
 @register_rule(nn.GroupNorm)
 def group_norm_grads(module: nn.GroupNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    x_hat = F.group_norm(x, module.num_groups, eps=module.eps)
-    return _affine_grads(module, x_hat, dy, tuple(range(2, x.dim())))
+    """The batch as one example of B*C channels in B*G groups (each group one example's group, normalised
+    alone as before): the native group-norm backward's affine gradients of that view are then the
+    per-example ones, (B*C,) each, without forming ``x_hat`` or ``dy * x_hat``."""
+    b, c, positions, groups = x.shape[0], x.shape[1], x[0, 0].numel(), x.shape[0] * module.num_groups
+    dtype = torch.promote_types(torch.promote_types(x.dtype, dy.dtype), torch.float32)
+    x, dy = x.to(dtype).reshape(1, b * c, positions), dy.to(dtype).reshape(1, b * c, positions)
+    _, mean, rstd = torch.ops.aten.native_group_norm(x, None, None, 1, b * c, positions, groups, module.eps)
+    _, dw, db = torch.ops.aten.native_group_norm_backward(
+        dy, x, mean, rstd, None, 1, b * c, positions, groups, [False, True, True]
+    )
+    grads: dict[str, PerExampleGrad] = {}
+    if module.weight is not None:
+        grads["weight"] = Dense(dw.view(b, c))
+    if module.bias is not None:
+        grads["bias"] = Dense(db.view(b, c))
+    return grads
 
 
 @register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)

@@ -13,11 +13,15 @@ expands (using ``sum(w_hat) = 0``) to
 
 whose three terms all have ghost forms: ``||u_r||^2 / s_r^2`` is the ghost norm with ``dy`` scaled by
 ``1/s``; ``mean(u_r) = sum_t dy_{t,r} sum(a_t) / p``; ``<w_hat_r, u_r> = sum_t dy_{t,r} <a_t, w_hat_r>``,
-where ``<a_t, w_hat_r>`` and ``sum(a_t) = <a_t, 1>`` are one bias-free convolution of the input with
-``w_hat`` and a row of ones (native, about half the time of the same product over unfolded patches on CPU).
+where ``<a_t, w_hat_r>`` is the layer's own bias-free output and ``sum(a_t) = <a_t, 1>`` a convolution of the
+input's channel sum with a kernel of ones. The output is kept from the forward pass where a ghost form may be
+the cheapest (:func:`keeps_output`); where it was not kept, or was modified in place since, it is recomputed
+(one bias-free convolution of the input with ``w_hat``, costed as such).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +35,10 @@ from dpexp.privacy.rules.conv import ConvWeightGrads, check_conv, explicitly_pad
 class Standardized(PerExampleGrad):
     """``g_i = J^T g_hat_i`` with ``g_hat_i`` the plain convolution's per-example gradients."""
 
-    def __init__(self, inner: ConvWeightGrads, weight: torch.Tensor, eps: float) -> None:
-        self.inner, self.shape = inner, weight.shape
+    def __init__(
+        self, inner: ConvWeightGrads, weight: torch.Tensor, eps: float, output: torch.Tensor | None = None
+    ) -> None:
+        self.inner, self.shape, self.output = inner, weight.shape, output  # output: (B, C_out, *out), no bias
         self.w_hat, self.s = weight_standardization(weight.detach(), eps)  # (C_out, p), (C_out, 1)
         self.p = self.w_hat.shape[1]
 
@@ -57,35 +63,46 @@ class Standardized(PerExampleGrad):
 
     def _select(self, keep: torch.Tensor) -> Standardized:
         module = self.inner.module
-        return Standardized(self.inner.select(keep), module.weight, module.eps)
+        output = None if self.output is None else self.output[keep]
+        return Standardized(self.inner.select(keep), module.weight, module.eps, output)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
 
-    def _responses(self, kernels: torch.Tensor) -> torch.Tensor:
-        """``<a_t, k_r>`` for every row ``k_r`` of ``kernels`` (R, p) and output position t, shape (B, R, T):
-        the bias-free convolution of the input with them (in their dtype)."""
+    def _responses(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``<a_t, w_hat_r>`` (B, C_out, T) and ``sum(a_t)`` (B, T) for every output position t, in ``dtype``:
+        the first read off the kept output where it has that dtype (under autocast it has not), else one
+        bias-free convolution of the input with ``w_hat``; the second from the input's channel sum."""
         module = self.inner.module
-        x, padding = explicitly_padded(module, self.inner.x.to(kernels.dtype))
-        weight = kernels.view(-1, *self.shape[1:])
-        return F.conv2d(x, weight, None, module.stride, padding, module.dilation, module.groups).flatten(2)
+        x, padding = explicitly_padded(module, self.inner.x.to(dtype))
+        conv = partial(F.conv2d, bias=None, stride=module.stride, padding=padding, dilation=module.dilation)
+        ones = x.new_ones(1, 1, *self.shape[2:])
+        sums = conv(x.sum(1, keepdim=True), ones).flatten(1)
+        if self.output is not None and self.output.dtype == dtype:
+            projections = self.output.flatten(2)
+            if module.bias is not None:
+                projections = projections - module.bias.detach().to(dtype).unsqueeze(-1)
+        else:
+            projections = conv(x, self.w_hat.to(dtype).view(self.shape)).flatten(2)
+        return projections, sums
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """From three per-row statistics of ``u = g_hat_i``: ``||u_r||^2 / s_r^2`` (summed), ``sum(u_r)``
         and ``<w_hat_r, u_r>``, from the instantiated ``u`` (never forming ``J^T u``) or by the ghost form:
         the inner convolution's ghost norm with ``dy`` scaled by ``1 / s``, and ``sum_t dy_{t,r} <a_t, v>``
-        for ``v = 1`` and ``v = w_hat_r`` from one convolution with ``C_out + 1`` kernels (costed as
-        ``T (C_out + 1) p`` per example on top of the ghost norm)."""
+        for ``v = 1`` and ``v = w_hat_r`` (:meth:`_responses`: costed as ``T C_out p`` per example on top of
+        the ghost norm where the output was not kept)."""
         dtype = torch.promote_types(self.w_hat.dtype, torch.float32)
         w_hat, s = self.w_hat.to(dtype), self.s.squeeze(1).to(dtype)
         dy = self.inner.dy
-        method = self.inner.norm_method(mode, ghost_extra=dy[0, 0].numel() * (self.shape[0] + 1) * self.p)
+        method = self.inner.norm_method(mode, ghost_extra=self._ghost_extra(dtype))
         if method != "instantiate":
             g = dy.to(dtype)
             scaled = self.inner.ghost_norm_sq(g / s.view(-1, *[1] * (g.dim() - 2)), method)
-            g, responses = g.flatten(2), self._responses(torch.cat([w_hat, torch.ones_like(w_hat[:1])]))
-            total = torch.einsum("brt,bt->br", g, responses[:, -1])
-            proj = torch.einsum("brt,brt->br", g, responses[:, :-1])
+            projections, sums = self._responses(dtype)
+            g = g.flatten(2)
+            total = torch.einsum("brt,bt->br", g, sums)
+            proj = torch.einsum("brt,brt->br", g, projections)
         else:
             u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape).to(dtype)
             scaled = (torch.linalg.vector_norm(u, dim=-1).square() / s.pow(2)).sum(-1)
@@ -93,11 +110,26 @@ class Standardized(PerExampleGrad):
         coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
         return scaled + (-total.pow(2) / self.p / s.pow(2) + proj.pow(2) * coeff).sum(-1)
 
+    def _ghost_extra(self, dtype: torch.dtype) -> int:
+        """Multiply-adds per example that the ghost forms add for :meth:`_responses`."""
+        positions, kernel = self.inner.dy[0, 0].numel(), self.shape[2:].numel()
+        projections = 0 if self.output is not None and self.output.dtype == dtype else self.shape[0] * self.p
+        return positions * (projections + kernel) + self.inner.x[0].numel()
 
-@register_rule(WSConv2d, check=check_conv)
-def ws_conv_grads(module: WSConv2d, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+
+def keeps_output(module: WSConv2d, x: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether a ghost form may be this call's cheapest norm (the output has the output gradient's shape):
+    only then is the output worth keeping until the layer's backward."""
+    probe = ConvWeightGrads(module, x, output)
+    return probe.has_ghost_form and probe.norm_method("auto") != "instantiate"
+
+
+@register_rule(WSConv2d, check=check_conv, keep_output=keeps_output)
+def ws_conv_grads(
+    module: WSConv2d, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
+) -> dict[str, PerExampleGrad]:
     grads: dict[str, PerExampleGrad] = {
-        "weight": Standardized(ConvWeightGrads(module, x, dy), module.weight, module.eps)
+        "weight": Standardized(ConvWeightGrads(module, x, dy), module.weight, module.eps, output)
     }
     if module.bias is not None:
         grads["bias"] = Dense(dy.flatten(2).sum(2))
