@@ -1,0 +1,101 @@
+"""Where a private step spends its time, by the engine's own calls (results/bench/analysis.md, session 7).
+
+    python scripts/engine_timers.py wrn16_4_b64 nonprivate,bk,perlayer [bench_suite=cpu_llm]
+
+Builds a model of a bench suite as ``python -m dpexp.bench`` does, runs two warm-up steps, then times three
+steps split into forward, backward (``backend.backward``) and step, and inside them the wall time of the
+engine's calls: the rules (by layer type), the clipper's delivery and group finishing, the noise
+(``PrivacyEngine._privatize``), and per parameter shape the norms, instantiations and clipped sums of the
+convolution rules. Nested calls are included in their callers' time. A profiler's per-op table attributes
+the time of Python hooks to whatever aten op is open, which misled on WRN; these timers do not. One torch
+thread, as the CPU suites. Not a benchmark: ratios to non-private come from the suites.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dpexp.bench.measure import _build
+from dpexp.privacy import clipping
+from dpexp.privacy.capture import Capture
+from dpexp.privacy.engine import PrivacyEngine
+from dpexp.privacy.rules.conv import ConvWeightGrads
+from dpexp.privacy.rules.ws_conv import Standardized
+
+TIMES: defaultdict[str, float] = defaultdict(float)
+
+
+def _timed(owner: type, name: str, key: Callable[..., str]) -> None:
+    """Wrap ``owner.name`` so that its wall time adds to ``TIMES[key(self, *args)]``."""
+    method = getattr(owner, name)
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            TIMES[key(self, *args)] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+
+
+def _instrument() -> None:
+    _timed(Capture, "per_example_grads", lambda self, use, *_: f"rule {type(use.layer.module).__name__}")
+    _timed(clipping.Clipper, "deliver", lambda *_: "clipper: deliver (rules, norms, fused sums)")
+    _timed(clipping.Clipper, "_finish_group", lambda *_: "clipper: finish groups (clipped sums)")
+    _timed(PrivacyEngine, "_privatize", lambda *_: "engine: noise and / B")
+    for owner in (ConvWeightGrads, Standardized):
+        for name in ("norm_sq", "weighted_sum", "instantiate"):
+            _timed(owner, name, lambda self, *_, n=name: f"{n} {type(self).__name__} {tuple(self.shape)}")
+
+
+def main(model_name: str, methods: list[str], overrides: list[str]) -> None:
+    torch.set_num_threads(1)
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose("bench", overrides=overrides or ["bench_suite=cpu_llm"])
+    entry = cfg.bench_suite.models[model_name]
+    _instrument()
+    device = torch.device("cpu")
+    for method in methods:
+        spec = {
+            "model": OmegaConf.to_container(entry.spec, resolve=True),
+            "optimizer": OmegaConf.to_container(entry.optimizer, resolve=True),
+            "clip": OmegaConf.to_container(cfg.methods[method], resolve=True),
+            "noise_multiplier": float(cfg.noise_multiplier),
+            "sample_size": int(cfg.sample_size),
+            "seed": int(cfg.seed),
+            "seq_len": int(entry.seq_lens[0]) if entry.get("seq_lens") else None,
+        }
+        bench_model, backend, batch, _ = _build(spec, device, int(entry.batch_sizes[0]))
+        phases = defaultdict(float)
+        for step in range(5):
+            if step == 2:
+                TIMES.clear()
+                phases.clear()
+            start = time.perf_counter()
+            loss = bench_model.per_example_loss(backend.model, batch)
+            forward = time.perf_counter()
+            backend.backward(loss)
+            backward = time.perf_counter()
+            backend.step()
+            phases["forward"] += forward - start
+            phases["backward"] += backward - forward
+            phases["step"] += time.perf_counter() - backward
+        backend.close()
+        print(f"{method}: " + ", ".join(f"{k} {v / 3 * 1000:.0f} ms" for k, v in phases.items()))
+        for key, seconds in sorted(TIMES.items(), key=lambda item: -item[1]):
+            if seconds / 3 >= 5e-4:
+                print(f"    {key:<50} {seconds / 3 * 1000:7.0f} ms")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2].split(","), sys.argv[3:])
