@@ -252,6 +252,10 @@ def test_weight_standardised_norm_reads_the_kept_output(name, method, monkeypatc
         torch.testing.assert_close(rule.per_example_grads(module, x, dy, output=kept)["weight"].norm_sq(), want)
     wrong = rule.per_example_grads(module, x, dy, output=output + 1.0)["weight"].norm_sq()
     assert not torch.allclose(wrong, want)
+    assert rule.keep_output(module, x, output)  # kept where a ghost form is the cheapest ...
+    assert not rule.keep_output(module, x, output.float())  # ... and only in the norm's precision
+    monkeypatch.setattr(conv_rules, "norm_costs", _costs_favouring("instantiate"))
+    assert not rule.keep_output(module, x, output)
 
 
 def _ws_stack(inplace: bool) -> nn.Module:

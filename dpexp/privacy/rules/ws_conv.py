@@ -38,7 +38,7 @@ class Standardized(PerExampleGrad):
     def __init__(
         self, inner: ConvWeightGrads, weight: torch.Tensor, eps: float, output: torch.Tensor | None = None
     ) -> None:
-        self.inner, self.shape, self.output = inner, weight.shape, output  # output: (B, C_out, *out), no bias
+        self.inner, self.shape, self.output = inner, weight.shape, output  # the layer's (B, C_out, *out)
         self.w_hat, self.s = weight_standardization(weight.detach(), eps)  # (C_out, p), (C_out, 1)
         self.p = self.w_hat.shape[1]
 
@@ -118,8 +118,11 @@ class Standardized(PerExampleGrad):
 
 
 def keeps_output(module: WSConv2d, x: torch.Tensor, output: torch.Tensor) -> bool:
-    """Whether a ghost form may be this call's cheapest norm (the output has the output gradient's shape):
-    only then is the output worth keeping until the layer's backward."""
+    """Whether a ghost form may be this call's cheapest norm (the output has the output gradient's shape)
+    and the output has the precision the norm is computed in (not under autocast): only then is it worth
+    keeping until the layer's backward."""
+    if output.dtype != torch.promote_types(module.weight.dtype, torch.float32):
+        return False
     probe = ConvWeightGrads(module, x, output)
     return probe.has_ghost_form and probe.norm_method("auto") != "instantiate"
 
