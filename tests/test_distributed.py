@@ -331,6 +331,52 @@ def test_a_failing_rank_ends_the_job_with_a_clear_error(tmp_path, mode):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
+class FailAt(RunHooks):
+    """Rank 1 of a trainer run crashes (or stalls) before step ``step``: the other ranks must not hang."""
+
+    def __init__(self, step: int, mode: str) -> None:
+        self.step, self.mode = step, mode
+
+    def before_step(self, step: int) -> None:
+        if step == self.step:
+            if self.mode == "crash":
+                os._exit(3)
+            time.sleep(30)  # killed by the test once rank 0 has given up
+            os._exit(4)
+
+
+def _failing_trainer_worker(rank: int, port: int, mode: str, out: str) -> None:
+    distributed, failure = mode.split("-")
+    _env(rank, port)
+    cfg = _compose([*TINY_RUN, "clip=bk", f"distributed={distributed}", "distributed.timeout_s=5"])
+    try:
+        run_training(cfg, Path(out).parent / "run", hooks=FailAt(2, failure) if rank == 1 else None)
+    except DistributedError as error:
+        Path(out).write_text(str(error))
+        os._exit(0)
+    os._exit(5)  # the run completed without rank 1, or failed with another error: wrong
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "ddp-crash",
+        "fsdp-crash",
+        *(pytest.param(m, marks=pytest.mark.slow) for m in ("ddp-stall", "fsdp-stall")),  # ~20 s each
+    ],
+)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_failing_rank_ends_the_trainer_job_with_a_clear_error(tmp_path, mode):
+    """Rank 1 of a DDP or FSDP trainer run crashes (or stalls) before step 2: rank 0 does not hang but fails
+    with a one-line DistributedError naming the timeout key, and records the run as failed with it."""
+    message = error_of_a_failing_pair(_failing_trainer_worker, mode, tmp_path / "error.txt")
+    assert message.startswith("rank 0 of 2: ") and "another rank failed" in message
+    assert "distributed.timeout_s=5" in message and "\n" not in message
+    record = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert record["status"] == "failed" and record["error"] == f"DistributedError: {message}"
+    assert record["steps_done"] in (1, 2)
+
+
 class _SaveModel(RunHooks):
     def __init__(self, path: str) -> None:
         self.path = path

@@ -51,6 +51,7 @@ from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     JOIN_S,
     RESUMED_RUN,
     WORLD,
+    FailAt,
     Wide,
     _env,
     _free_port,
@@ -444,27 +445,13 @@ def _initial_head() -> torch.Tensor:
 def _failing_trainer_worker(rank: int, port: int, mode: str, out: str) -> None:
     _env(rank, port)
     cfg = _compose([*TINY_RUN, "clip=groupwise", *SPLIT_RUN, "distributed.timeout_s=5"])
-    hooks = _FailAt(2, mode) if rank == 1 else None
+    hooks = FailAt(2, mode) if rank == 1 else None
     try:
         run_training(cfg, Path(out).parent / "run", hooks=hooks)
     except DistributedError as error:
         Path(out).write_text(str(error))
         os._exit(0)
     os._exit(5)  # the run completed without stage 1: wrong
-
-
-class _FailAt(RunHooks):
-    """Stage 1 crashes (or stalls) in step ``step``, after its micro-batches."""
-
-    def __init__(self, step: int, mode: str) -> None:
-        self.step, self.mode = step, mode
-
-    def before_step(self, step: int) -> None:
-        if step == self.step:
-            if self.mode == "crash":
-                os._exit(3)
-            time.sleep(30)  # killed by the test once stage 0 has given up
-            os._exit(4)
 
 
 @pytest.mark.parametrize("mode", ["crash", pytest.param("stall", marks=pytest.mark.slow)])  # stall: ~20 s
