@@ -89,7 +89,8 @@ def summary(record: dict[str, Any]) -> str:
 def main(cfg: DictConfig) -> None:
     """Run one configuration (or continue one: ``resume=<run dir>``) and print its summary."""
     debug = debug_requested(cfg.debug)
-    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    # the run's own directory: the one it resumes, else Hydra's (a resume's Hydra directory holds only logs)
+    output_dir = Path(cfg.resume if cfg.resume is not None else HydraConfig.get().runtime.output_dir)
     try:
         record = _train(cfg)
     except RunInterrupted as interrupt:

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from dpexp.train import cli
+from dpexp.training.loop import run_training
+from dpexp.training.signals import RunInterrupted
+from tests.test_checkpoint import SignalAt
 
 QUICK = ("steps=3", "progress=false", "eval_every=null", "batch_size=32")
 QUIET = ("hydra/job_logging=none", "hydra/hydra_logging=none")
@@ -140,3 +143,18 @@ def test_a_record_is_never_overwritten(monkeypatch, capsys, tmp_path):
         f"RunDirectoryError: {tmp_path} already holds another run's"
     )
     assert f"resume={tmp_path}" in err and (tmp_path / "metrics.json").read_text() == first
+
+
+def test_a_resumed_run_prints_the_record_it_continued(monkeypatch, capsys, tmp_path, compose_config):
+    """``resume=<run dir>`` finishes the run in its own directory and says so; Hydra's directory of the
+    resuming command holds only its logs."""
+    run = tmp_path / "run"
+    with pytest.raises(RunInterrupted):
+        run_training(compose_config([*QUICK, "checkpoint.every=1"]), run, hooks=SignalAt(2))
+    monkeypatch.setattr(
+        sys, "argv", ["dpexp.train", f"resume={run}", f"hydra.run.dir={tmp_path / 'logs'}", *QUIET]
+    )
+    cli()
+    assert f"metrics: {run}/metrics.json" in capsys.readouterr().out
+    assert strict_json(run / "metrics.json")["status"] == "completed"
+    assert not (tmp_path / "logs" / "metrics.json").exists()
