@@ -67,12 +67,12 @@ def _spawn(worker: Callable[..., None], *args: Any) -> list[int]:
     return [p.exitcode for p in processes]
 
 
-def _env(rank: int, port: int) -> None:
-    """torchrun's environment for ``rank`` (so that the trainer's checks and ``env://`` work)."""
+def _env(rank: int, port: int, world: int = WORLD) -> None:
+    """torchrun's environment for ``rank`` of ``world`` (so that the trainer's checks and ``env://`` work)."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",

@@ -31,6 +31,7 @@ from dpexp.models.cnn import SmallCNN
 from dpexp.models.wrn import WideResNet
 from dpexp.privacy import PrivacyEngine, accounting
 from dpexp.privacy.adaptive import AdaptiveConfig
+from dpexp.training.checkpoint import load_checkpoint
 from dpexp.training.distributed import DistributedError, start_data_parallel
 from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import instantiate, run_training
@@ -46,7 +47,8 @@ from dpexp.training.pipeline import (
 from dpexp.training.resume import load_run_config
 from dpexp.training.rng import seed_everything
 from dpexp.training.signals import RunInterrupted
-from tests.conftest import CONF_DIR, TINY_RUN
+from tests.conftest import CONF_DIR, SHARED_DATA, TINY_RUN
+from tests.test_checkpoint import identical
 from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     JOIN_S,
     RESUMED_RUN,
@@ -609,6 +611,7 @@ def test_a_model_the_pipeline_cannot_split_is_refused_in_one_line(model, split_a
 
 # ------------------------------------------------------------------------------------ GPT-2 on a pipeline
 GPT2_SPLIT = [2]  # embed, h0 | h1, h2, head
+GPT2_SPLITS = {"two_stages": GPT2_SPLIT, "three_stages": [2, 3]}  # three: embed, h0 | h1 | h2, head
 GPT2_B, GPT2_N, GPT2_STEPS = 6, 30, 2
 GPT2_C = 0.05  # both stages' examples clipped
 
@@ -691,13 +694,13 @@ def test_gpt2_sequential_view_equals_the_model_forward(impl, lora):
         view.pipeline_inputs(input_ids=ids, attention_mask=mask, position_ids=ids)
 
 
-def _gpt2_stage_worker(rank: int, port: int, out: str) -> None:
+def _gpt2_stage_worker(rank: int, port: int, out: str, split: list[int]) -> None:
     torch.set_num_threads(1)
-    _env(rank, port)
+    _env(rank, port, world=len(split) + 1)
     import dpexp.models.gpt2  # noqa: F401 (registers the view)
 
     model = _gpt2()
-    module = split_stages(sequential_view(model), GPT2_SPLIT)[rank]
+    module = split_stages(sequential_view(model), split)[rank]
     stage = PipelineStage(
         module,
         torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=2.0),
@@ -723,27 +726,33 @@ def _gpt2_stage_worker(rank: int, port: int, out: str) -> None:
     backend.close()  # the stage started the process group and ends it
 
 
-@pytest.mark.slow  # two processes building GPT-2 and peft: ~30 s on a shared core
+@pytest.mark.slow  # two or three processes building GPT-2 and peft: ~30-45 s on a shared core
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_gpt2_lora_pipeline_at_noise_zero_equals_single_process_groupwise_clipping(tmp_path):
-    """GPT-2 with LoRA on two stages (the tasks' call with input_ids and attention_mask, right padding; the
-    mask taken by every stage from its own batch): after 2 steps at noise 0 both stages' adapters equal one
-    process' group-wise clipping with groups = the stages, every stage saw the same losses, and the tied
-    wte/lm_head weight, frozen, is the same on the first and the last stage (and unchanged)."""
+@pytest.mark.parametrize("split", list(GPT2_SPLITS))
+def test_gpt2_lora_pipeline_at_noise_zero_equals_single_process_groupwise_clipping(tmp_path, split):
+    """GPT-2 with LoRA on two or three stages (the tasks' call with input_ids and attention_mask, right
+    padding; the mask taken by every stage from its own batch; a middle stage of GPT2Blocks alone): after
+    2 steps at noise 0 every stage's adapters equal one process' group-wise clipping with groups = the
+    stages, every stage saw the same losses, and the tied wte/lm_head weight, frozen, is the same on the
+    first and the last stage (and unchanged)."""
     import dpexp.models.gpt2  # noqa: F401
 
-    outs = [str(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    split = GPT2_SPLITS[split]
+    world = len(split) + 1
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
     context = mp.get_context("spawn")
     port = _free_port()
-    processes = [context.Process(target=_gpt2_stage_worker, args=(r, port, outs[r])) for r in range(WORLD)]
+    processes = [
+        context.Process(target=_gpt2_stage_worker, args=(r, port, outs[r], split)) for r in range(world)
+    ]
     for process in processes:
         process.start()
     for process in processes:
         process.join(JOIN_S)
-    assert [p.exitcode for p in processes] == [0] * WORLD
+    assert [p.exitcode for p in processes] == [0] * world
     model = _gpt2()
     initial = {k: v.detach().clone() for k, v in sequential_view(model).state_dict().items()}
-    stages = split_stages(sequential_view(model), GPT2_SPLIT)
+    stages = split_stages(sequential_view(model), split)
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [[names[id(p)] for p in stage.parameters() if p.requires_grad] for stage in stages]
     trainable = [p for p in model.parameters() if p.requires_grad]  # (the engine turns requires_grad off)
@@ -775,7 +784,7 @@ def test_gpt2_lora_pipeline_at_noise_zero_equals_single_process_groupwise_clippi
             torch.testing.assert_close(got[k]["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
         adapters = [n for n in stage.state_dict() if "lora_B" in n]
         assert adapters and all(not torch.equal(got[k]["state"][n], initial[n]) for n in adapters)
-    wte, head = got[0]["state"]["embed.wte.weight"], got[1]["state"]["head.lm_head.weight"]
+    wte, head = got[0]["state"]["embed.wte.weight"], got[-1]["state"]["head.lm_head.weight"]
     assert torch.equal(wte, head) and torch.equal(wte, initial["embed.wte.weight"])
 
 
@@ -797,7 +806,7 @@ E2E_LORA_RUN = [
     "model=gpt2_tiny",
     "model.lora={rank: 4, alpha: 4, dropout: 0.0, target_modules: [c_attn]}",
     "model.dropout=0.0",  # the stages' dropout masks come from their own processes' generators
-    "data.root=/work/shared/data",
+    f"data.root={SHARED_DATA}",
     "task.eval_max_inputs=2",
     "task.num_beams=2",
     "task.max_new_tokens=6",
@@ -820,9 +829,55 @@ def _e2e_worker(rank: int, port: int, root: str) -> None:
     run_training(_compose([*E2E_LORA_RUN, *E2E_SPLIT]), Path(root) / "pipe")
 
 
+GPT2_RESUMED_RUN = [
+    *(o for o in E2E_LORA_RUN if o not in ("privacy.noise_multiplier=0", "steps=2", "eval_every=null")),
+    "steps=6",
+    "eval_every=2",
+    "checkpoint.every=3",
+    "optim.momentum=0.9",  # optimizer state in every stage
+    *E2E_SPLIT,
+]
+
+
+def _gpt2_resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
+    torch.set_num_threads(1)
+    cfg = _compose(GPT2_RESUMED_RUN)
+    _env(rank, port)
+    run_training(cfg, Path(root) / "whole")
+    _env(rank, ports[0])
+    with pytest.raises(RunInterrupted):  # rank 0 alone is signalled: stage 1 stops with it
+        run_training(cfg, Path(root) / "parts", hooks=_SignalAt(4) if rank == 0 else None)
+    _env(rank, ports[1])
+    run_training(load_run_config(Path(root) / "parts"), Path(root) / "parts", resume=True)
+
+
+@pytest.mark.slow  # three E2E runs of LoRA GPT-2-tiny on two processes, evaluating by beam search: ~2 min
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.skipif(not (SHARED_DATA / "e2e" / "testset_w_refs.csv").exists(), reason="no E2E data")
+def test_interrupted_gpt2_lora_pipeline_run_resumes_as_an_uninterrupted_one(tmp_path):
+    """E2E with LoRA GPT-2-tiny on two stages, calibrated noise: SIGTERM to rank 0 in step 4, one gathered
+    checkpoint, and ``resume`` ends where the uninterrupted run ends, bit for bit: the record (its NLL, BLEU
+    and ROUGE-L at steps 2, 4, 6), the adapters, every stage's optimizer and engine (noise generator
+    included) and the sampler."""
+    assert _spawn(_gpt2_resume_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
+    whole, parts = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "parts"))
+    assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
+    timing = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}
+    for key in set(whole) - timing - {"history"}:
+        assert parts[key] == whole[key], key
+    assert math.isfinite(whole["epsilon"]["rdp"]) and whole["noise_multiplier"] > 0
+    assert [h["step"] for h in parts["history"]] == [2, 4, 6]
+    for metric in ("nll", "bleu", "rougeL"):
+        assert [h[metric] for h in parts["history"]] == [h[metric] for h in whole["history"]], metric
+    final = [load_checkpoint(tmp_path / d / "checkpoints" / "step_00000006.pt") for d in ("whole", "parts")]
+    for part in ("model", "optimizer", "backend", "sampler"):
+        assert identical(final[0][part], final[1][part]), part
+    assert any("lora_B" in name for name in final[0]["model"])
+
+
 @pytest.mark.slow  # two GPT-2 runs on two processes (one evaluating) and one in one process: ~1 min
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.skipif(not Path("/work/shared/data/e2e/testset_w_refs.csv").exists(), reason="no E2E data")
+@pytest.mark.skipif(not (SHARED_DATA / "e2e" / "testset_w_refs.csv").exists(), reason="no E2E data")
 def test_e2e_lora_gpt2_trainer_pipeline_evaluates_as_one_process(tmp_path):
     """``run_training`` on E2E with LoRA GPT-2-tiny on two stages at noise 0: rank 0's evaluation of the
     whole model (every stage's adapters gathered to it; beam search) gives the single-process group-wise
