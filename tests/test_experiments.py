@@ -60,6 +60,7 @@ PUBLISHED_CELLS = {
     "li2022_table9": {("eps3", "r100"): (5.26, 4.20), ("non_private", "r10"): (17.22, 0.00),
                       ("non_private", "r1"): (13.82, 3.86), ("eps8", "r1"): None},  # Li et al. 2022, Table 9
     "he2023_table3_sst2": {("li2022", "eps8"): (85.89, None), ("he2023", "eps3"): (92.03, None)},
+    "li2022_table1_sst2": {("classification", "eps3"): (86.12, None), ("infilling", "eps8"): (92.09, None)},
     "he2023_table10": {("equal_budget", "eps3"): (91.4, None), ("weighted", "eps8"): (91.9, None)},
     "he2023_table5_e2e": {("bleu.eps3", "he2023"): (61.101, None),
                           ("rougeL.non_private", "li2022"): (71.359, None)},
