@@ -101,24 +101,31 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y, reduction="none")
 
 
-def _single_process(case: str, split: list[int]) -> tuple[list[nn.Sequential], list[torch.Tensor]]:
-    """The reference: one engine, clipping=groups with groups = the stages' parameters; its stages after
-    training and its thresholds after every step."""
-    model, (x, y, steps) = _model(), _data()
-    stages = split_stages(model, split)
-    prefix = {id(p): n for n, p in model.named_parameters()}
-    groups = [[prefix[id(p)] for p in stage.parameters()] for stage in stages]
-    kwargs = dict(CASES[case])
-    engine = PrivacyEngine(
+def groupwise_engine(
+    model: nn.Module, stages: list[nn.Module], batch_size: int, sample_size: int, clip: float, **kwargs: Any
+) -> PrivacyEngine:
+    """The single-process reference engine: noise 0, ``clipping="groups"`` with one group per stage (the
+    model's names of the stage's trainable parameters)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[names[id(p)] for p in stage.parameters() if p.requires_grad] for stage in stages]
+    return PrivacyEngine(
         model,
-        batch_size=B,
-        sample_size=N,
-        max_grad_norm=C,
+        batch_size=batch_size,
+        sample_size=sample_size,
+        max_grad_norm=clip,
         noise_multiplier=0.0,
         clipping="groups",
         groups=groups,
         **kwargs,
     )
+
+
+def _single_process(case: str, split: list[int]) -> tuple[list[nn.Sequential], list[torch.Tensor]]:
+    """The reference: one engine, clipping=groups with groups = the stages' parameters; its stages after
+    training and its thresholds after every step."""
+    model, (x, y, steps) = _model(), _data()
+    stages = split_stages(model, split)
+    engine = groupwise_engine(model, stages, B, N, C, **CASES[case])
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.5))
     thresholds = []
     for micro_batches in steps:
@@ -753,19 +760,8 @@ def test_gpt2_lora_pipeline_at_noise_zero_equals_single_process_groupwise_clippi
     model = _gpt2()
     initial = {k: v.detach().clone() for k, v in sequential_view(model).state_dict().items()}
     stages = split_stages(sequential_view(model), split)
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = [[names[id(p)] for p in stage.parameters() if p.requires_grad] for stage in stages]
     trainable = [p for p in model.parameters() if p.requires_grad]  # (the engine turns requires_grad off)
-    engine = PrivacyEngine(
-        model,
-        batch_size=GPT2_B,
-        sample_size=GPT2_N,
-        max_grad_norm=GPT2_C,
-        noise_multiplier=0.0,
-        clipping="groups",
-        groups=groups,
-        noise_allocation="equal_budget",
-    )
+    engine = groupwise_engine(model, stages, GPT2_B, GPT2_N, GPT2_C, noise_allocation="equal_budget")
     optimizer = engine.attach(torch.optim.SGD(trainable, lr=2.0))
     losses = []
     for micro_batches in GPT2_STEP_BATCHES:
