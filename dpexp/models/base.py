@@ -105,7 +105,7 @@ class Chain(nn.Sequential):
 
 
 # views of model classes that cannot define a ``sequential()`` method themselves (Hugging Face models), by
-# class; a model module registers its own (dpexp.models.gpt2: GPT2LMHeadModel)
+# class; a model module registers its own (dpexp.models.sequential: GPT-2, Llama, Qwen2)
 SEQUENTIAL_VIEWS: dict[type, Callable[[nn.Module], nn.Sequential]] = {}
 
 

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+import dpexp.models.sequential  # noqa: F401 (registers the causal LMs' sequential views)
 from dpexp.models.base import ModelFactory, TaskInfo, models_for
 from dpexp.models.hf_encoder import resolve_location
 from dpexp.models.lora import apply_lora

@@ -50,7 +50,7 @@ backpropagate the gradient they receive. Rank 0 (stage 0) writes the run record 
 stage's state gathered to it (:meth:`~dpexp.training.distributed.DataParallel.gather`); what a stage cannot
 honour is refused before training (:func:`check_pipeline_config`).
 
-Side inputs (GPT-2, :class:`dpexp.models.gpt2.GPT2Sequential`): the stages are
+Side inputs (causal LMs, :class:`dpexp.models.sequential.CausalLMSequential`): the stages are
 :class:`~dpexp.models.base.Chain` s, whose modules also take the batch's side inputs (the attention mask).
 Only the activations cross stages: every rank collates the same micro-batch (``DataParallel.share`` checks
 the indices against rank 0's), so every stage passes its own copy of the mask, and builds its blocks' causal
@@ -92,7 +92,7 @@ def split_stages(model: nn.Sequential, split_at: Sequence[int] | None) -> list[C
     (keys kept, so parameter names are the model's), a :class:`~dpexp.models.base.Chain` (of the model's
     class if it is one: its call convention and side inputs); refused unless every stage gets modules with
     trainable parameters, and for a trainable parameter two stages hold (tied): each would step its own
-    copy. A frozen one (GPT-2's tied ``wte``/``lm_head`` under LoRA) stays the same on both."""
+    copy. A frozen one (a tied input embedding / LM head under LoRA) stays the same on both."""
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"distributed=pipeline splits an nn.Sequential, got {type(model).__name__}.")
     n = len(model)
@@ -120,8 +120,8 @@ def split_stages(model: nn.Sequential, split_at: Sequence[int] | None) -> list[C
                 raise ConfigError(
                     f"distributed.split_at={list(split_at)}: the trainable parameter {first[1]} of stage "
                     f"{first[0]} is {name} of stage {k} (tied weights): each stage would step its own copy; "
-                    "untie them (a random GPT-2: +model.config.tie_word_embeddings=false) or train LoRA "
-                    "adapters, which freeze them (model=gpt2_lora)."
+                    "untie them (a random LM: +model.config.tie_word_embeddings=false) or train LoRA "
+                    "adapters, which freeze them (model=gpt2_lora, or model.lora={rank: 8})."
                 )
     for k, stage in enumerate(stages):
         if not any(p.requires_grad for p in stage.parameters()):
@@ -473,8 +473,8 @@ def stage_of(model: nn.Module, parallel: DataParallel) -> nn.Sequential:
     if view is None:
         raise ConfigError(
             f"distributed=pipeline splits a sequence of modules and {type(model).__name__} has no sequential "
-            "view (dpexp.models.base.sequential_view): use model=small_cnn, wrn16_4 or a GPT-2 (gpt2_tiny, "
-            "gpt2_lora, ...), or distributed=ddp."
+            "view (dpexp.models.base.sequential_view): use model=small_cnn, wrn16_4, a GPT-2 (gpt2_tiny, "
+            "gpt2_lora, ...) or a Llama / Qwen2 (llama_tiny, smollm2_135m, ...), or distributed=ddp."
         )
     return split_stages(view, parallel.split_at)[parallel.rank]
 
@@ -484,8 +484,8 @@ class StageModel(nn.Module):
     parameters and ``state_dict`` are this stage's part of the model's), called as the model is; its forward
     runs the whole pipeline and returns the model's output on every stage (:meth:`PipelineStage.forward`).
     Tasks call the model once per batch. The stage's view maps the call (``Chain.pipeline_inputs``): one
-    batch-first tensor (image models), or GPT-2's ``input_ids=..., attention_mask=...`` (the mask is a side
-    input every stage takes from its own copy of the batch), and the output back (GPT-2: ``.logits``)."""
+    batch-first tensor (image models), or a causal LM's ``input_ids=..., attention_mask=...`` (the mask is a
+    side input every stage takes from its own copy of the batch), and the output back (LMs: ``.logits``)."""
 
     def __init__(self, stage: PipelineStage) -> None:
         super().__init__()
