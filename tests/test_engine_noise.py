@@ -97,19 +97,89 @@ def test_noise_is_drawn_exactly_once_per_step(monkeypatch):
     engine = PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0)
     optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     calls = []
-    real = engine_module.add_gaussian_noise_
+    real = engine_module.add_gaussian_noises_
 
-    def counting(tensor, std, generator=None, secure=False):
-        calls.append(tensor.shape)
-        return real(tensor, std, generator, secure)
+    def counting(pieces, generator=None, secure=False):
+        calls.append([tensor.shape for tensor, _ in pieces])
+        return real(pieces, generator, secure)
 
-    monkeypatch.setattr(engine_module, "add_gaussian_noise_", counting)
+    monkeypatch.setattr(engine_module, "add_gaussian_noises_", counting)
     for _ in range(3):
         engine.backward(model(torch.randn(2, 40)).sum(1))
     assert calls == []
     optimizer.step()
-    assert sorted(calls) == sorted(p.shape for p in model.parameters())
+    assert len(calls) == 1 and sorted(calls[0]) == sorted(p.shape for p in model.parameters())
     assert engine.steps == 1
+
+
+def _stream_case() -> list[torch.Tensor]:
+    """Tensors of one step whose values (10,500 + 7 + 3,000) cross the stream boundaries mid-tensor."""
+    return [torch.zeros(10_500, dtype=torch.float64), torch.zeros(7, dtype=torch.float64),
+            torch.zeros(60, 50, dtype=torch.float64)]  # fmt: skip
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_streamed_noise_has_every_std_and_independent_streams(monkeypatch, parallel):
+    """A step's CPU noise in NOISE_STREAMS streams (the values in order cut into contiguous ranges that cross
+    tensors): every tensor gets its own std, every value its own draw, the streams are uncorrelated and not
+    copies of each other; drawn in threads or in turn, the same values."""
+    monkeypatch.setattr(noise_module, "PARALLEL_NOISE_MIN", 1 if parallel else 1 << 40)
+    tensors, stds = _stream_case(), [3.0, 2.0, 0.5]
+    noise_module.add_gaussian_noises_(list(zip(tensors, stds, strict=True)), torch.Generator().manual_seed(0))
+    for tensor, std in zip(tensors, stds, strict=True):
+        assert (tensor != 0).all()
+        if tensor.numel() > 100:
+            assert tensor.std().item() == pytest.approx(std, rel=0.1)
+    values = torch.cat([t.flatten() / s for t, s in zip(tensors, stds, strict=True)])
+    n = noise_module.NOISE_STREAMS
+    per_stream = values[: (values.numel() // n) * n].view(n, -1)  # the streams' ranges, up to rounding
+    corr = torch.corrcoef(per_stream)
+    assert (corr - torch.eye(n, dtype=corr.dtype)).abs().max() < 0.1
+    sequential = _stream_case()
+    monkeypatch.setattr(noise_module, "PARALLEL_NOISE_MIN", 1 << 40)
+    noise_module.add_gaussian_noises_(
+        list(zip(sequential, stds, strict=True)), torch.Generator().manual_seed(0)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(tensors, sequential, strict=True))
+
+
+def test_streamed_noise_depends_on_the_generator_only(monkeypatch):
+    """The same generator state gives the same noise with 1 or 2 threads; the next step (the generator
+    advanced) and another seed give other noise; the generator's state is what a checkpoint keeps."""
+    monkeypatch.setattr(noise_module, "PARALLEL_NOISE_MIN", 1)
+
+    def draw(generator: torch.Generator, threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            tensors = _stream_case()
+            noise_module.add_gaussian_noises_([(t, 1.0) for t in tensors], generator)
+        finally:
+            torch.set_num_threads(before)
+        return torch.cat([t.flatten() for t in tensors])
+
+    generator = torch.Generator().manual_seed(5)
+    state = generator.get_state()
+    one = draw(generator, 1)
+    generator.set_state(state)
+    assert torch.equal(draw(generator, 2), one)
+    assert not torch.equal(draw(generator, 2), one)  # the generator moved on
+    assert not torch.equal(draw(torch.Generator().manual_seed(6), 2), one)
+
+
+def test_noise_of_other_tensors_is_drawn_per_tensor():
+    """Secure noise and non-contiguous tensors take add_gaussian_noise_ (per tensor); the others stream."""
+    base = torch.zeros(100, 30)
+    strided = base.t()  # not contiguous
+    contiguous = torch.zeros(500)
+    noise_module.add_gaussian_noises_([(strided, 2.0), (contiguous, 1.0)], torch.Generator().manual_seed(0))
+    assert (base != 0).all() and (contiguous != 0).all()
+    assert base.std().item() == pytest.approx(2.0, rel=0.1)
+    secure = torch.zeros(2000)
+    noise_module.add_gaussian_noises_([(secure, 1.5)], None, secure=True)
+    assert secure.std().item() == pytest.approx(1.5, rel=0.1)
+    with pytest.raises(ValueError, match=r"secure noise .* cannot use a seeded generator"):
+        noise_module.add_gaussian_noises_([(torch.zeros(3), 1.0)], torch.Generator(), secure=True)
 
 
 @pytest.mark.parametrize("device_path", ["chunked", "whole"])

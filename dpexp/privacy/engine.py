@@ -41,7 +41,7 @@ from dpexp.privacy.capture import Capture, Use, discover_layers, parameter_layou
 from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, StrategyName, make_strategy
 from dpexp.privacy.grouping import ClippingMode, default_thresholds, partition
 from dpexp.privacy.individual import IndividualPrivacy, check_group_indices
-from dpexp.privacy.noise import Allocation, add_gaussian_noise_, noise_stds
+from dpexp.privacy.noise import Allocation, add_gaussian_noises_, noise_stds
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
 from dpexp.privacy.sharding import LiveParameters, check_unsharded, local_gradient
 from dpexp.privacy.verification import VerificationError, Verifier, check_use
@@ -489,11 +489,8 @@ class PrivacyEngine:
         )
         sums = self._clipper.take_sums()
         if self.aggregation.draws_noise:
-            for k, group in enumerate(self.groups):
-                std = float(stds[k])
-                for name in group:
-                    if std > 0:
-                        add_gaussian_noise_(sums[name], std, self.generator, self.secure_mode)
+            pieces = [(sums[name], float(stds[k])) for k, group in enumerate(self.groups) for name in group]
+            add_gaussian_noises_([p for p in pieces if p[1] > 0], self.generator, self.secure_mode)
         self.aggregation.sum_([sums[name] for group in self.groups for name in group])
         released, noise_std = {}, {}
         for k, group in enumerate(self.groups):
