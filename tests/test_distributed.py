@@ -48,15 +48,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(worker: Callable[..., None], *args: Any) -> list[int]:
+def _spawn(worker: Callable[..., None], *args: Any, join_s: float = JOIN_S) -> list[int]:
     """Run ``worker(rank, port, *args)`` in WORLD fresh processes; their exit codes (each joined under a
-    guard against a hang, then killed if still alive)."""
+    guard of ``join_s`` seconds against a hang, then killed if still alive)."""
     context = mp.get_context("spawn")
     port = _free_port()
     processes = [context.Process(target=worker, args=(rank, port, *args)) for rank in range(WORLD)]
     for process in processes:
         process.start()
-    deadline = time.monotonic() + JOIN_S
+    deadline = time.monotonic() + join_s
     for process in processes:
         process.join(max(deadline - time.monotonic(), 1))
     hung = [p for p in processes if p.is_alive()]

@@ -754,16 +754,20 @@ def _lm_stage_worker(rank: int, port: int, out: str, arch: str, split: list[int]
         timeout_s=60.0,
     )
     backend = PipelineBackend(stage)
+    sent = []  # the shapes of what this stage sends forward (or, the last one, back to the others)
+    send = stage._send_activation
+    stage._send_activation = lambda tensor, peer, what: (
+        sent.append(tuple(tensor.shape)) or send(tensor, peer, what)
+    )
     losses = []
     for micro_batches in GPT2_STEP_BATCHES:
         for idx in micro_batches:
-            loss = _gpt2_loss(backend.model, _gpt2_batch(idx))  # the task's call, on every stage
+            loss = backend.per_example_loss(_gpt2_loss, _gpt2_batch(idx))  # the trainer's call
             backend.backward(loss)
             losses.append(loss.detach())
         backend.step()
-    torch.save(
-        {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "losses": losses}, out
-    )
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    torch.save({"state": state, "losses": losses, "sent": sent}, out)
     backend.close()  # the stage started the process group and ends it
 
 
@@ -812,6 +816,11 @@ def test_lora_pipeline_at_noise_zero_equals_single_process_groupwise_clipping(tm
     for part in got:
         for a, b in zip(part["losses"], losses, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    sizes = [len(idx) for micro_batches in GPT2_STEP_BATCHES for idx in micro_batches]
+    for part in got[:-1]:  # hidden states (b, T, d) forward
+        assert [shape[0] for shape in part["sent"]] == sizes and all(len(s) == 3 for s in part["sent"])
+    # the last stage sends the (b,) losses to every other stage, never the (b, T, V) logits
+    assert got[-1]["sent"] == [(b,) for b in sizes for _ in range(world - 1)]
     for k, stage in enumerate(stages):
         for name, value in stage.state_dict().items():
             torch.testing.assert_close(got[k]["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -905,7 +914,9 @@ def test_interrupted_gpt2_lora_pipeline_run_resumes_as_an_uninterrupted_one(tmp_
     checkpoint, and ``resume`` ends where the uninterrupted run ends, bit for bit: the record (its NLL, BLEU
     and ROUGE-L at steps 2, 4, 6), the adapters, every stage's optimizer and engine (noise generator
     included) and the sampler."""
-    assert _spawn(_gpt2_resume_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
+    ports = [_free_port(), _free_port()]
+    # three runs in a row: past JOIN_S on a loaded machine
+    assert _spawn(_gpt2_resume_worker, str(tmp_path), ports, join_s=3 * JOIN_S) == [0] * WORLD
     whole, parts = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "parts"))
     assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
     timing = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}

@@ -3,7 +3,8 @@
 A logical step of DP-SGD (Abadi et al. 2016) with micro-batch accumulation is::
 
     for micro_batch in logical_batch:           # possibly none (empty Poisson batch)
-        backend.backward(per_example_loss)      # shape (b,): accumulate sum_i clip(g_i)
+        loss = backend.per_example_loss(task.per_example_loss, micro_batch)   # shape (b,)
+        backend.backward(loss)                  # accumulate sum_i clip(g_i)
                                                 # (privacy_groups=: each example's privacy group, IDP-SGD)
     backend.step()                              # once: + N(0, sigma^2 C^2 I), / B, optimizer step, zero grad
 
@@ -21,11 +22,14 @@ call; a process that skips it stalls the others until the job's timeout.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+# a task's per-example loss: (model, micro-batch) -> losses of shape (b,)
+LossFunction = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
 
 class TrainingBackend(ABC):
@@ -33,6 +37,11 @@ class TrainingBackend(ABC):
 
     model: nn.Module  # the module to run forward passes on (possibly a wrapper of the original model)
     optimizer: torch.optim.Optimizer  # the (possibly wrapping) optimizer; its param_groups are the inner ones
+
+    def per_example_loss(self, loss_fn: LossFunction, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's per-example losses, shape (b,): ``loss_fn(self.model, batch)`` (a pipeline
+        stage runs its part of the model and gets the last stage's losses)."""
+        return loss_fn(self.model, batch)
 
     @abstractmethod
     def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:

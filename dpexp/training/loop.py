@@ -374,7 +374,7 @@ class _Run:
         with unsharded(self.model) if self.sharded else nullcontext():  # fsdp: one all-gather per step
             for micro in split_micro_batches(share, self.plan.physical_batch_size, lengths):
                 batch = _to_device(self.task.collate([self.dataset[i] for i in micro]), self.device)
-                loss = self.task.per_example_loss(self.backend.model, batch)
+                loss = self.backend.per_example_loss(self.task.per_example_loss, batch)
                 groups = None if self.privacy_groups is None else self.privacy_groups[micro].to(self.device)
                 self.backend.backward(loss, privacy_groups=groups)
                 step_loss += loss.detach().sum()

@@ -42,11 +42,15 @@ without GPipe's overlap: the schedule changes the speed, not the released values
 The trainer (``torchrun ... -m dpexp.train distributed=pipeline distributed.split_at=[k]``) runs a stage
 through :class:`PipelineBackend`: every rank builds the whole model (the run's seed, rank 0's parameters),
 keeps the modules of its stage (:func:`stage_of`: the model's sequential view,
-:func:`dpexp.models.base.sequential_view`) and hands the task :class:`StageModel`, whose forward runs the
-whole pipeline (:meth:`PipelineStage.forward`): the last stage sends the model's output back to every other
-stage, so that every rank's task computes the same per-example losses and metrics, and the trainer's loop,
-evaluation and record are the single process' ones. Only the last stage backpropagates its losses; the others
-backpropagate the gradient they receive. Rank 0 (stage 0) writes the run record and the checkpoints, every
+:func:`dpexp.models.base.sequential_view`) and hands the task :class:`StageModel`, called as the model.
+Training (:meth:`PipelineBackend.per_example_loss`): every stage runs its part of the forward through the
+task's own call (:meth:`PipelineStage.run`), the last stage the task's loss on the model's output, and it
+sends the per-example losses, (b,) values, to every other stage (:meth:`PipelineStage.share_losses`): the
+output itself (B x T x V logits for a language model) never leaves the last stage. Evaluation: the forward
+runs the whole pipeline (:meth:`PipelineStage.forward`) and the last stage sends the model's output to every
+other stage, so that every rank's task computes the same metrics. The trainer's loop, evaluation and record
+are the single process' ones. Only the last stage backpropagates its losses; the others backpropagate the
+gradient they receive. Rank 0 (stage 0) writes the run record and the checkpoints, every
 stage's state gathered to it (:meth:`~dpexp.training.distributed.DataParallel.gather`); what a stage cannot
 honour is refused before training (:func:`check_pipeline_config`).
 
@@ -76,7 +80,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from dpexp.backends import TrainingBackend, check_per_example_loss, method_of
-from dpexp.backends.base import refuse_privacy_groups
+from dpexp.backends.base import LossFunction, refuse_privacy_groups
 from dpexp.config import ConfigError
 from dpexp.models.base import Chain, sequential_view
 from dpexp.privacy import PrivacyEngine, accounting
@@ -245,8 +249,8 @@ class PipelineStage:
         first stage, ``loss_fn`` (output -> per-example losses, shape (size,)) on the last; returns the
         losses there, None elsewhere. Dim 0 of every activation is the batch: refused unless it is
         ``size``. ``side``: the micro-batch's side inputs (an attention mask), which every stage is given
-        itself (every rank holds the batch) and passes to its modules. (The trainer's protocol,
-        :meth:`forward` then :meth:`backpropagate`, also returns the model's output on every stage.)"""
+        itself (every rank holds the batch) and passes to its modules. (The trainer's protocol is
+        :meth:`run`, :meth:`share_losses` then :meth:`backpropagate`.)"""
         if (inputs is None) == self.first or (loss_fn is None) == self.last:
             raise ValueError(
                 f"stage {self.stage}: the first stage takes inputs, the last loss_fn, no other stage either"
@@ -270,6 +274,27 @@ class PipelineStage:
                 self._send_activation(out.detach(), peer, "sending the model's output")
             return out
         return self._receive_activation(size, self.num_stages - 1, "receiving the model's output")
+
+    def run(self, size: int, inputs: torch.Tensor | None = None, **side: torch.Tensor) -> torch.Tensor | None:
+        """This stage's part of the model's forward for one micro-batch of ``size`` examples (the trainer's
+        training forward): ``inputs`` on stage 0; returns the model's output on the last stage, None on the
+        others, which get the per-example losses from :meth:`share_losses` instead of the output (B x T x V
+        logits for a language model); ``side``: as in :meth:`backward`. :meth:`backpropagate` follows."""
+        if (inputs is None) == self.first:
+            raise ValueError(f"stage {self.stage}: the first stage takes the inputs, no other stage does")
+        out = self._forward_stage(size, inputs, side)
+        return out if self.last else None
+
+    def share_losses(self, losses: torch.Tensor | None, size: int) -> torch.Tensor:
+        """The micro-batch's per-example losses (``size``,) on every stage: the last stage's ``losses`` sent
+        (detached) to every other stage, which passes None and receives them."""
+        if (losses is None) == self.last:
+            raise ValueError(f"stage {self.stage}: the last stage gives the losses, no other stage does")
+        if self.last:
+            for peer in range(self.num_stages - 1):
+                self._send_activation(losses.detach(), peer, "sending the per-example losses")
+            return losses
+        return self._receive_activation(size, self.num_stages - 1, "receiving the per-example losses")
 
     def backpropagate(self, losses: torch.Tensor | None = None) -> None:
         """Backward of the micro-batch of the last :meth:`forward` through this stage's engine: on the last
@@ -482,8 +507,10 @@ def stage_of(model: nn.Module, parallel: DataParallel) -> nn.Sequential:
 class StageModel(nn.Module):
     """The model as the task sees it on this stage: the stage's modules (with the model's names, so its
     parameters and ``state_dict`` are this stage's part of the model's), called as the model is; its forward
-    runs the whole pipeline and returns the model's output on every stage (:meth:`PipelineStage.forward`).
-    Tasks call the model once per batch. The stage's view maps the call (``Chain.pipeline_inputs``): one
+    runs the whole pipeline and returns the model's output on every stage (:meth:`PipelineStage.forward`),
+    or, with ``stage_only`` (the trainer's training forward, :meth:`PipelineBackend.per_example_loss`), this
+    stage's part: the output on the last stage, :class:`StageDone` raised on the others. Tasks call the model
+    once per batch. The stage's view maps the call (``Chain.pipeline_inputs``): one
     batch-first tensor (image models), or a causal LM's ``input_ids=..., attention_mask=...`` (the mask is a
     side input every stage takes from its own copy of the batch), and the output back (LMs: ``.logits``)."""
 
@@ -492,13 +519,28 @@ class StageModel(nn.Module):
         for name, child in stage.module.named_children():
             self.add_module(name, child)
         self.pipeline = stage  # not a module: the engine's root stays stage.module
+        self.stage_only = False  # the trainer's training forward: this stage's part (PipelineBackend)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         stage = self.pipeline
         view = stage.module if isinstance(stage.module, Chain) else Chain
         inputs, side = view.pipeline_inputs(*args, **kwargs)
-        out = stage.forward(inputs.shape[0], inputs if stage.first else None, **side)
+        size, first_inputs = inputs.shape[0], inputs if stage.first else None
+        if not self.stage_only:
+            return view.pipeline_output(stage.forward(size, first_inputs, **side))
+        out = stage.run(size, first_inputs, **side)
+        if out is None:  # not the last stage: nothing for the task to compute a loss from
+            raise StageDone(size)
         return view.pipeline_output(out)
+
+
+class StageDone(BaseException):  # BaseException: a task's `except Exception` does not catch it
+    """Raised by a :class:`StageModel` other than the last in its training forward, once its part of the
+    forward is done: the task's loss needs the model's output, which only the last stage has."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
 
     def train(self, mode: bool = True) -> StageModel:
         super().train(mode)
@@ -515,6 +557,22 @@ class PipelineBackend(TrainingBackend):
         self.stage = stage
         self.model = StageModel(stage)
         self.optimizer = stage.optimizer
+
+    def per_example_loss(self, loss_fn: LossFunction, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The task's per-example losses of the micro-batch on every stage: every stage runs its part of the
+        forward (the task's call, :class:`StageModel`), the last stage the task's loss on the output, and
+        sends the (b,) losses to the others; the model's output never leaves the last stage."""
+        self.model.stage_only = True
+        try:
+            losses, size = loss_fn(self.model, batch), None
+        except StageDone as done:
+            losses, size = None, done.size
+        finally:
+            self.model.stage_only = False
+        if losses is not None:
+            check_per_example_loss(losses)
+            size = losses.shape[0]
+        return self.stage.share_losses(losses, size)
 
     def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:
         refuse_privacy_groups("pipeline", privacy_groups)
