@@ -134,6 +134,30 @@ def test_index_reads_every_record_and_round_trips(tmp_path: Path) -> None:
     assert store.read_index(tmp_path / "index.jsonl") == json.loads(json.dumps(entries))
 
 
+def test_the_index_keeps_the_epsilon_of_every_accountant_as_a_metric(tmp_path: Path) -> None:
+    """Li et al. Table 7 prints a run's epsilon under GDP (CLT) and numerical composition beside its
+    metrics: the index offers epsilon_<accountant> like the task's metrics (infinite: not a number)."""
+    epsilon = {"rdp": 3.0, "prv": 2.6, "gdp": 2.3}
+    record = {
+        "metric_names": ["bleu"],
+        "bleu": 61.5,
+        "epsilon": epsilon,
+        "status": "completed",
+        "config": CONFIG,
+    }
+    _write_run(tmp_path / "dp", record)
+    _write_run(
+        tmp_path / "np", {**record, "epsilon": {"rdp": "Infinity", "prv": "Infinity", "gdp": "Infinity"}}
+    )
+    private, nonprivate = (store.scan(tmp_path)[i]["metrics"] for i in (0, 1))
+    assert private == {"bleu": 61.5, "epsilon_rdp": 3.0, "epsilon_prv": 2.6, "epsilon_gdp": 2.3}
+    assert math.isinf(nonprivate["epsilon_gdp"])
+    summary = store.summarize(
+        store.scan(tmp_path), store.config_key(CONFIG, with_seed=False), "epsilon_gdp", "?"
+    )
+    assert summary.stale == [2.3]  # the unknown code's run, kept apart; the infinite one left out
+
+
 def test_a_running_record_is_running_now_only_while_its_process_holds_the_lock(tmp_path: Path) -> None:
     run = _write_run(tmp_path / "r", {"status": "running", "config": CONFIG})
     (run / ".lock").touch()

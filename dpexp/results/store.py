@@ -128,7 +128,10 @@ def index_entry(run_dir: Path, record: Mapping[str, Any], root: Path | None = No
         "steps": record.get("steps"),
         "steps_done": record.get("steps_done"),
         "epochs": record.get("epochs"),
-        "metrics": {name: _number(record.get(name)) for name in record.get("metric_names", [])},
+        "metrics": {  # the task's metrics, and the run's epsilon under each accountant (epsilon_rdp, ...)
+            **{name: _number(record.get(name)) for name in record.get("metric_names", [])},
+            **{f"epsilon_{kind}": _number(value) for kind, value in epsilon.items()},
+        },
         "wall_time_s": record.get("wall_time_s"),
         "throughput_examples_per_s": record.get("throughput_examples_per_s"),
     }
@@ -202,7 +205,7 @@ def summarize(
             continue
         value = entry["metrics"].get(metric)
         if entry["source_hash"] != source_hash:
-            if entry["status"] == COMPLETED and value is not None:
+            if entry["status"] == COMPLETED and value is not None and math.isfinite(value):
                 summary.stale.append(value)
         elif entry["status"] != COMPLETED:
             summary.statuses[entry["status"]] += 1
