@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dpexp.bench import machine_info
+from dpexp.bench.machine import machine_info
 from dpexp.privacy.noise import (
     CPU_NOISE_CHUNK,
     NOISE_STREAMS,

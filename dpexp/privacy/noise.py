@@ -32,7 +32,7 @@ SECURE_SUMMANDS = 4  # k: Gaussians summed per secure value (Holohan & Braghin's
 # a step's CPU noise is drawn as this many independent streams, each from its own generator; fixed (not the
 # thread count), so that the noise of a seed is the same on every machine
 NOISE_STREAMS = 8
-PARALLEL_NOISE_MIN = 1 << 20  # values from which the streams are drawn in parallel threads
+PARALLEL_NOISE_MIN = 1 << 22  # values from which the streams are drawn in threads (below: a pool costs more)
 
 
 def allocation_weights(thresholds: torch.Tensor, dims: torch.Tensor, allocation: Allocation) -> torch.Tensor:
