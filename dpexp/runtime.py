@@ -3,6 +3,7 @@ a JSON record so that a reader never sees half of it, and which code version mak
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -88,6 +89,15 @@ def code_version(package: Path | None = None) -> dict[str, Any]:
         "commit": commit,
         "dirty": None if commit is None or status is None else bool(status),
     }
+
+
+@functools.cache
+def process_code_version() -> dict[str, Any]:
+    """The code version of this process: :func:`code_version` of the package when the process first asks
+    (the training entry point asks as it starts, before Hydra runs any job), not when a later run asks. A
+    multirun runs its jobs one after another in one process with the modules it imported at its start; a
+    file changed on disk meanwhile must not be credited to its later runs."""
+    return code_version()
 
 
 def _git(root: Path, *args: str) -> str | None:

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from dpexp.config import ConfigError
 from dpexp.privacy import accounting
-from dpexp.runtime import debug_requested, is_project_error, one_line
+from dpexp.runtime import debug_requested, is_project_error, one_line, process_code_version
 from dpexp.training.loop import run_training
 from dpexp.training.resume import resumed_config
 from dpexp.training.signals import RunInterrupted
@@ -131,6 +131,7 @@ def cli() -> None:
     """``python -m dpexp.train``: :func:`main`, then exit code 1 if a run failed with a project error (Hydra
     would add its own traceback hint to an exception it reports)."""
     REPORTED.clear()
+    process_code_version()  # the code this process runs: the files as it starts, before any job
     main()
     if REPORTED:
         sys.exit(1)

@@ -180,6 +180,19 @@ def test_a_value_json_cannot_hold_still_leaves_a_failed_record(compose_config, t
     assert data["odd"].startswith("<object object") and data["steps_done"] == 3
 
 
+def test_a_process_keeps_the_code_version_it_started_with(monkeypatch):
+    """A multirun's later jobs run the modules its process imported at the start: files changed on disk
+    since must not be credited to them (the version is taken once per process)."""
+    from dpexp import runtime
+
+    first = runtime.process_code_version()
+    monkeypatch.setattr(
+        runtime, "code_version", lambda: {"source_hash": "f" * 16, "commit": None, "dirty": True}
+    )
+    assert runtime.code_version()["source_hash"] == "f" * 16  # the files on disk "changed"
+    assert runtime.process_code_version() == first  # the process' code did not
+
+
 def test_record_keeps_the_code_version_that_started_it_and_each_other_that_resumed_it(
     compose_config, tmp_path, monkeypatch
 ):
@@ -195,7 +208,7 @@ def test_record_keeps_the_code_version_that_started_it_and_each_other_that_resum
         run_training(cfg, tmp_path, resume=True)
     assert "resumed_by_code" not in _read(tmp_path)
     other = {"source_hash": "0" * 16, "commit": None, "dirty": None}
-    monkeypatch.setattr(loop, "code_version", lambda: other)
+    monkeypatch.setattr(loop, "process_code_version", lambda: other)
     with pytest.raises(FileNotFoundError):
         run_training(cfg, tmp_path, resume=True)
     data = _read(tmp_path)

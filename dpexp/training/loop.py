@@ -40,7 +40,7 @@ from dpexp.backends import build_backend
 from dpexp.config import ConfigError, check_config
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
-from dpexp.runtime import code_version, resolve_device
+from dpexp.runtime import process_code_version, resolve_device
 from dpexp.tasks.base import Task
 from dpexp.training.budget import PrivacyBudget, accounting_limits
 from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
@@ -118,15 +118,15 @@ def run_training(
     (``cfg`` is its config: :func:`dpexp.training.resume.load_run_config`) from its latest checkpoint, or from
     the start if it has none. A new run refuses a directory that holds another run's record. If the run fails,
     diverges or is interrupted, the record says so and the exception is re-raised. The record keeps the
-    ``code_version`` (:func:`dpexp.runtime.code_version`) that started the run; a resume by other code is
-    appended to ``resumed_by_code``.
+    ``code_version`` of the process that started the run (:func:`dpexp.runtime.process_code_version`); a
+    resume by other code is appended to ``resumed_by_code``.
     """
     started = time.perf_counter()
     with InterruptGuard() as guard:
         parallel = start_data_parallel(cfg.get("distributed"), resolve_device(cfg.device))
         writer = parallel is None or parallel.rank == 0  # only rank 0 writes the record and checkpoints
         try:
-            code = code_version()
+            code = process_code_version()
             if resume:
                 record = RunRecord.reopen(output_dir, writer=writer)
                 if record.data.get("code_version", {}).get("source_hash") != code["source_hash"]:
