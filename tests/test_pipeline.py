@@ -625,12 +625,6 @@ GPT2_C = 0.05  # both stages' examples clipped
 LM_TARGETS = {"gpt2": ("c_attn",), "llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj")}
 
 
-def _gpt2(lora: bool = True, tie: bool = True, impl: str = "sdpa", dtype=torch.float32) -> nn.Module:
-    """A random 3-layer GPT-2 without dropout (the same forward in every process), LoRA on c_attn with B
-    moved off zero (so that every adapter has a gradient and the view's LoRA path counts)."""
-    return _lm("gpt2", lora=lora, tie=tie, impl=impl, dtype=dtype)
-
-
 def _lm(arch: str, lora: bool = True, tie: bool = True, impl: str = "sdpa", dtype=torch.float32) -> nn.Module:
     """A random 3-layer causal LM without dropout (the same forward in every process), vocabulary 50: GPT-2,
     Llama (grouped-query attention, rotary) or Qwen2 with a sliding window of 4 tokens on layers 1 and 2
@@ -837,11 +831,11 @@ def test_a_trainable_tied_weight_across_stages_is_refused():
     import dpexp.models.sequential  # noqa: F401
 
     with pytest.raises(ConfigError, match=r"tie_word_embeddings=false\) or train LoRA") as info:
-        split_stages(sequential_view(_gpt2(lora=False)), GPT2_SPLIT)
+        split_stages(sequential_view(_lm("gpt2", lora=False)), GPT2_SPLIT)
     message = str(info.value)
     assert "\n" not in message and "embed.wte.weight of stage 0 is head.lm_head.weight" in message
-    assert len(split_stages(sequential_view(_gpt2(lora=False, tie=False)), GPT2_SPLIT)) == 2
-    assert len(split_stages(sequential_view(_gpt2(lora=True)), GPT2_SPLIT)) == 2
+    assert len(split_stages(sequential_view(_lm("gpt2", lora=False, tie=False)), GPT2_SPLIT)) == 2
+    assert len(split_stages(sequential_view(_lm("gpt2", lora=True)), GPT2_SPLIT)) == 2
 
 
 E2E_LORA_RUN = [

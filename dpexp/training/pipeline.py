@@ -564,15 +564,13 @@ class PipelineBackend(TrainingBackend):
         sends the (b,) losses to the others; the model's output never leaves the last stage."""
         self.model.stage_only = True
         try:
-            losses, size = loss_fn(self.model, batch), None
+            losses = loss_fn(self.model, batch)
         except StageDone as done:
-            losses, size = None, done.size
+            return self.stage.share_losses(None, done.size)
         finally:
             self.model.stage_only = False
-        if losses is not None:
-            check_per_example_loss(losses)
-            size = losses.shape[0]
-        return self.stage.share_losses(losses, size)
+        check_per_example_loss(losses)
+        return self.stage.share_losses(losses, losses.shape[0])
 
     def backward(self, per_example_loss: torch.Tensor, privacy_groups: torch.Tensor | None = None) -> None:
         refuse_privacy_groups("pipeline", privacy_groups)
