@@ -120,6 +120,12 @@ class CheckpointSchema:
 
 
 @dataclass
+class ParametersSchema:
+    train: list[str] | None = MISSING
+    freeze: list[str] = MISSING
+
+
+@dataclass
 class Schema:
     """Types of ``conf/config.yaml``; the values and their documentation live in the YAML."""
 
@@ -148,6 +154,7 @@ class Schema:
     data: DataSchema = field(default_factory=DataSchema)
     output: OutputSchema = field(default_factory=OutputSchema)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    parameters: ParametersSchema = field(default_factory=ParametersSchema)
     resume: str | None = MISSING
     debug: bool = MISSING
     audit: Any = None  # set by python -m dpexp.audit (conf/audit/*.yaml); refused by python -m dpexp.train

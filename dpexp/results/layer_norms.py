@@ -38,6 +38,7 @@ from dpexp.privacy.capture import discover_layers, parameter_layout
 from dpexp.privacy.grouping import group_label, partition
 from dpexp.training.checkpoint import CheckpointPolicy, checkpoint_path, load_checkpoint
 from dpexp.training.loop import instantiate  # the trainer's own construction of a task and a model
+from dpexp.training.parameters import select_trained
 from dpexp.training.record import METRICS_FILE
 
 PerExampleLoss = Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]  # (model, batch) -> (b,)
@@ -151,6 +152,8 @@ def checkpoint_norms(run_dir: str | Path, examples: int = 32, seed: int = 0) -> 
     factory = instantiate(cfg.model, "model")
     task.setup(factory)
     model = factory.build(task.info)
+    trained = cfg.get("parameters") or {}  # the layers the run trained (a record older than the key: all)
+    select_trained(model, trained.get("train"), trained.get("freeze", []))
     dataset = task.train_dataset
     indices = sample_examples(len(dataset), examples, seed)
     chosen = [dataset[i] for i in indices]

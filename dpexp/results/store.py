@@ -38,6 +38,9 @@ from dpexp.training.resume import RUNTIME_KEYS
 # and reads its files and how often the progress bar reports.
 RUN_LOCAL_KEYS = (*RUNTIME_KEYS, "output", "data.root", "log_every")
 KEPT_CHECKPOINTS = ("checkpoint", "at_epochs")  # a run-local key that, when set, is part of the run key
+# keys added after records existed, left out of the run key while they hold these values (what a record
+# without them did), so older records keep their key
+LATER_DEFAULTS: dict[str, Any] = {"parameters": {"train": None, "freeze": []}}
 INDEX_FILE = "index.jsonl"
 UNKNOWN_CODE = "unknown"  # source_hash of a record written before records stored their code version
 
@@ -57,14 +60,18 @@ def strip_keys(config: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]
 
 def config_key(config: Mapping[str, Any], *, with_seed: bool = True) -> str:
     """sha256 (16 hex digits) of the resolved ``config`` without :data:`RUN_LOCAL_KEYS` (and ``seed`` unless
-    ``with_seed``) but with ``checkpoint.at_epochs`` if set, serialised with sorted keys: equal for configs
-    that compute the same run and keep the same checkpoints."""
+    ``with_seed``) but with ``checkpoint.at_epochs`` if set, and without the :data:`LATER_DEFAULTS` keys at
+    their defaults, serialised with sorted keys: equal for configs that compute the same run and keep the
+    same checkpoints."""
     dropped = RUN_LOCAL_KEYS if with_seed else (*RUN_LOCAL_KEYS, "seed")
     kept = strip_keys(config, dropped)
     group, key = KEPT_CHECKPOINTS
     at_epochs = (config.get(group) or {}).get(key)
     if at_epochs:  # null or [] (no kept checkpoints) leaves the key as it was before the option existed
         kept[group] = {key: at_epochs}
+    for later, default in LATER_DEFAULTS.items():
+        if kept.get(later) == default:
+            del kept[later]
     text = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

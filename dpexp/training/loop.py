@@ -54,6 +54,7 @@ from dpexp.training.optim import (
     effective_lr,
     optimizer_report,
 )
+from dpexp.training.parameters import select_trained
 from dpexp.training.pipeline import (
     build_pipeline_backend,
     check_pipeline_config,
@@ -239,6 +240,7 @@ class _Run:
         factory: ModelFactory = instantiate(cfg.model, "model")
         self.task.setup(factory)
         self.model = factory.build(self.task.info).to(self.device)
+        trained = select_trained(self.model, cfg.parameters.train, cfg.parameters.freeze)
         if self.parallel is not None:
             self.parallel.broadcast_module(self.model)
         if self.sharded:  # every rank keeps its shard of rank 0's parameters (FSDP2)
@@ -268,7 +270,12 @@ class _Run:
             "optim": cfg.optim.name,
         }
         names.update({k: v for k, v in self.choices.items() if k in names})
-        fields = {**names, **asdict(self.plan), "epsilon_kind": dict(accounting.EPSILON_KINDS)}
+        fields = {
+            **names,
+            **asdict(self.plan),
+            **trained.record(),
+            "epsilon_kind": dict(accounting.EPSILON_KINDS),
+        }
         tokenizer = factory.tokenizer_record()
         if tokenizer is not None:  # where the vocabulary came from, and whether it saw the training data
             fields["tokenizer"] = tokenizer

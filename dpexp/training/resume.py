@@ -38,7 +38,9 @@ def load_run_config(run_dir: str | os.PathLike) -> DictConfig:
 
 def resumed_config(run_dir: str | os.PathLike, cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     """The config of the run in ``run_dir`` with the runtime keys that the command line set (``overrides``:
-    Hydra's ``key=value`` strings) taken from ``cfg``, the composed config; other overrides are refused."""
+    Hydra's ``key=value`` strings) taken from ``cfg``, the composed config; other overrides are refused.
+    Top-level keys the run's config lacks (added to dpexp after it started) take their defaults from
+    ``cfg``."""
     saved = load_run_config(run_dir)
     keys = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
     refused = [key for key in keys if not _is_runtime(key)]
@@ -50,6 +52,8 @@ def resumed_config(run_dir: str | os.PathLike, cfg: DictConfig, overrides: Seque
     for key in keys:
         if key != "resume":
             OmegaConf.update(saved, key, OmegaConf.select(cfg, key), force_add=True)
+    for key in set(cfg) - set(saved):  # a top-level key added since the run started: its default did the same
+        saved[key] = cfg[key]
     return saved
 
 
