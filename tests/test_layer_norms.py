@@ -143,3 +143,15 @@ def test_layer_norm_figure_refuses_norms_of_the_wrong_shape(tmp_path: Path) -> N
             norms, ["epoch 0", "epoch 1"], ["a", "b"], ["x", "y", "z"], tmp_path / "f.png", "t", "c"
         )
     assert not tables.layer_norm_figure([], [], ["a"], ["x"], tmp_path / "f.png", "t", "c")
+
+
+def test_the_norms_of_a_run_that_froze_layers_are_those_of_the_layers_it_trained(tmp_path: Path) -> None:
+    """The model is rebuilt with the run's ``parameters`` selection: its frozen first convolution and norm
+    have no row, the layers it trained keep theirs."""
+    overrides = ["epochs=1", "batch_size=479", "physical_batch_size=479", "progress=false", "eval_every=null",
+                 "checkpoint.at_epochs=[0,1]", "parameters.freeze=['0.*','1.*']"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    run_training(cfg, tmp_path)
+    kept = layer_norms.checkpoint_norms(tmp_path, examples=4)
+    assert kept.layers == ["0 3", "1 4", "2 7"] and all(n.shape == (4, 3) for n in kept.norms)
