@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from dpexp.config import ConfigError
@@ -129,8 +130,6 @@ def test_an_unmatched_pattern_fails_the_run_before_training(compose_config, tmp_
 def test_the_default_selection_keeps_older_records_keys(compose_config):
     """Records made before the key existed have no ``parameters``: the default selection hashes as they do,
     any other selection does not."""
-    from omegaconf import OmegaConf
-
     config = OmegaConf.to_container(compose_config(list(TINY_RUN)), resolve=True)
     older = {k: v for k, v in config.items() if k != "parameters"}
     assert config_key(config) == config_key(older)
@@ -139,8 +138,6 @@ def test_the_default_selection_keeps_older_records_keys(compose_config):
 
 
 def test_resuming_a_record_without_the_key_takes_its_default(compose_config, tmp_path):
-    from omegaconf import OmegaConf
-
     cfg = compose_config(list(TINY_RUN))
     recorded = OmegaConf.to_container(cfg, resolve=True)
     del recorded["parameters"]
