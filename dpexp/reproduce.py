@@ -10,9 +10,10 @@ The first form runs the experiment's grid (``conf/experiment/<name>.yaml`` at ``
 of ``python -m dpexp.train``: a run already completed (same resolved config hash, same code version) is
 skipped; an interrupted, failed or killed one of the same config and code is continued from its checkpoint
 (``resume=<run dir>``); a diverged one, or one another process is running, is reported and left alone;
-the rest are launched. ``rows=`` / ``columns=`` (the table's row and column keys, comma-separated) run
-only the points of those cells, e.g. one row of a table whose runs take hours; the table is rendered whole
-(cells not run say so). Runs go to ``<runs>/<experiment>/<scale>/<values>-<config hash>-<code hash>/``.
+the rest are launched. ``dry_run=true`` prints that plan and writes nothing. ``rows=`` / ``columns=`` (the
+table's row and column keys, comma-separated) run only the points of those cells, e.g. one row of a table
+whose runs take hours; the table is rendered whole (cells not run say so). Runs go to
+``<runs>/<experiment>/<scale>/<values>-<config hash>-<code hash>/``.
 Then the store is re-indexed (``<out>/index.jsonl``) and the table rendered (``<out>/tables/<experiment>_
 <scale>.md`` and ``.tex``, ``<out>/figures/<experiment>_<scale>_epsilon.png``; with ``curves``,
 ``_curves.png`` (against epsilon), ``_time.png``, ``_epochs.png``; with ``layer_norms``,
@@ -172,10 +173,12 @@ def execute(
         _multirun([f"resume={dirs}", f"hydra.sweep.dir={(sweep_dir / '.resume').resolve()}", *launch])
 
 
-def index(runs: Path, out: Path) -> list[dict[str, Any]]:
-    """Re-index every record under ``runs`` into ``out/index.jsonl``; the entries."""
+def index(runs: Path, out: Path | None) -> list[dict[str, Any]]:
+    """Every record under ``runs``, re-indexed into ``out/index.jsonl`` (``out`` None: read only, as a dry
+    run, which writes nothing)."""
     entries = store.scan(runs) if runs.is_dir() else []
-    store.write_index(entries, out / store.INDEX_FILE)
+    if out is not None:
+        store.write_index(entries, out / store.INDEX_FILE)
     return entries
 
 
@@ -213,7 +216,8 @@ def render(
 
 
 def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
-    """Run (or plan, with dry_run) one experiment at one scale and render its table; the exit status."""
+    """Run one experiment at one scale and render its table (dry_run: print the plan, write nothing); the
+    exit status."""
     name, scale = options["experiment"], options["scale"]
     if name is None or scale is None:
         raise ConfigError(
@@ -227,7 +231,8 @@ def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
     run_keys = {p: store.config_key(experiments.resolved(c)) for p, c in configs.items()}
     runs, out = Path(options["runs"]), Path(options["out"])
     source = code_version()
-    plan = plan_runs(points, run_keys, index(runs, out), source["source_hash"])
+    dry_run = options["dry_run"] == "true"
+    plan = plan_runs(points, run_keys, index(runs, None if dry_run else out), source["source_hash"])
     chosen = "" if options["rows"] is None and options["columns"] is None else " selected"
     print(
         f"{name} (scale={scale}): {len(points)}{chosen} runs: {len(plan.skip)} complete (skipped), "
@@ -235,7 +240,7 @@ def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
     )
     for point, status in plan.blocked:
         print(f"  {point.label}: {status}; left alone", file=sys.stderr)
-    if options["dry_run"] == "true":
+    if dry_run:
         for point in plan.launch:
             print("  launch: " + " ".join(point.overrides))
         for _, run_dir in plan.resume:

@@ -121,3 +121,17 @@ def test_rows_and_columns_select_the_runs_of_those_cells(tiny_experiment: Path, 
     assert [e["clip"] for e in store.read_index(out / store.INDEX_FILE)] == ["nonprivate"]
     table = (out / "tables" / "tiny_offline.md").read_text()
     assert "| Flat clipping, fixed | not run |" in table
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_experiment: Path, monkeypatch, capsys) -> None:
+    """dry_run=true reads the store and prints what it would launch; it launches, indexes, renders nothing."""
+    monkeypatch.setattr(reproduce, "_multirun", lambda overrides: pytest.fail(f"launched {overrides}"))
+    runs, out = tiny_experiment / "runs", tiny_experiment / "results"
+    runs.mkdir()
+    arguments = ["experiment=tiny", "scale=offline", f"runs={runs}", f"out={out}", "dry_run=true"]
+    assert reproduce.main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "2 runs: 0 complete (skipped), 0 to resume, 2 to launch" in printed
+    launches = [line for line in printed.splitlines() if line.startswith("  launch: ")]
+    assert len(launches) == 2 and any("clip=bk" in line for line in launches)
+    assert not out.exists() and not any(runs.iterdir())
