@@ -345,6 +345,26 @@ def deberta_v2(
     return DebertaV2ForSequenceClassification(config).double().eval()
 
 
+def bert_mean_pool() -> nn.Module:
+    """A BERT encoder without its pooler under dpexp's masked-mean head (model.pooling=mean)."""
+    from transformers import BertConfig, BertModel
+
+    from dpexp.models.hf_encoder import MeanPoolClassifier
+
+    config = BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=24,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=1,
+    )
+    return MeanPoolClassifier(BertModel(config, add_pooling_layer=False), 2, dropout=0.0).double().eval()
+
+
 def distilbert() -> nn.Module:
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
@@ -433,6 +453,7 @@ NEW_CASES = [
     "llama_tied",
     "llama_untied",
     "distilbert",
+    "bert_mean_pool",  # masked mean over tokens: padded positions must not reach the logits
     "t5_len_eq_batch",
     "t5_len_ne_batch",
     "time_major_len_eq_batch",
@@ -482,11 +503,12 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             engine_models._padded_text(size, 8, 32, gen),
             {"padding": LM_PADDING},
         )
-    if name == "distilbert":
+    if name in ("distilbert", "bert_mean_pool"):
         batch = engine_models._padded_text(size, 8, 32, gen)
         batch["labels"] = _labels(gen, size, 2)
         info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
-        return distilbert(), engine_models.seq_classification_loss, batch, info
+        model = distilbert() if name == "distilbert" else bert_mean_pool()
+        return model, engine_models.seq_classification_loss, batch, info
     if name.startswith("t5"):
         source = engine_models._padded_text(size, length, 32, gen)
         source["input_ids"] = source["input_ids"].masked_fill(source["attention_mask"] == 0, 0)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from dpexp.models.base import TaskInfo
-from dpexp.models.hf_encoder import HFEncoderFactory, MaskedLMInfilling, resolve_location
+from dpexp.models.hf_encoder import HFEncoderFactory, MaskedLMInfilling, MeanPoolClassifier, resolve_location
 from tests.encoder_configs import MINILM, TINY_ROBERTA
 
 
@@ -109,3 +109,41 @@ def test_unreachable_weights_explain_the_offline_options(
     factory = HFEncoderFactory("roberta_base", weights=str(tmp_path / "missing"))
     with pytest.raises(OSError, match="model=minilm"):
         factory.tokenizer()
+
+
+def test_mean_pooling_reads_the_attended_tokens_only_and_drops_the_unused_pooler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = HFEncoderFactory("minilm", weights=MINILM, pooling="mean").build(text_info(num_labels=2))
+    assert isinstance(model, MeanPoolClassifier)
+    assert not any("pooler" in name for name, _ in model.named_parameters())
+    checkpoint = load_file(Path(resolve_location(MINILM)) / "model.safetensors")
+    torch.testing.assert_close(
+        model.encoder.embeddings.word_embeddings.weight, checkpoint["embeddings.word_embeddings.weight"]
+    )
+    model.eval()
+    batch = random_batch()
+    logits = model(**batch).logits
+    hidden = model.encoder(**batch).last_hidden_state
+    torch.testing.assert_close(logits[0], model.classifier(hidden[0, :6].mean(dim=0)))
+    torch.testing.assert_close(logits[1], model.classifier(hidden[1].mean(dim=0)))
+    # example 0 alone, without its padding, gets the same logits
+    alone = model(input_ids=batch["input_ids"][:1, :6], attention_mask=batch["attention_mask"][:1, :6]).logits
+    torch.testing.assert_close(alone[0], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_mean_pooling_on_a_random_encoder_trains_every_parameter() -> None:
+    factory = HFEncoderFactory("roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA, pooling="mean")
+    model = factory.build(text_info(num_labels=2, max_length=12))
+    F.cross_entropy(model(**random_batch(length=12)).logits, torch.tensor([0, 1, 1])).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_bad_pooling_is_refused_naming_the_key_and_infilling_has_no_head_to_pool() -> None:
+    with pytest.raises(ValueError, match=r"model\.pooling='cls' is not one of first, mean"):
+        HFEncoderFactory("minilm", weights=MINILM, pooling="cls")
+    factory = HFEncoderFactory("roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA, pooling="mean")
+    assert isinstance(
+        factory.build(text_info(objective="infilling")), MaskedLMInfilling
+    )  # no head to pool for

@@ -1,7 +1,9 @@
 """Hugging Face encoders (RoBERTa, BERT/MiniLM) for text classification and text infilling.
 
 * classification: ``AutoModelForSequenceClassification`` (the standard head on the first token, as He et al.
-  2023, sec. 5.2), dropout 0.1 (their Table 8);
+  2023, sec. 5.2), dropout 0.1 (their Table 8); or, with ``pooling="mean"``, a linear head on the mean of the
+  last hidden states over the attended tokens (:class:`MeanPoolClassifier`), the pooling a sentence encoder
+  such as all-MiniLM-L6-v2 was trained with (Reimers & Gurevych 2019, sec. 3);
 * infilling (Li et al. 2022, sec. 3.2): the masked-LM model, evaluated only at the mask position
   (:class:`MaskedLMInfilling`); the task picks the label words' logits.
 
@@ -25,11 +27,13 @@ import torch
 from torch import nn
 from transformers import (
     AutoConfig,
+    AutoModel,
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
 )
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 from dpexp.models.base import ModelFactory, TaskInfo, models_for
 
@@ -95,6 +99,39 @@ class MaskedLMInfilling(nn.Module):
         return self.head(hidden[rows, mask_positions])
 
 
+class MeanPoolClassifier(nn.Module):
+    """A linear classifier on the masked mean of an encoder's last hidden states.
+
+    ``forward(input_ids (B, T), attention_mask (B, T), token_type_ids=None)`` returns logits (B, K) as
+    ``.logits``: ``pooled_b = sum_t m_bt h_bt / sum_t m_bt`` over the attended tokens (m = attention mask),
+    then dropout and ``classifier`` (K x H). Each example's logits depend on its own row only. The encoder is
+    built without its first-token pooler, so every parameter is used.
+    """
+
+    def __init__(self, encoder: PreTrainedModel, num_labels: int, dropout: float) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.config = encoder.config
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
+        encoder._init_weights(self.classifier)  # the encoder's own initialisation of a new linear layer
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> SequenceClassifierOutput:
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
+        return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))
+
+
+POOLINGS = ("first", "mean")
+
+
 class HFEncoderFactory(ModelFactory):
     """Encoder classifiers and infilling models from Hugging Face ``transformers``.
 
@@ -104,6 +141,9 @@ class HFEncoderFactory(ModelFactory):
         tokenizer: where the tokenizer comes from (same forms); defaults to ``weights``.
         architecture: config keys for random init (``model_type`` plus sizes); only without ``weights``.
         dropout: hidden and attention dropout (He et al. 2023, Table 8: 0.1).
+        pooling: what the classification head reads: ``first``, Hugging Face's head on the first token (He et
+            al. 2023, sec. 5.2), or ``mean``, :class:`MeanPoolClassifier` (a sentence encoder's own pooling).
+            The infilling objective has no classification head: it reads the mask position either way.
     """
 
     def __init__(
@@ -113,6 +153,7 @@ class HFEncoderFactory(ModelFactory):
         tokenizer: str | None = None,
         architecture: dict[str, Any] | None = None,
         dropout: float = 0.1,
+        pooling: str = "first",
     ) -> None:
         if (weights is None) == (architecture is None):
             raise ValueError(
@@ -124,7 +165,12 @@ class HFEncoderFactory(ModelFactory):
         self.weights = weights
         self.tokenizer_location = tokenizer or weights
         self.architecture = dict(architecture or {})
+        if pooling not in POOLINGS:
+            raise ValueError(
+                f"model.pooling={pooling!r} is not one of {', '.join(POOLINGS)}; set one of those."
+            )
         self.dropout = dropout
+        self.pooling = pooling
         self._tokenizer: Any = None
 
     def tokenizer(self, corpus: Sequence[str] | None = None) -> Any:
@@ -148,16 +194,32 @@ class HFEncoderFactory(ModelFactory):
         infilling = info.objective == "infilling"
         model = self._pretrained(info, infilling) if self.weights else self._random(info, infilling)
         self._check_fits(model.config, info)
-        return MaskedLMInfilling(model) if infilling else model
+        if infilling:
+            return MaskedLMInfilling(model)
+        if self.pooling == "mean":
+            return MeanPoolClassifier(model, info.num_labels, self.dropout)
+        return model
+
+    def _auto(self, infilling: bool) -> Any:
+        """The auto class: masked LM, the encoder alone (mean pooling) or the first-token classifier."""
+        if infilling:
+            return AutoModelForMaskedLM
+        return AutoModel if self.pooling == "mean" else AutoModelForSequenceClassification
+
+    def _head_kwargs(self, info: TaskInfo, infilling: bool) -> dict[str, Any]:
+        if infilling:
+            return {}
+        if self.pooling == "mean":
+            return {"add_pooling_layer": False}  # the first-token pooler would be a parameter never used
+        return {"num_labels": info.num_labels}
 
     def _pretrained(self, info: TaskInfo, infilling: bool) -> PreTrainedModel:
         location = resolve_location(self.weights)
         kwargs = {"hidden_dropout_prob": self.dropout, "attention_probs_dropout_prob": self.dropout}
-        if not infilling:
-            kwargs["num_labels"] = info.num_labels
-        auto = AutoModelForMaskedLM if infilling else AutoModelForSequenceClassification
         try:
-            return auto.from_pretrained(location, dtype=torch.float32, **kwargs)
+            return self._auto(infilling).from_pretrained(
+                location, dtype=torch.float32, **kwargs, **self._head_kwargs(info, infilling)
+            )
         except OSError as err:
             raise OSError(self._load_hint("weights", location, err)) from err
 
@@ -179,8 +241,9 @@ class HFEncoderFactory(ModelFactory):
             num_labels=info.num_labels,
             **settings,
         )
-        auto = AutoModelForMaskedLM if infilling else AutoModelForSequenceClassification
-        return auto.from_config(config)
+        kwargs = self._head_kwargs(info, infilling)
+        kwargs.pop("num_labels", None)  # already in the config
+        return self._auto(infilling).from_config(config, **kwargs)
 
     def _check_fits(self, config: Any, info: TaskInfo) -> None:
         if info.vocab_size > config.vocab_size:
