@@ -346,23 +346,15 @@ def deberta_v2(
 
 
 def bert_mean_pool() -> nn.Module:
-    """A BERT encoder without its pooler under dpexp's masked-mean head (model.pooling=mean)."""
+    """The engine tests' BERT encoder without its pooler, under the masked-mean head (model.pooling=mean)."""
     from transformers import BertConfig, BertModel
 
     from dpexp.models.hf_encoder import MeanPoolClassifier
 
-    config = BertConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=24,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=1,
+    encoder = engine_models._encoder(
+        BertConfig, lambda config: BertModel(config, add_pooling_layer=False), num_labels=2
     )
-    return MeanPoolClassifier(BertModel(config, add_pooling_layer=False), 2, dropout=0.0).double().eval()
+    return MeanPoolClassifier(encoder, 2, dropout=0.0).double().eval()
 
 
 def distilbert() -> nn.Module:
