@@ -4,6 +4,8 @@ key to raise; PRV at a huge epsilon is reported as failed instead of taking the 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import warnings
 
@@ -39,6 +41,29 @@ def test_a_call_returns_its_value_raises_its_error_and_re_emits_its_warnings():
             calls(refuse, "no way", what="refusal")
         with pytest.warns(UserWarning, match="careful"):
             assert calls(warn_and_return, 3, what="warning") == 3
+
+
+def signal_self_then_return(signum: int, value: int) -> int:
+    os.kill(os.getpid(), signum)
+    time.sleep(0.2)  # a signal that ends the process has done so by now
+    return value
+
+
+def test_the_signals_that_stop_a_run_leave_the_child_serving_and_other_deaths_are_explained():
+    with BoundedCalls(LIMITS) as calls:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # they reach the whole process group
+            assert calls(signal_self_then_return, signum, 7, what="accounting") == 7
+        with pytest.raises(
+            LimitExceeded, match=r"^accounting: its process was stopped by signal SIGUSR1 from"
+        ):
+            calls(signal_self_then_return, signal.SIGUSR1, 7, what="accounting")
+        with pytest.raises(
+            LimitExceeded,
+            match=r"accounting: its process died \(signal SIGKILL\), most likely out of memory; lower the "
+            r"demand or raise privacy\.accounting_memory_gib",
+        ):
+            calls(signal_self_then_return, signal.SIGKILL, 7, what="accounting")
+        assert calls(signal_self_then_return, signal.SIGTERM, 8, what="accounting") == 8  # forked again
 
 
 def test_memory_and_time_beyond_the_limits_are_refused_naming_the_key():

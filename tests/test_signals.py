@@ -23,7 +23,7 @@ ARGS = ("eval_every=5", "checkpoint.every=4", "progress=false", "batch_size=32",
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _start(run_dir: Path, *args: str) -> subprocess.Popen:
+def _start(run_dir: Path, *args: str, own_group: bool = False) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "dpexp.train", *ARGS, *args, f"hydra.run.dir={run_dir}"],
         cwd=REPO_ROOT,
@@ -31,6 +31,7 @@ def _start(run_dir: Path, *args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=own_group,
     )
 
 
@@ -47,11 +48,13 @@ def _record(run_dir: Path) -> dict:
 
 
 def test_sigterm_and_sigint_stop_the_run_at_a_step_with_a_checkpoint(tmp_path):
+    """Each signal goes to the run's whole process group, as Ctrl-C or a scheduler's preemption sends it: the
+    accountant's child process gets it too, and the record still holds every accountant's epsilon."""
     runs = {signum: tmp_path / signum.name for signum in (signal.SIGTERM, signal.SIGINT)}
-    processes = {signum: _start(run_dir, "steps=500") for signum, run_dir in runs.items()}
+    processes = {signum: _start(run_dir, "steps=500", own_group=True) for signum, run_dir in runs.items()}
     for signum, process in processes.items():
         _wait_until(lambda run_dir=runs[signum]: bool(checkpoints(run_dir)), process)
-        process.send_signal(signum)
+        os.killpg(process.pid, signum)
     for signum, process in processes.items():
         _, err = process.communicate(timeout=120)
         assert process.returncode == 128 + signum, err

@@ -6,7 +6,9 @@ One child is forked on first use and serves the calls that follow (a fork of a p
 costs tens of milliseconds); its address space may grow by at most the memory limit, and a call that
 overruns its time is killed with the child, which is forked again for the next call. The child also ends by
 itself when its parent is gone (even one killed by SIGKILL: the child then holds no pipe or terminal of its
-own for long). Warnings the call emits are re-emitted in the caller.
+own for long). The child ignores SIGINT, SIGTERM and SIGHUP: they reach a whole process group (Ctrl-C, a
+scheduler's preemption), and the parent, which decides, still needs the child to account the steps taken.
+Warnings the call emits are re-emitted in the caller.
 """
 
 from __future__ import annotations
@@ -67,12 +69,7 @@ class BoundedCalls:
             self._conn.send((fn, args, kwargs))
             answer = self._conn.recv() if self._conn.poll(self.limits.timeout_s) else None
         except (EOFError, BrokenPipeError):
-            code = self._stop()
-            died = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
-            raise LimitExceeded(
-                f"{what}: its process died ({died}), most likely out of memory; lower the demand or raise "
-                f"{self.limits.memory_key}."
-            ) from None
+            raise LimitExceeded(f"{what}: {_death(self._stop(), self.limits.memory_key)}") from None
         except BaseException:  # an interrupt while waiting: the child's answer would be out of step
             self._stop()
             raise
@@ -121,12 +118,26 @@ class BoundedCalls:
         return process.exitcode
 
 
+def _death(code: int | None, memory_key: str) -> str:
+    """Why the child died, from its exit code: a SIGKILL is most likely the kernel's out-of-memory killer."""
+    if code is not None and code < 0:
+        signum = signal.Signals(-code)
+        if signum != signal.SIGKILL:
+            return f"its process was stopped by signal {signum.name} from outside; run it again."
+        died = f"signal {signum.name}"
+    else:
+        died = f"exit {code}"
+    return f"its process died ({died}), most likely out of memory; lower the demand or raise {memory_key}."
+
+
 def _serve(conn: Any, parents_end: Any, memory_bytes: int, timeout_s: float) -> None:
     """The child: answer calls until the parent's end of the pipe closes (the parent closed it, or died)."""
     parents_end.close()  # or the pipe would never report the parent's end closed
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
-    for signum in (signal.SIGTERM, signal.SIGALRM):
-        signal.signal(signum, signal.SIG_DFL)
+    # Ctrl-C, a scheduler's preemption (Slurm signals every process of a job step) and `kill -- -pgid` reach
+    # the whole process group: the parent decides, and still needs this child to account the steps it took
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
     _limit_address_space(memory_bytes)
     while True:
         try:
