@@ -111,7 +111,6 @@ class MeanPoolClassifier(nn.Module):
     def __init__(self, encoder: PreTrainedModel, num_labels: int, dropout: float) -> None:
         super().__init__()
         self.encoder = encoder
-        self.config = encoder.config
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
         encoder._init_weights(self.classifier)  # the encoder's own initialisation of a new linear layer
@@ -200,26 +199,23 @@ class HFEncoderFactory(ModelFactory):
             return MeanPoolClassifier(model, info.num_labels, self.dropout)
         return model
 
-    def _auto(self, infilling: bool) -> Any:
-        """The auto class: masked LM, the encoder alone (mean pooling) or the first-token classifier."""
+    def _auto(self, infilling: bool) -> tuple[Any, dict[str, Any]]:
+        """The auto class to build and its model arguments: the masked LM, the encoder alone (mean pooling;
+        without the first-token pooler, a parameter never used) or the first-token classifier."""
         if infilling:
-            return AutoModelForMaskedLM
-        return AutoModel if self.pooling == "mean" else AutoModelForSequenceClassification
-
-    def _head_kwargs(self, info: TaskInfo, infilling: bool) -> dict[str, Any]:
-        if infilling:
-            return {}
+            return AutoModelForMaskedLM, {}
         if self.pooling == "mean":
-            return {"add_pooling_layer": False}  # the first-token pooler would be a parameter never used
-        return {"num_labels": info.num_labels}
+            return AutoModel, {"add_pooling_layer": False}
+        return AutoModelForSequenceClassification, {}
 
     def _pretrained(self, info: TaskInfo, infilling: bool) -> PreTrainedModel:
         location = resolve_location(self.weights)
         kwargs = {"hidden_dropout_prob": self.dropout, "attention_probs_dropout_prob": self.dropout}
+        if not infilling:
+            kwargs["num_labels"] = info.num_labels
+        auto, model_kwargs = self._auto(infilling)
         try:
-            return self._auto(infilling).from_pretrained(
-                location, dtype=torch.float32, **kwargs, **self._head_kwargs(info, infilling)
-            )
+            return auto.from_pretrained(location, dtype=torch.float32, **kwargs, **model_kwargs)
         except OSError as err:
             raise OSError(self._load_hint("weights", location, err)) from err
 
@@ -241,9 +237,8 @@ class HFEncoderFactory(ModelFactory):
             num_labels=info.num_labels,
             **settings,
         )
-        kwargs = self._head_kwargs(info, infilling)
-        kwargs.pop("num_labels", None)  # already in the config
-        return self._auto(infilling).from_config(config, **kwargs)
+        auto, model_kwargs = self._auto(infilling)
+        return auto.from_config(config, **model_kwargs)
 
     def _check_fits(self, config: Any, info: TaskInfo) -> None:
         if info.vocab_size > config.vocab_size:
