@@ -78,6 +78,16 @@ def test_runs_of_older_code_are_flagged_never_mixed() -> None:
     assert "†: only runs of older code versions" in tables.markdown(SPEC, "offline", cells, SOURCE)
 
 
+def test_a_cell_with_only_older_runs_shows_its_best_setting_with_its_values() -> None:
+    """With no current run, a tuned cell shows the best older setting, not whichever comes first."""
+    entries = [_entry("np_small", 0, 0.44, code="old"), _entry("np_large", 0, 0.49, code="old")]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    assert tables.cell_texts(cells[1][0])[0] == "49.0† [optim.lr=0.5]"
+    entries.append(_entry("np_small", 0, 0.30))  # a current run wins over any older one
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    assert tables.cell_texts(cells[1][0])[0] == "30.0 (n=1) [optim.lr=0.1]"
+
+
 def test_a_cell_without_runs_says_so_and_no_figure_is_drawn(tmp_path: Path) -> None:
     cells = tables.build_cells(SPEC, POINTS, KEYS, [], "new")
     assert tables.cell_texts(cells[0][0]) == ("not run", "63.1 ± 0.2", "-")

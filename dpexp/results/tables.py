@@ -6,7 +6,7 @@ e.g. a non-private row across epsilon columns). Points differing only by seed ar
 several settings (a tuned hyperparameter) shows the best mean, naming the chosen values, as the papers report
 tuned results. Each cell is printed as ours (mean +- sample std over seeds, n), the paper's value (from
 ``conf/published``) and the difference; runs of other code versions are never mixed in (a cell with only
-those shows them marked †), runs that did not complete are counted by status.
+those shows its best such setting marked †), runs that did not complete are counted by status.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Cell:
         """Mean of completed runs by other code versions, shown (marked) only when no current run exists."""
         if self.ours is None or self.ours.n or not self.ours.stale:
             return None
-        return sum(self.ours.stale) / len(self.ours.stale) * self.scale
+        return _mean(self.ours.stale) * self.scale
 
     @property
     def difference(self) -> float | None:
@@ -118,9 +118,11 @@ def build_cells(
                 for status, count in summary.statuses.items():
                     statuses[status] = statuses.get(status, 0) + count
             done = {key: s for key, s in summaries.items() if s.n}
-            best = max(done, key=lambda k: done[k].mean) if done else next(iter(summaries), None)
+            older = {key: s for key, s in summaries.items() if s.stale}  # shown only where none is done
+            ranked = {k: s.mean for k, s in done.items()} or {k: _mean(s.stale) for k, s in older.items()}
+            best = max(ranked, key=ranked.__getitem__) if ranked else next(iter(summaries), None)
             varying = _varying([p.settings for p in chosen])
-            choice = {k: v for k, v in settings[best][0].settings.items() if k in varying} if done else {}
+            choice = {k: v for k, v in settings[best][0].settings.items() if k in varying} if ranked else {}
             spread = None
             if spec.get("spread") and best in done:  # e.g. "{metric}_std": the std over canaries in a run
                 within = summarize(entries, best, spec.spread.format(metric=metric), source_hash)
@@ -141,6 +143,10 @@ def build_cells(
             )
         table.append(cells)
     return table
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
 
 
 def _varying(settings: Sequence[Mapping[str, str]]) -> set[str]:
