@@ -248,6 +248,40 @@ def hf_swin_loss(model: HFSwinNet, batch: dict[str, torch.Tensor]) -> torch.Tens
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
 
 
+class HFSwinv2Net(nn.Module):
+    """Hugging Face Swin V2 on 16x16 images in 4x4 patches, windows of 2x2 tokens (as :class:`HFSwinNet`):
+    stage 1 has 4 windows per example, its second block shifted (with the shift mask); stage 2 one window.
+    Each attention's temperature ``logit_scale`` is randomised around its initial log(10), one head's above
+    the clamp at log(100) (no gradient there); no drop-path or dropout. ``attentions``: the attention
+    probabilities also enter the loss."""
+
+    def __init__(self, attentions: bool = False, attention_dropout: float = 0.0) -> None:
+        super().__init__()
+        from transformers import Swinv2Config, Swinv2Model
+
+        config = Swinv2Config(
+            image_size=16, patch_size=4, num_channels=3, embed_dim=8, depths=[2, 2], num_heads=[2, 2],
+            window_size=2, mlp_ratio=2.0, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=attention_dropout,
+        )  # fmt: skip
+        self.attentions = attentions
+        self.backbone = Swinv2Model(config)
+        with torch.no_grad():
+            for name, p in self.backbone.named_parameters():
+                if name.endswith("logit_scale"):
+                    p.add_(torch.randn_like(p) * 0.5)
+            self.backbone.encoder.layers[0].blocks[0].attention.self.logit_scale[0] = 5.0  # clamped at 4.6
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(pixel_values=x, output_attentions=self.attentions)
+        logits = self.head(out.pooler_output)
+        if self.attentions:
+            term = sum(a.reshape(x.shape[0], -1).pow(2).sum(1, keepdim=True) for a in out.attentions)
+            logits = logits + F.pad(term, (0, 2))
+        return logits
+
+
 def masked_image_batch(masked: bool, height: int = 8, width: int = 8) -> dict[str, torch.Tensor]:
     """Six float64 images (3, height, width) with labels and, if ``masked``, a patch mask for 4x4 patches
     (``bool_masked_pos``): examples 1 and 4 without masked patches, example 3 fully masked."""

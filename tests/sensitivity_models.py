@@ -28,6 +28,7 @@ from tests.layer_models import (
     BeitNet,
     Dinov2Net,
     HFSwinNet,
+    HFSwinv2Net,
     ScaleNet,
     bag_batch,
     bag_loss,
@@ -472,6 +473,7 @@ NEW_CASES = [
     "swin_windows",  # timm WindowAttention's relative position table: (B * windows) rows, shifted windows
     "beit_masked",  # HF BeitEmbeddings: cls, absolute position and mask tokens (bool_masked_pos)
     "hf_swin_windows",  # HF SwinAttention's relative position table, recomputed scores: (B * windows) rows
+    "hf_swinv2_windows",  # HF Swinv2SelfAttention's temperature and bias MLP on a shared coordinate buffer
     "frozen_prefix_centred",  # examples mixed after a frozen prefix on token ids (check 4)
     "detached_batch_normaliser",  # examples mixed by a detached batch statistic (check 4)
     *LAYER_CASES,
@@ -561,6 +563,9 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "hf_swin_windows":
         batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
         return HFSwinNet().double(), hf_swin_loss, batch, float_info
+    if name == "hf_swinv2_windows":
+        batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
+        return HFSwinv2Net().double(), engine_models.classification_loss, batch, float_info
     if name == "beit_masked":
         mask = torch.rand(size, 4, generator=gen) < 0.5
         mask[0] = False  # an example without masked patches
