@@ -207,6 +207,20 @@ def beit_embeddings_loss(model: BeitNet, batch: dict[str, torch.Tensor]) -> torc
     return F.cross_entropy(model(batch["x"], batch.get("mask")), batch["y"], reduction="none")
 
 
+# Hugging Face Swin and Swin V2 on 16x16 images in 4x4 patches, windows of 2x2 tokens, two stages
+HF_SWIN_SHAPE = {
+    "image_size": 16, "patch_size": 4, "num_channels": 3, "embed_dim": 8, "depths": [2, 2],
+    "num_heads": [2, 2], "window_size": 2, "mlp_ratio": 2.0, "drop_path_rate": 0.0,
+    "hidden_dropout_prob": 0.0,
+}  # fmt: skip
+
+
+def hf_swin_batch(dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Six (3, 16, 16) images with labels, for :class:`HFSwinNet` and :class:`HFSwinv2Net`."""
+    gen = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(6, 3, 16, 16, generator=gen, dtype=dtype), "y": torch.arange(6) % 3}
+
+
 class HFSwinNet(nn.Module):
     """Hugging Face Swin on 16x16 images in 4x4 patches, windows of 2x2 tokens: stage 1 (4x4 tokens) has 4
     windows per example, its second block shifted (with the shift mask); stage 2 (2x2 tokens) one window,
@@ -220,11 +234,7 @@ class HFSwinNet(nn.Module):
         super().__init__()
         from transformers import SwinConfig, SwinModel
 
-        config = SwinConfig(
-            image_size=16, patch_size=4, num_channels=3, embed_dim=8, depths=[2, 2], num_heads=[2, 2],
-            window_size=2, mlp_ratio=2.0, drop_path_rate=0.0, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=attention_dropout,
-        )  # fmt: skip
+        config = SwinConfig(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
         config._attn_implementation = implementation  # set by from_pretrained / the model classes otherwise
         self.attentions = attentions
         self.backbone = SwinModel(config)
@@ -243,7 +253,7 @@ class HFSwinNet(nn.Module):
         return logits
 
 
-def hf_swin_loss(model: HFSwinNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def hf_swin_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy on (B, 3, 16, 16) images, shape (B,)."""
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
 
@@ -259,11 +269,7 @@ class HFSwinv2Net(nn.Module):
         super().__init__()
         from transformers import Swinv2Config, Swinv2Model
 
-        config = Swinv2Config(
-            image_size=16, patch_size=4, num_channels=3, embed_dim=8, depths=[2, 2], num_heads=[2, 2],
-            window_size=2, mlp_ratio=2.0, drop_path_rate=0.0, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=attention_dropout,
-        )  # fmt: skip
+        config = Swinv2Config(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
         self.attentions = attentions
         self.backbone = Swinv2Model(config)
         with torch.no_grad():

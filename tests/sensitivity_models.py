@@ -565,7 +565,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         return HFSwinNet().double(), hf_swin_loss, batch, float_info
     if name == "hf_swinv2_windows":
         batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
-        return HFSwinv2Net().double(), engine_models.classification_loss, batch, float_info
+        return HFSwinv2Net().double(), hf_swin_loss, batch, float_info
     if name == "beit_masked":
         mask = torch.rand(size, 4, generator=gen) < 0.5
         mask[0] = False  # an example without masked patches
