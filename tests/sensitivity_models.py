@@ -1,6 +1,6 @@
 """Data sets for the sensitivity tests: every model of ``tests/engine_models.CASES`` plus small models that
 stress what the engine assumes about a network (float64, deterministic forward), and the recurrent and
-attention models of ``tests/recurrent_models`` (two in the default run, the others in ``SLOW_CASES``).
+attention models of ``tests/recurrent_models`` (three in the default run, the others in ``SLOW_CASES``).
 
 A :class:`SensitivityCase` is a model, a per-example loss, a data set D of ``b`` examples (one micro-batch)
 and what is needed to build adversarial examples: which inputs are floating point (to scale them), the
@@ -460,6 +460,7 @@ NEW_CASES = [
     "instance_norm_running_stats",
     "instance_norm_affine_running_stats",
     "gru_time_major_initial_state",
+    "lstm_cell_initial_state",  # a user loop over an LSTMCell: one use per step
     "mha_cross_kdim_bias_kv_zero_attn",
     "convnext",
     "convnextv2",
