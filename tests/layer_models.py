@@ -303,3 +303,15 @@ def masked_image_batch(masked: bool, height: int = 8, width: int = 8) -> dict[st
         mask[3] = True
         batch["mask"] = mask
     return batch
+
+
+class BilinearNet(nn.Module):
+    """One ``nn.Bilinear`` called twice: on (B, T, .) pairs of positions and on (B, .) pooled pairs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.pair, self.head = nn.Linear(4, 3), nn.Bilinear(3, 4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = torch.tanh(self.proj(x))
+        return self.head(torch.tanh(self.pair(h, x)).mean(1) + self.pair(h.mean(1), x.mean(1)))

@@ -26,6 +26,7 @@ from tests.layer_models import (
     BagNet,
     BeitLayerNet,
     BeitNet,
+    BilinearNet,
     Dinov2Net,
     HFSwinNet,
     HFSwinv2Net,
@@ -263,10 +264,19 @@ def _layer_case(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return NormActConvNet(nn.Conv3d(2, 3, 2, padding=1), nn.Identity(), nn.Tanh(), 3), (2, 3, 3, 3)
     if name in ("hf_vit", "hf_clip"):
         return HFViTLogits(clip=name == "hf_clip"), (3, 8, 8)
+    if name == "bilinear":
+        return BilinearNet(), (3, 4)
     raise KeyError(name)
 
 
-LAYER_CASES = ("instance_norm_affine_prelu", "conv_transpose_grouped", "conv3d", "hf_vit", "hf_clip")
+LAYER_CASES = (
+    "instance_norm_affine_prelu",
+    "conv_transpose_grouped",
+    "conv3d",
+    "hf_vit",
+    "hf_clip",
+    "bilinear",
+)
 
 
 def llama(tied: bool) -> nn.Module:
