@@ -207,6 +207,20 @@ def beit_embeddings_loss(model: BeitNet, batch: dict[str, torch.Tensor]) -> torc
     return F.cross_entropy(model(batch["x"], batch.get("mask")), batch["y"], reduction="none")
 
 
+# Hugging Face Swin and Swin V2 on 16x16 images in 4x4 patches, windows of 2x2 tokens, two stages
+HF_SWIN_SHAPE = {
+    "image_size": 16, "patch_size": 4, "num_channels": 3, "embed_dim": 8, "depths": [2, 2],
+    "num_heads": [2, 2], "window_size": 2, "mlp_ratio": 2.0, "drop_path_rate": 0.0,
+    "hidden_dropout_prob": 0.0,
+}  # fmt: skip
+
+
+def hf_swin_batch(dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Six (3, 16, 16) images with labels, for :class:`HFSwinNet` and :class:`HFSwinv2Net`."""
+    gen = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(6, 3, 16, 16, generator=gen, dtype=dtype), "y": torch.arange(6) % 3}
+
+
 class HFSwinNet(nn.Module):
     """Hugging Face Swin on 16x16 images in 4x4 patches, windows of 2x2 tokens: stage 1 (4x4 tokens) has 4
     windows per example, its second block shifted (with the shift mask); stage 2 (2x2 tokens) one window,
@@ -220,11 +234,7 @@ class HFSwinNet(nn.Module):
         super().__init__()
         from transformers import SwinConfig, SwinModel
 
-        config = SwinConfig(
-            image_size=16, patch_size=4, num_channels=3, embed_dim=8, depths=[2, 2], num_heads=[2, 2],
-            window_size=2, mlp_ratio=2.0, drop_path_rate=0.0, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=attention_dropout,
-        )  # fmt: skip
+        config = SwinConfig(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
         config._attn_implementation = implementation  # set by from_pretrained / the model classes otherwise
         self.attentions = attentions
         self.backbone = SwinModel(config)
@@ -243,9 +253,39 @@ class HFSwinNet(nn.Module):
         return logits
 
 
-def hf_swin_loss(model: HFSwinNet, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def hf_swin_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy on (B, 3, 16, 16) images, shape (B,)."""
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+class HFSwinv2Net(nn.Module):
+    """Hugging Face Swin V2 on 16x16 images in 4x4 patches, windows of 2x2 tokens (as :class:`HFSwinNet`):
+    stage 1 has 4 windows per example, its second block shifted (with the shift mask); stage 2 one window.
+    Each attention's temperature ``logit_scale`` is randomised around its initial log(10), one head's above
+    the clamp at log(100) (no gradient there); no drop-path or dropout. ``attentions``: the attention
+    probabilities also enter the loss."""
+
+    def __init__(self, attentions: bool = False, attention_dropout: float = 0.0) -> None:
+        super().__init__()
+        from transformers import Swinv2Config, Swinv2Model
+
+        config = Swinv2Config(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
+        self.attentions = attentions
+        self.backbone = Swinv2Model(config)
+        with torch.no_grad():
+            for name, p in self.backbone.named_parameters():
+                if name.endswith("logit_scale"):
+                    p.add_(torch.randn_like(p) * 0.5)
+            self.backbone.encoder.layers[0].blocks[0].attention.self.logit_scale[0] = 5.0  # clamped at 4.6
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(pixel_values=x, output_attentions=self.attentions)
+        logits = self.head(out.pooler_output)
+        if self.attentions:
+            term = sum(a.reshape(x.shape[0], -1).pow(2).sum(1, keepdim=True) for a in out.attentions)
+            logits = logits + F.pad(term, (0, 2))
+        return logits
 
 
 def masked_image_batch(masked: bool, height: int = 8, width: int = 8) -> dict[str, torch.Tensor]:
@@ -263,3 +303,15 @@ def masked_image_batch(masked: bool, height: int = 8, width: int = 8) -> dict[st
         mask[3] = True
         batch["mask"] = mask
     return batch
+
+
+class BilinearNet(nn.Module):
+    """One ``nn.Bilinear`` called twice: on (B, T, .) pairs of positions and on (B, .) pooled pairs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.pair, self.head = nn.Linear(4, 3), nn.Bilinear(3, 4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = torch.tanh(self.proj(x))
+        return self.head(torch.tanh(self.pair(h, x)).mean(1) + self.pair(h.mean(1), x.mean(1)))

@@ -1,6 +1,7 @@
-"""Small float64 models around ``nn.LSTM``/``GRU``/``RNN`` and ``nn.MultiheadAttention`` for the oracle and
-sensitivity tests: time-major and batch-first layouts, bidirectional and stacked layers, a projected LSTM
-with given initial states, self- and cross-attention with padding and attention masks, and
+"""Small float64 models around ``nn.LSTM``/``GRU``/``RNN``, their cells and ``nn.MultiheadAttention`` for the
+oracle and sensitivity tests: time-major and batch-first layouts, bidirectional and stacked layers, a
+projected LSTM with given initial states, cells stepped by a loop with and without initial states, self-
+and cross-attention with padding and attention masks, and
 ``nn.TransformerEncoderLayer``. Padded positions (id 0) never enter a loss; a padding-only example has a
 finite one."""
 
@@ -127,6 +128,41 @@ class EncoderNet(nn.Module):
         return self.head((h * keep).sum(1) / keep.sum(1).clamp_min(1))
 
 
+class CellNet(nn.Module):
+    """Embedding -> a user's loop over the steps of an ``nn.LSTMCell``/``GRUCell``/``RNNCell`` (one call per
+    step, the state kept at padded positions) -> a head on the mean of the unpadded states plus one on the
+    last state (and, for an LSTM cell, its cell state). ``initial_state``: the first state computed from the
+    example's mean embedding, else the cell's zeros (``hx`` not passed)."""
+
+    def __init__(self, kind: str, initial_state: bool = False, **kwargs) -> None:
+        super().__init__()
+        self.initial_state = initial_state
+        self.embed = nn.Embedding(VOCAB, 5, padding_idx=0)
+        self.cell = getattr(nn, kind)(5, 6, **kwargs)
+        self.h0 = nn.Linear(5, 6 * (2 if kind == "LSTMCell" else 1)) if initial_state else None
+        self.head = nn.Linear(6, CLASSES)
+        self.state_head = nn.Linear(6, CLASSES, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, keep = self.embed(ids), (ids != 0).unsqueeze(-1).to(torch.float64)
+        lstm = isinstance(self.cell, nn.LSTMCell)
+        state = None  # h, or (h, c) for an LSTM cell, as (B, 6) tensors
+        if self.initial_state:
+            h0 = torch.tanh(self.h0(x.mean(1)))
+            state = tuple(h0.chunk(2, -1)) if lstm else h0
+        hs = []
+        for t in range(ids.shape[1]):
+            new = self.cell(x[:, t]) if state is None else self.cell(x[:, t], state)
+            if state is not None:  # a padded step keeps the state
+                pairs = zip(new, state, strict=True) if lstm else [(new, state)]
+                kept = tuple(torch.where(keep[:, t] > 0, n, s) for n, s in pairs)
+                new = kept if lstm else kept[0]
+            state = new
+            hs.append(state[0] if lstm else state)
+        pooled = (torch.stack(hs, 1) * keep).sum(1) / keep.sum(1).clamp_min(1)
+        return self.head(pooled) + self.state_head(state[0] + state[1] if lstm else state)
+
+
 def classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(model(batch["ids"]), batch["y"], reduction="none")
 
@@ -141,6 +177,10 @@ MODELS = {
     "gru_bidirectional_2_layers": lambda: RecurrentNet("GRU", True, bidirectional=True, num_layers=2),
     "gru_time_major_initial_state": lambda: RecurrentNet("GRU", False, initial_state=True),
     "rnn_relu_time_major": lambda: RecurrentNet("RNN", False, nonlinearity="relu", num_layers=2),
+    "lstm_cell_initial_state": lambda: CellNet("LSTMCell", initial_state=True),
+    "lstm_cell": lambda: CellNet("LSTMCell"),
+    "gru_cell_initial_state": lambda: CellNet("GRUCell", initial_state=True),
+    "rnn_cell_relu": lambda: CellNet("RNNCell", nonlinearity="relu"),
     "mha_self_weights": lambda: AttentionNet(True),
     "mha_time_major_self": lambda: AttentionNet(False),
     "mha_cross_kdim_bias_kv_zero_attn": lambda: AttentionNet(

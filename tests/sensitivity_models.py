@@ -1,6 +1,6 @@
 """Data sets for the sensitivity tests: every model of ``tests/engine_models.CASES`` plus small models that
 stress what the engine assumes about a network (float64, deterministic forward), and the recurrent and
-attention models of ``tests/recurrent_models`` (two in the default run, the others in ``SLOW_CASES``).
+attention models of ``tests/recurrent_models`` (three in the default run, the others in ``SLOW_CASES``).
 
 A :class:`SensitivityCase` is a model, a per-example loss, a data set D of ``b`` examples (one micro-batch)
 and what is needed to build adversarial examples: which inputs are floating point (to scale them), the
@@ -26,8 +26,10 @@ from tests.layer_models import (
     BagNet,
     BeitLayerNet,
     BeitNet,
+    BilinearNet,
     Dinov2Net,
     HFSwinNet,
+    HFSwinv2Net,
     ScaleNet,
     bag_batch,
     bag_loss,
@@ -262,10 +264,19 @@ def _layer_case(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return NormActConvNet(nn.Conv3d(2, 3, 2, padding=1), nn.Identity(), nn.Tanh(), 3), (2, 3, 3, 3)
     if name in ("hf_vit", "hf_clip"):
         return HFViTLogits(clip=name == "hf_clip"), (3, 8, 8)
+    if name == "bilinear":
+        return BilinearNet(), (3, 4)
     raise KeyError(name)
 
 
-LAYER_CASES = ("instance_norm_affine_prelu", "conv_transpose_grouped", "conv3d", "hf_vit", "hf_clip")
+LAYER_CASES = (
+    "instance_norm_affine_prelu",
+    "conv_transpose_grouped",
+    "conv3d",
+    "hf_vit",
+    "hf_clip",
+    "bilinear",
+)
 
 
 def llama(tied: bool) -> nn.Module:
@@ -459,6 +470,7 @@ NEW_CASES = [
     "instance_norm_running_stats",
     "instance_norm_affine_running_stats",
     "gru_time_major_initial_state",
+    "lstm_cell_initial_state",  # a user loop over an LSTMCell: one use per step
     "mha_cross_kdim_bias_kv_zero_attn",
     "convnext",
     "convnextv2",
@@ -472,6 +484,7 @@ NEW_CASES = [
     "swin_windows",  # timm WindowAttention's relative position table: (B * windows) rows, shifted windows
     "beit_masked",  # HF BeitEmbeddings: cls, absolute position and mask tokens (bool_masked_pos)
     "hf_swin_windows",  # HF SwinAttention's relative position table, recomputed scores: (B * windows) rows
+    "hf_swinv2_windows",  # HF Swinv2SelfAttention's temperature and bias MLP on a shared coordinate buffer
     "frozen_prefix_centred",  # examples mixed after a frozen prefix on token ids (check 4)
     "detached_batch_normaliser",  # examples mixed by a detached batch statistic (check 4)
     *LAYER_CASES,
@@ -561,6 +574,9 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "hf_swin_windows":
         batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
         return HFSwinNet().double(), hf_swin_loss, batch, float_info
+    if name == "hf_swinv2_windows":
+        batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
+        return HFSwinv2Net().double(), hf_swin_loss, batch, float_info
     if name == "beit_masked":
         mask = torch.rand(size, 4, generator=gen) < 0.5
         mask[0] = False  # an example without masked patches

@@ -1,6 +1,6 @@
-"""Rules for InstanceNorm (affine), PReLU, Hugging Face ViT's class and position tokens and CLIP's class
-embedding against the brute-force oracle, for every backend x flat/per-layer clipping; no fallback left on
-these models."""
+"""Rules for InstanceNorm (affine), PReLU, nn.Bilinear (called on positions and on pooled pairs), Hugging
+Face ViT's class and position tokens and CLIP's class embedding against the brute-force oracle, for every
+backend x flat/per-layer clipping; no fallback left on these models."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine
+from tests.layer_models import BilinearNet
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -56,6 +57,10 @@ def _cases() -> dict:
         "instance_norm": lambda: vision(nn.InstanceNorm2d(4, affine=True), nn.Tanh()),
         "prelu_shared": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU()),
         "prelu_per_channel": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU(4, init=0.1)),
+        "bilinear": lambda: (
+            BilinearNet(),
+            {"x": torch.randn(6, 3, 4, dtype=torch.float64), "y": torch.arange(6) % 3},
+        ),
         "hf_vit": hf_vit,
         "hf_clip": hf_clip,
     }
@@ -103,3 +108,13 @@ def test_hf_vit_trainable_mask_token_is_refused():
     embeddings = ViTEmbeddings(ViTConfig(image_size=8, patch_size=4, hidden_size=8), use_mask_token=True)
     with pytest.raises(ValueError, match="mask token"):
         PrivacyEngine(embeddings, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_unbatched_bilinear_is_refused():
+    model = nn.Sequential()
+    model.pair = nn.Bilinear(3, 4, 2)
+    engine = PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(
+        ValueError, match=r"layer 'pair' \(Bilinear\): got unbatched inputs.*pass \(B, \.\.\."
+    ):
+        engine.backward(model.pair(torch.randn(3), torch.randn(4)).sum().reshape(1))

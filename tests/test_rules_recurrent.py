@@ -1,6 +1,7 @@
-"""``nn.LSTM``/``GRU``/``RNN`` and ``nn.MultiheadAttention`` (``nn.TransformerEncoderLayer``) rules against
-the brute-force oracle in every strategy x clipping mode, and what they refuse: layouts the probe must reject,
-unbatched and packed inputs, dropout the recomputation cannot replay, a wrong rule (check 2)."""
+"""``nn.LSTM``/``GRU``/``RNN``, their cells and ``nn.MultiheadAttention`` (``nn.TransformerEncoderLayer``)
+rules against the brute-force oracle in every strategy x clipping mode, and what they refuse: layouts the
+probe must reject, unbatched and packed inputs, dropout the recomputation cannot replay, a wrong rule
+(check 2)."""
 
 from __future__ import annotations
 
@@ -163,6 +164,7 @@ def _packed(layer, x):
 REFUSED = {
     "packed_sequence": (nn.LSTM(4, 4, batch_first=True), _packed, "PackedSequence.*padded"),
     "unbatched_lstm": (nn.LSTM(4, 4), lambda m, x: m(x[0]), "unbatched input.*batch_first=True"),
+    "unbatched_cell": (nn.GRUCell(4, 4), lambda m, x: m(x[0, 0]), r"unbatched input.*pass \(B, input_size\)"),
     "unbatched_attention": (
         nn.MultiheadAttention(4, 2),
         lambda m, x: m(x[0], x[0], x[0]),

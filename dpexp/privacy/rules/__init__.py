@@ -145,6 +145,7 @@ def as_sequence(x: torch.Tensor) -> torch.Tensor:
 from dpexp.privacy.rules import (  # noqa: E402,F401
     activation,
     attention,
+    bilinear,
     conv,
     embedding,
     embedding_bag,

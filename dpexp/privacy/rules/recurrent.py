@@ -25,6 +25,11 @@ The engine sees the call batch-first, from the module's ``batch_first`` (``h_0``
 batch in dim 1); the probe establishes it. Refused at the call, with the fix: an unbatched (2-D) input, a
 ``PackedSequence`` and dropout between layers in training (its mask, drawn inside the fused kernel, cannot
 be replayed by the recomputation).
+
+``nn.LSTMCell``, ``nn.GRUCell`` and ``nn.RNNCell`` are one step of the same maps (T = 1, one layer and
+direction, parameters without the ``_l0`` suffix), called by the user's loop once per step: each call is one
+use of the cell, recomputed the same way, and the engine adds an example's gradients over the calls.
+Refused at the call: an unbatched (1-D) input.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, register_rule
 
 Recurrent = nn.LSTM | nn.GRU | nn.RNN
+Cell = nn.LSTMCell | nn.GRUCell | nn.RNNCell
 
 
 def _hidden_out(module: Recurrent) -> int:
@@ -83,13 +89,15 @@ def recurrent_output_grad(module: Recurrent, grads: list[torch.Tensor | None]) -
     return torch.cat([p.reshape(p.shape[0], -1) for p in parts], 1)
 
 
-def _step(module: Recurrent, a: torch.Tensor, c: torch.Tensor, h: torch.Tensor, cell: torch.Tensor | None):
+def _step(
+    module: Recurrent | Cell, a: torch.Tensor, c: torch.Tensor, h: torch.Tensor, cell: torch.Tensor | None
+):
     """One step from the maps' outputs ``a_t``, ``c_t`` and the previous state: ``(m_t or h_t, cell_t)``."""
-    if isinstance(module, nn.LSTM):
+    if isinstance(module, nn.LSTM | nn.LSTMCell):
         i, f, g, o = (a + c).chunk(4, -1)
         cell = torch.sigmoid(f) * cell + torch.sigmoid(i) * torch.tanh(g)
         return torch.sigmoid(o) * torch.tanh(cell), cell
-    if isinstance(module, nn.GRU):
+    if isinstance(module, nn.GRU | nn.GRUCell):
         (ar, az, an), (cr, cz, cn) = a.chunk(3, -1), c.chunk(3, -1)
         r, z = torch.sigmoid(ar + cr), torch.sigmoid(az + cz)
         n = torch.tanh(an + r * cn)
@@ -98,7 +106,7 @@ def _step(module: Recurrent, a: torch.Tensor, c: torch.Tensor, h: torch.Tensor, 
 
 
 def _direction(
-    module: Recurrent,
+    module: Recurrent | Cell,
     suffix: str,
     inp: torch.Tensor,
     h: torch.Tensor,
@@ -159,7 +167,20 @@ def recurrent_grads(module: Recurrent, x: tuple, dy: torch.Tensor) -> dict[str, 
         results = [inp, torch.stack(h_n, 1)] + ([torch.stack(c_n, 1)] if lstm else [])
         sizes = [r[0].numel() for r in results]
         dys = [g.view_as(r).to(r.dtype) for g, r in zip(dy.split(sizes, 1), results, strict=True)]
-        names = list(zeros)
+    return _map_grads(module, results, dys, zeros, factors)
+
+
+def _map_grads(
+    module: Recurrent | Cell,
+    results: list[torch.Tensor],
+    dys: list[torch.Tensor],
+    zeros: dict[str, torch.Tensor],
+    factors: dict[str, torch.Tensor],
+) -> dict[str, PerExampleGrad]:
+    """``da_t``, ``dc_t`` (``dh_t``) by one backward of ``<results, dys>`` to the zeros added to the maps'
+    outputs, and every weight's per-example gradient from them and the maps' inputs ``factors``."""
+    names = list(zeros)
+    with torch.enable_grad():
         dzs = torch.autograd.grad(results, [zeros[n] for n in names], dys, allow_unused=True)
     grads: dict[str, PerExampleGrad] = {}
     for name, dz in zip(names, dzs, strict=True):
@@ -174,3 +195,38 @@ def recurrent_grads(module: Recurrent, x: tuple, dy: torch.Tensor) -> dict[str, 
 register_rule(nn.LSTM, nn.GRU, nn.RNN, call=CallLayout(recurrent_inputs, recurrent_output_grad))(
     recurrent_grads
 )
+
+
+def cell_inputs(module: Cell, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(x, h, c)``: x (B, input_size), the previous state h (B, hidden_size) and, for an LSTM cell, c;
+    None where not given (zeros)."""
+    x = args[0] if args else kwargs["input"]
+    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    if x.dim() != 2:
+        raise ValueError(
+            f"got an unbatched input of shape {tuple(x.shape)}; the privacy engine needs the batch in the "
+            "input: pass (B, input_size)"
+        )
+    h, c = hx if isinstance(module, nn.LSTMCell) and hx is not None else (hx, None)
+    return x, h, c
+
+
+def cell_output_grad(module: Cell, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """Gradients of ``h'`` (and ``c'`` of an LSTM cell) side by side: (B, hidden_size [* 2])."""
+    return torch.cat([g.reshape(g.shape[0], -1) for g in grads], 1)
+
+
+@register_rule(nn.LSTMCell, nn.GRUCell, nn.RNNCell, call=CallLayout(cell_inputs, cell_output_grad))
+def cell_grads(module: Cell, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of a cell's weights for one call: the recurrent layer's with one step."""
+    inp, h, c = x
+    batch, lstm = inp.shape[0], isinstance(module, nn.LSTMCell)
+    zeros: dict[str, torch.Tensor] = {}
+    factors: dict[str, torch.Tensor] = {}
+    with torch.enable_grad():
+        h = inp.new_zeros(batch, module.hidden_size) if h is None else h.detach()
+        cell = (inp.new_zeros(batch, module.hidden_size) if c is None else c.detach()) if lstm else None
+        _, h, cell = _direction(module, "", inp.detach().unsqueeze(1), h, cell, zeros, factors)
+    results = [h] + ([cell] if lstm else [])
+    dys = [g.view_as(r).to(r.dtype) for g, r in zip(dy.split(module.hidden_size, 1), results, strict=True)]
+    return _map_grads(module, results, dys, zeros, factors)

@@ -1,5 +1,6 @@
 """Swin's window attention (Liu et al. 2021, Swin Transformer, sec. 3.2, eq. 4): timm's ``WindowAttention``
-and Hugging Face's ``SwinAttention``.
+and Hugging Face's ``SwinAttention``; and Swin V2's scaled cosine attention with its continuous position
+bias (Liu et al. 2022, Swin Transformer V2, sec. 3.2-3.3, eqs. 2-4): Hugging Face's ``Swinv2SelfAttention``.
 
 Every window of N = Wh*Ww tokens attends within itself with scores ``softmax(Q K^T / sqrt(d) + Bias + M)``,
 where ``Bias[h, s, t] = table[index[s, t], h]``: the layer's own ``relative_position_bias_table``
@@ -23,12 +24,17 @@ for this experimental path, or ``fused_attn = False``).
 Hugging Face's ``SwinAttention`` (transformers 5) forms the same scores inside its attention function (eager:
 a functional softmax; sdpa: one kernel), with the table in a ``SwinRelativePositionBias`` submodule called
 without inputs: no module sees the scores, so its rule (:func:`hf_swin_bias_grads`) recomputes each window's
-probabilities from the captured input and takes ``dS`` by the softmax's backward; see there.
+probabilities from the captured input and takes ``dS`` by the softmax's backward; see there. Swin V2's
+``Swinv2SelfAttention`` scales cosine similarities by a learnt per-head temperature (``logit_scale``) and
+adds a bias computed by a small MLP from a coordinate buffer shared by all examples: both meet the batch in
+the scores, so its rule (:func:`hf_swinv2_grads`) takes ``dS`` the same way and carries it back through the
+temperature and the MLP per example.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -144,9 +150,10 @@ def hf_swin_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tu
     return hidden, mask
 
 
-def hf_swin_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
-    """The gradients of ``attn_output`` (B*nW, N, C) and, where returned (eager), ``attn_weights``
-    (B*nW, heads, N, N), flattened and concatenated per row: (B*nW, N*C [+ heads*N*N])."""
+def attention_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """The gradients of a window attention's output (B*nW, N, C) and, where returned (Swin's eager
+    ``attn_weights``, Swin V2's ``output_attentions``), of its probabilities (B*nW, heads, N, N), flattened
+    and concatenated per row: (B*nW, N*C [+ heads*N*N])."""
     out, *rest = grads
     weights = rest[0] if rest else None
     parts = [out.flatten(1)] + ([] if weights is None else [weights.flatten(1).to(out.dtype)])
@@ -156,7 +163,7 @@ def hf_swin_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> 
 @register_rule(
     _HF_SWIN,
     check=_check_hf,
-    call=CallLayout(hf_swin_inputs, hf_swin_output_grad),
+    call=CallLayout(hf_swin_inputs, attention_output_grad),
     position_wise=True,
     claims=("relative_position_bias",),
 )
@@ -210,3 +217,128 @@ def hf_swin_bias_grads(
     index = module.relative_position_bias.relative_position_index
     grad = _table_grads(d_scores.reshape(batch, windows, heads, n, n), index, table)
     return {_HF_TABLE: Dense(grad.to(table.dtype))}
+
+
+# Hugging Face Swin V2: ``Swinv2SelfAttention`` owns ``logit_scale`` (heads, 1, 1), a
+# ``continuous_position_bias_mlp`` Sequential(Linear(2, 512), ReLU, Linear(512, heads)) run on the buffer
+# ``relative_coords_table``, and query/key/value ``nn.Linear`` submodules (with their own rules).
+_HF_SWINV2 = "transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttention"
+_V2_MLP = "continuous_position_bias_mlp"
+_INDEX = "relative_position_index"
+_V2_MAX_LOGIT_SCALE = math.log(1.0 / 0.01)  # the clamp of the temperature (Swin V2, sec. 3.2: tau > 0.01)
+
+
+def _check_hf_v2(module: nn.Module) -> None:
+    mlp = getattr(module, _V2_MLP, None)
+    layers = [type(layer) for layer in mlp] if isinstance(mlp, nn.Sequential) else None
+    reason = None
+    if layers != [nn.Linear, nn.ReLU, nn.Linear]:
+        reason = f"its {_V2_MLP} is not Sequential(Linear, ReLU, Linear), the network the rule differentiates"
+    elif not isinstance(getattr(module, "logit_scale", None), nn.Parameter):
+        reason = "it has no logit_scale parameter"
+    elif not all(torch.is_tensor(getattr(module, b, None)) for b in ("relative_coords_table", _INDEX)):
+        reason = "it has no relative_coords_table and relative_position_index buffers"
+    elif not all(type(getattr(module, name, None)) is nn.Linear for name in ("query", "key", "value")):
+        reason = (
+            "its query, key and value are not all nn.Linear, so the rule cannot recompute the cosine "
+            "similarities and values from the captured input; leave them unwrapped"
+        )
+    refuse(
+        module,
+        "scaled-cosine-attention",
+        "module",
+        reason,
+        f"Otherwise freeze logit_scale and {_V2_MLP} (requires_grad=False).",
+    )
+
+
+def hf_swinv2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(hidden_states (B*nW, N, C), attention_mask (nW, N, N) or None)``; refuses attention dropout in
+    training, whose mask (drawn in the forward) the rule's recomputation cannot reproduce."""
+    call = inspect.signature(module.forward).bind(*args, **kwargs)
+    if module.training and module.dropout.p > 0:
+        raise ValueError(
+            f"applies attention dropout (p={module.dropout.p}) to its probabilities in training, whose mask "
+            "the rule cannot recompute; set attention_probs_dropout_prob=0, or freeze logit_scale and "
+            f"{_V2_MLP}"
+        )
+    return call.arguments["hidden_states"], call.arguments.get("attention_mask")
+
+
+@register_rule(
+    _HF_SWINV2,
+    check=_check_hf_v2,
+    call=CallLayout(hf_swinv2_inputs, attention_output_grad),
+    position_wise=True,
+    claims=(f"{_V2_MLP}.0", f"{_V2_MLP}.2"),
+)
+def hf_swinv2_grads(
+    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Hugging Face Swin V2's ``Swinv2SelfAttention``. Per window and head the scores are (Swin V2, eq. 2-3)
+
+        S = cos(Q, K) * exp(min(logit_scale, log 100)) + 16 sigmoid(T)[index] + M,   T = W2 relu(W1 c + b1),
+
+    with ``c`` the (log-spaced, eq. 4) relative coordinates of the buffer ``relative_coords_table`` (one row
+    per relative position r), ``T`` (r, heads) the MLP's table and M the shift mask. The rule takes the
+    probabilities P from the module's own forward (called without recording, so that how it adds the mask is
+    its own) and the scores' gradient by the softmax's backward, ``dS = P * (dP - rowsum(P * dP))``,
+    ``dP = dO V^T`` (+ the gradient of the returned probabilities); then, summed over example i's windows,
+
+        d logit_scale_i[h] = sum dS_i[h] * cos[h] * exp(logit_scale_h)   (0 where the clamp is active),
+        dT_i[r, h] = sum_{(s, t): index[s, t] = r} dS_i[h, s, t] * 16 sigmoid'(T[r, h]),
+
+    and the MLP's per-example gradients by its backward with ``dT_i`` (dense: (B, heads, 512) and
+    (B, 512, 2) values). ``call[0]`` is (B, nW, N, C) once the probe has established the windows per example
+    (position-wise, as :func:`hf_swin_bias_grads`), or (B, N, C); computed in float64 for a float64 model,
+    else in float32, exact to that rounding."""
+    hidden, mask = call
+    batch = dy.shape[0]
+    n, channels = hidden.shape[-2:]
+    heads = module.num_attention_heads
+    x = hidden.reshape(-1, n, channels)
+    rows = x.shape[0]
+    windows = rows // batch
+    dy = dy.reshape(rows, -1)
+    dtype = torch.float64 if module.logit_scale.dtype == torch.float64 else torch.float32
+    first, second = module.get_submodule(f"{_V2_MLP}.0"), module.get_submodule(f"{_V2_MLP}.2")
+    with torch.no_grad():
+
+        def split(t: torch.Tensor) -> torch.Tensor:  # (rows, N, C) -> (rows, heads, N, head_dim)
+            return t.reshape(rows, n, heads, -1).transpose(1, 2).to(dtype)
+
+        q, k, v = (split(proj(x)) for proj in (module.query, module.key, module.value))
+        cos = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).transpose(-2, -1)
+        probs = module(x, mask, output_attentions=True)[1].to(dtype)
+        d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
+        d_probs = split(d_out) @ v.transpose(-2, -1)
+        if dy.shape[1] > n * channels:  # the returned probabilities reached the loss
+            d_probs = d_probs + dy[:, n * channels :].reshape(rows, heads, n, n).to(dtype)
+        d_scores = (probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))).reshape(
+            batch, windows, heads, n, n
+        )
+        log_scale = module.logit_scale.to(dtype).reshape(heads)
+        scale = log_scale.clamp(max=_V2_MAX_LOGIT_SCALE).exp() * (log_scale <= _V2_MAX_LOGIT_SCALE)
+        cos = cos.reshape(batch, windows, heads, n, n)
+        d_log_scale = (d_scores * cos).sum((1, 3, 4)) * scale  # (B, heads)
+
+        coords = module.relative_coords_table.reshape(-1, first.in_features).to(dtype)  # (r, 2)
+        pre = nn.functional.linear(coords, first.weight.to(dtype), _cast(first.bias, dtype))  # (r, 512)
+        hid = pre.relu()
+        sig = nn.functional.linear(hid, second.weight.to(dtype), _cast(second.bias, dtype)).sigmoid()
+        d_table = _table_grads(d_scores, module.relative_position_index, sig)  # (B, r, heads)
+        d_table = d_table * (16 * sig * (1 - sig))
+        d_hid = (d_table @ second.weight.to(dtype)) * (pre > 0)  # (B, r, 512)
+    grads = {
+        "logit_scale": d_log_scale.reshape(batch, *module.logit_scale.shape),
+        f"{_V2_MLP}.2.weight": torch.einsum("brh,rk->bhk", d_table, hid),
+        f"{_V2_MLP}.0.weight": torch.einsum("brk,rj->bkj", d_hid, coords),
+        f"{_V2_MLP}.0.bias": d_hid.sum(1),
+        f"{_V2_MLP}.2.bias": d_table.sum(1),
+    }
+    params = dict(module.named_parameters())
+    return {name: Dense(g.to(params[name].dtype)) for name, g in grads.items() if name in params}
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
