@@ -221,7 +221,24 @@ def hf_swin_batch(dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]
     return {"x": torch.randn(6, 3, 16, 16, generator=gen, dtype=dtype), "y": torch.arange(6) % 3}
 
 
-class HFSwinNet(nn.Module):
+class _HFSwinClassifier(nn.Module):
+    """A Swin backbone's pooled output through a linear head; with ``attentions`` each stage's last
+    (B * windows, heads, N, N) probabilities, folded per example, also enter the loss."""
+
+    def __init__(self, backbone: nn.Module, attentions: bool) -> None:
+        super().__init__()
+        self.backbone, self.attentions, self.head = backbone, attentions, nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(pixel_values=x, output_attentions=self.attentions)
+        logits = self.head(out.pooler_output)
+        if self.attentions:
+            term = sum(a.reshape(x.shape[0], -1).pow(2).sum(1, keepdim=True) for a in out.attentions)
+            logits = logits + F.pad(term, (0, 2))  # on the first class only (a shift of all would cancel)
+        return logits
+
+
+class HFSwinNet(_HFSwinClassifier):
     """Hugging Face Swin on 16x16 images in 4x4 patches, windows of 2x2 tokens: stage 1 (4x4 tokens) has 4
     windows per example, its second block shifted (with the shift mask); stage 2 (2x2 tokens) one window,
     unshifted; relative position tables randomised; no drop-path or dropout (a deterministic forward for the
@@ -231,26 +248,15 @@ class HFSwinNet(nn.Module):
     def __init__(
         self, implementation: str = "sdpa", attentions: bool = False, attention_dropout: float = 0.0
     ) -> None:
-        super().__init__()
         from transformers import SwinConfig, SwinModel
 
         config = SwinConfig(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
         config._attn_implementation = implementation  # set by from_pretrained / the model classes otherwise
-        self.attentions = attentions
-        self.backbone = SwinModel(config)
+        super().__init__(SwinModel(config), attentions)
         with torch.no_grad():
             for name, p in self.backbone.named_parameters():
                 if name.endswith("relative_position_bias_table"):
                     p.normal_()
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.backbone(pixel_values=x, output_attentions=self.attentions)
-        logits = self.head(out.pooler_output)
-        if self.attentions:  # each stage's last (B * windows, heads, N, N) probabilities, folded per example
-            term = sum(a.reshape(x.shape[0], -1).pow(2).sum(1, keepdim=True) for a in out.attentions)
-            logits = logits + F.pad(term, (0, 2))  # on the first class only (a shift of all would cancel)
-        return logits
 
 
 def hf_swin_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -258,7 +264,7 @@ def hf_swin_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
 
 
-class HFSwinv2Net(nn.Module):
+class HFSwinv2Net(_HFSwinClassifier):
     """Hugging Face Swin V2 on 16x16 images in 4x4 patches, windows of 2x2 tokens (as :class:`HFSwinNet`):
     stage 1 has 4 windows per example, its second block shifted (with the shift mask); stage 2 one window.
     Each attention's temperature ``logit_scale`` is randomised around its initial log(10), one head's above
@@ -266,26 +272,15 @@ class HFSwinv2Net(nn.Module):
     probabilities also enter the loss."""
 
     def __init__(self, attentions: bool = False, attention_dropout: float = 0.0) -> None:
-        super().__init__()
         from transformers import Swinv2Config, Swinv2Model
 
         config = Swinv2Config(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
-        self.attentions = attentions
-        self.backbone = Swinv2Model(config)
+        super().__init__(Swinv2Model(config), attentions)
         with torch.no_grad():
             for name, p in self.backbone.named_parameters():
                 if name.endswith("logit_scale"):
                     p.add_(torch.randn_like(p) * 0.5)
             self.backbone.encoder.layers[0].blocks[0].attention.self.logit_scale[0] = 5.0  # clamped at 4.6
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.backbone(pixel_values=x, output_attentions=self.attentions)
-        logits = self.head(out.pooler_output)
-        if self.attentions:
-            term = sum(a.reshape(x.shape[0], -1).pow(2).sum(1, keepdim=True) for a in out.attentions)
-            logits = logits + F.pad(term, (0, 2))
-        return logits
 
 
 def masked_image_batch(masked: bool, height: int = 8, width: int = 8) -> dict[str, torch.Tensor]:
