@@ -89,6 +89,19 @@ def _table_grads(ds: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> 
     return grad.scatter_add_(1, index, per_pair)
 
 
+def _scores_grad(
+    probs: torch.Tensor, v: torch.Tensor, d_heads: torch.Tensor, d_returned: torch.Tensor
+) -> torch.Tensor:
+    """The scores' gradient by the softmax's backward, ``dS = P * (dP - rowsum(P * dP))``, for probabilities
+    ``P`` and values ``V`` (rows, heads, N, N / head_dim), the gradient ``d_heads`` at the attention's output
+    per head (rows, heads, N, head_dim): ``dP = dO V^T``, plus ``d_returned`` (rows, heads*N*N), the
+    gradient of the probabilities where the attention returned them into the loss (rows, 0) otherwise."""
+    d_probs = d_heads @ v.transpose(-2, -1)
+    if d_returned.shape[1]:
+        d_probs = d_probs + d_returned.reshape(d_probs.shape).to(d_probs.dtype)
+    return probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))
+
+
 # Hugging Face Swin (transformers >= 5): ``SwinAttention`` owns q/k/v/o projections and a
 # ``SwinRelativePositionBias`` module (the table), called without inputs for the (1, heads, N, N) bias.
 _HF_SWIN = "transformers.models.swin.modeling_swin.SwinAttention"
@@ -210,10 +223,9 @@ def hf_swin_bias_grads(
             scores = (scores.unflatten(0, (batch, windows)) + mask.to(dtype)[None, :, None]).flatten(0, 1)
         probs = scores.softmax(-1)
         d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
-        d_probs = split(d_out @ module.o_proj.weight.to(dtype)) @ v.transpose(-2, -1)
-        if dy.shape[1] > n * channels:  # eager's attn_weights reached the loss
-            d_probs = d_probs + dy[:, n * channels :].reshape(rows, heads, n, n).to(dtype)
-        d_scores = probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))
+        d_scores = _scores_grad(
+            probs, v, split(d_out @ module.o_proj.weight.to(dtype)), dy[:, n * channels :]
+        )
     index = module.relative_position_bias.relative_position_index
     grad = _table_grads(d_scores.reshape(batch, windows, heads, n, n), index, table)
     return {_HF_TABLE: Dense(grad.to(table.dtype))}
@@ -224,7 +236,6 @@ def hf_swin_bias_grads(
 # ``relative_coords_table``, and query/key/value ``nn.Linear`` submodules (with their own rules).
 _HF_SWINV2 = "transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttention"
 _V2_MLP = "continuous_position_bias_mlp"
-_INDEX = "relative_position_index"
 _V2_MAX_LOGIT_SCALE = math.log(1.0 / 0.01)  # the clamp of the temperature (Swin V2, sec. 3.2: tau > 0.01)
 
 
@@ -236,7 +247,10 @@ def _check_hf_v2(module: nn.Module) -> None:
         reason = f"its {_V2_MLP} is not Sequential(Linear, ReLU, Linear), the network the rule differentiates"
     elif not isinstance(getattr(module, "logit_scale", None), nn.Parameter):
         reason = "it has no logit_scale parameter"
-    elif not all(torch.is_tensor(getattr(module, b, None)) for b in ("relative_coords_table", _INDEX)):
+    elif not all(
+        torch.is_tensor(getattr(module, b, None))
+        for b in ("relative_coords_table", "relative_position_index")
+    ):
         reason = "it has no relative_coords_table and relative_position_index buffers"
     elif not all(type(getattr(module, name, None)) is nn.Linear for name in ("query", "key", "value")):
         reason = (
@@ -311,12 +325,8 @@ def hf_swinv2_grads(
         cos = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).transpose(-2, -1)
         probs = module(x, mask, output_attentions=True)[1].to(dtype)
         d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
-        d_probs = split(d_out) @ v.transpose(-2, -1)
-        if dy.shape[1] > n * channels:  # the returned probabilities reached the loss
-            d_probs = d_probs + dy[:, n * channels :].reshape(rows, heads, n, n).to(dtype)
-        d_scores = (probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))).reshape(
-            batch, windows, heads, n, n
-        )
+        d_scores = _scores_grad(probs, v, split(d_out), dy[:, n * channels :])
+        d_scores = d_scores.reshape(batch, windows, heads, n, n)
         log_scale = module.logit_scale.to(dtype).reshape(heads)
         scale = log_scale.clamp(max=_V2_MAX_LOGIT_SCALE).exp() * (log_scale <= _V2_MAX_LOGIT_SCALE)
         cos = cos.reshape(batch, windows, heads, n, n)
