@@ -303,9 +303,11 @@ def hf_swinv2_grads(
         dT_i[r, h] = sum_{(s, t): index[s, t] = r} dS_i[h, s, t] * 16 sigmoid'(T[r, h]),
 
     and the MLP's per-example gradients by its backward with ``dT_i`` (dense: (B, heads, 512) and
-    (B, 512, 2) values). ``call[0]`` is (B, nW, N, C) once the probe has established the windows per example
-    (position-wise, as :func:`hf_swin_bias_grads`), or (B, N, C); computed in float64 for a float64 model,
-    else in float32, exact to that rounding."""
+    (B, 512, 2) values), the first layer's as ``dW1_i[k] = sum_h W2[h, k] sum_r dT_i[r, h] 1[pre_rk > 0]
+    [c_r | 1]``: a product over r per head, never the (B, r, 512) hidden gradient. ``call[0]`` is
+    (B, nW, N, C) once the probe has established the windows per example (position-wise, as
+    :func:`hf_swin_bias_grads`), or (B, N, C); computed in float64 for a float64 model, else in float32,
+    exact to that rounding."""
     hidden, mask = call
     batch = dy.shape[0]
     n, channels = hidden.shape[-2:]
@@ -338,12 +340,17 @@ def hf_swinv2_grads(
         sig = nn.functional.linear(hid, second.weight.to(dtype), _cast(second.bias, dtype)).sigmoid()
         d_table = _table_grads(d_scores, module.relative_position_index, sig)  # (B, r, heads)
         d_table = d_table * (16 * sig * (1 - sig))
-        d_hid = (d_table @ second.weight.to(dtype)) * (pre > 0)  # (B, r, 512)
+        # the first layer's [weight | bias] gradient, sum_r dhid_i[r, k] [c_r | 1]_j with dhid_i = (dT_i W2) *
+        # 1[pre > 0], summed over r before the heads: never the (B, r, 512) per-example hidden gradient
+        inputs = torch.cat([coords, coords.new_ones(coords.shape[0], 1)], 1)  # (r, 3)
+        gated = ((pre > 0).to(dtype).unsqueeze(-1) * inputs.unsqueeze(1)).flatten(1)  # (r, 512 * 3)
+        per_head = (d_table.transpose(1, 2) @ gated).unflatten(-1, (pre.shape[1], -1))  # (B, heads, 512, 3)
+        d_first = torch.einsum("bhkj,hk->bkj", per_head, second.weight.to(dtype))  # (B, 512, 3)
     grads = {
         "logit_scale": d_log_scale.reshape(batch, *module.logit_scale.shape),
         f"{_V2_MLP}.2.weight": torch.einsum("brh,rk->bhk", d_table, hid),
-        f"{_V2_MLP}.0.weight": torch.einsum("brk,rj->bkj", d_hid, coords),
-        f"{_V2_MLP}.0.bias": d_hid.sum(1),
+        f"{_V2_MLP}.0.weight": d_first[..., :-1],
+        f"{_V2_MLP}.0.bias": d_first[..., -1],
         f"{_V2_MLP}.2.bias": d_table.sum(1),
     }
     params = dict(module.named_parameters())
