@@ -286,12 +286,15 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
             f"the input of layer {layer.name!r} was modified in place after the layer used it; "
             "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
         )
+    if not tensors and layer.shared and dy.dim() and dy.shape[0] == batch_size:
+        return 1  # a shared table read as a whole: dy's rows are where its output met the batch
     if not tensors:
         raise VerificationError(
             f"layer {layer.name!r} ({type(layer.module).__name__}) was called without a tensor input, so its "
-            "output is the same for every example (a table read as a whole, as BEiT's relative position "
-            "bias) and its gradient cannot be split per example at the layer. Freeze its parameters, or "
-            "register a rule for the module that consumes its output."
+            "output is the same for every example (a table read as a whole) and its gradient cannot be "
+            "split per example at the layer. If its output meets the batch later (as BEiT's relative "
+            "position bias, added to the attention scores), declare it with "
+            "dpexp.privacy.shared.register_shared; otherwise freeze its parameters."
         )
     x = tensors[0]
     rows = x.shape[0] if x.dim() else 0

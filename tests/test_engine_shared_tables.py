@@ -1,0 +1,148 @@
+"""Shared layers called without a tensor input, their table read as a whole (dpexp.privacy.shared): Hugging
+Face BEiT's and data2vec-vision's relative position bias, per layer or one for all layers, eager and SDPA
+attention, resampled to another patch grid, against the brute-force oracle in every strategy x clipping
+mode (float64, two micro-batches); a small declared table of our own; and the refusals: such a layer not
+declared shared, a forward that recomputation does not reproduce, dropout inside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine, VerificationError
+from dpexp.privacy.shared import register_shared
+from tests.layer_models import BeitNet, masked_image_batch
+from tests.layer_models import beit_embeddings_loss as loss_fn
+from tests.oracle import SETTINGS, check_clipped_step, clipped_mean, engine_update, per_example_grads
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+
+MICRO = [[0, 1, 2], [3, 4, 5]]
+
+
+def _tables(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n.endswith("relative_position_bias_table")]
+
+
+def _check(model: nn.Module, batch: dict[str, torch.Tensor], strategy: str, clipping: str, groups=None):
+    grads = per_example_grads(model, loss_fn, batch)
+    tables = _tables(model)
+    assert tables and all(float(g[t].norm()) > 0 for g in grads for t in tables)
+    check_clipped_step(model, loss_fn, batch, MICRO, strategy, clipping, groups)
+
+
+@pytest.mark.parametrize("relative", ["layer", "shared"])
+@pytest.mark.parametrize("strategy,clipping,groups", SETTINGS, ids=[f"{s}-{c}" for s, c, _ in SETTINGS])
+def test_beit_relative_position_bias_matches_oracle(relative, strategy, clipping, groups):
+    torch.manual_seed(0)
+    _check(BeitNet(relative=relative).double(), masked_image_batch(True), strategy, clipping, groups)
+
+
+@pytest.mark.parametrize("kind", ["beit", "data2vec"])
+@pytest.mark.parametrize("relative", ["layer", "shared"])
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+def test_relative_position_bias_under_sdpa_matches_oracle(kind, relative, strategy):
+    """The bias reaches ``scaled_dot_product_attention`` as its ``attn_mask``, broadcast over dim 0."""
+    torch.manual_seed(0)
+    model = BeitNet(kind, relative=relative, attention="sdpa").double()
+    _check(model, masked_image_batch(False), strategy, "per_layer")
+
+
+@pytest.mark.parametrize("relative", ["layer", "shared"])
+def test_data2vec_relative_position_bias_matches_oracle(relative):
+    """data2vec-vision computes the shared table again in every layer: one use per layer."""
+    torch.manual_seed(0)
+    _check(BeitNet("data2vec", relative=relative).double(), masked_image_batch(True), "ghost", "groups", 2)
+
+
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+def test_resampled_relative_position_bias_matches_oracle(strategy):
+    """12x12 images: a 3x3 patch grid, so the module resamples its 2x2-grid table (bilinear) before the
+    gather; the per-example gradient goes back through the resampling."""
+    torch.manual_seed(0)
+    model = BeitNet(absolute=False, relative="layer").double()
+    _check(model, masked_image_batch(True, 12, 12), strategy, "per_layer")
+
+
+def test_frozen_relative_position_bias_trains_the_rest():
+    torch.manual_seed(0)
+    model = BeitNet(relative="shared").double()
+    for name in _tables(model):
+        model.get_parameter(name).requires_grad_(False)
+    check_clipped_step(model, loss_fn, masked_image_batch(True), MICRO, "bk", "per_layer")
+
+
+# ------------------------------------------------------------------------------ a table of our own
+class _Table(nn.Module):
+    """A table of 3 positions x 4 features, resampled to T positions (T, 4) and returned whole, called
+    without inputs; ``noisy``
+    adds fresh noise on every call (a forward that recomputation does not reproduce); ``dropout`` drops
+    entries in training."""
+
+    def __init__(self, noisy: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3, 4))
+        self.noisy, self.dropout = noisy, nn.Dropout(dropout)
+
+    def forward(self, length: int) -> torch.Tensor:
+        out = F.interpolate(self.table.T[None], size=length, mode="linear").squeeze(0).T  # (T, 4)
+        if self.noisy:
+            out = out + torch.randn_like(out)
+        return self.dropout(out)
+
+
+class _WithTable(nn.Module):
+    def __init__(self, **table) -> None:
+        super().__init__()
+        self.inp, self.bias, self.head = nn.Linear(3, 4), _Table(**table), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.head(torch.tanh(h + self.bias(x.shape[1]))).sum(1)
+
+
+register_shared(_WithTable, "bias")
+
+
+def _table_step(**table):
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = _WithTable(**table).double()
+    batch = {"x": torch.randn(4, 5, 3, generator=gen, dtype=torch.float64), "y": torch.tensor([0, 1, 1, 0])}
+
+    def loss(m, b):
+        return F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+
+    grads = per_example_grads(model, loss, batch)
+    expected = clipped_mean(grads, [list(grads[0])], [0.05], batch_size=4)
+    delta, _ = engine_update(model, loss, batch, [[0, 2], [1, 3]], batch_size=4, max_grad_norm=0.05)
+    return delta, expected
+
+
+def test_declared_table_read_as_a_whole_matches_oracle():
+    delta, expected = _table_step()
+    assert float(expected["bias.table"].norm()) > 0
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
+
+
+def test_table_whose_forward_is_not_reproduced_is_refused():
+    with pytest.raises(RuntimeError, match=r"layer 'bias' \(_Table\) is shared .* did not reproduce"):
+        _table_step(noisy=True)
+
+
+def test_table_with_dropout_is_refused():
+    with pytest.raises(ValueError, match=r"module 'bias' \(_Table\) .*'dropout' applies dropout \(p=0.5\)"):
+        PrivacyEngine(_WithTable(dropout=0.5), batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_undeclared_beit_table_is_refused_naming_the_fix(monkeypatch):
+    from dpexp.privacy import shared
+
+    monkeypatch.setattr(shared, "_SHARED", {})
+    model = BeitNet(relative="layer").double()
+    engine = PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(VerificationError, match=r"was called without a tensor input.*register_shared"):
+        engine.backward(loss_fn(model, masked_image_batch(False)))
