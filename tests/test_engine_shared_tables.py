@@ -135,7 +135,9 @@ def test_table_whose_forward_is_not_reproduced_is_refused():
 
 def test_table_with_dropout_is_refused():
     with pytest.raises(ValueError, match=r"module 'bias' \(_Table\) .*'dropout' applies dropout \(p=0.5\)"):
-        PrivacyEngine(_WithTable(dropout=0.5), batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0)
+        PrivacyEngine(
+            _WithTable(dropout=0.5), batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=1.0
+        )
 
 
 def test_undeclared_beit_table_is_refused_naming_the_fix(monkeypatch):

@@ -478,7 +478,9 @@ class Capture:
         fallback = shared_per_example_grads if layer.shared else functional_per_example_grads
         self._recomputing = True
         try:
-            return fallback(layer.module, list(layer.params), use.args, use.kwargs, dy, use.output, layer.name)
+            return fallback(
+                layer.module, list(layer.params), use.args, use.kwargs, dy, use.output, layer.name
+            )
         finally:
             self._recomputing = False
 

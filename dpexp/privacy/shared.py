@@ -104,11 +104,10 @@ register_shared("transformers.models.mt5.modeling_mt5.MT5Attention", "relative_a
 register_shared("transformers.models.umt5.modeling_umt5.UMT5Attention", "relative_attention_bias")
 register_shared("transformers.models.beit.modeling_beit.BeitLayer", "relative_position_bias")
 register_shared("transformers.models.beit.modeling_beit.BeitModel", "shared_position_bias")
-for _attention in ("Data2VecVisionSelfAttention", "Data2VecVisionSdpaSelfAttention"):
-    register_shared(f"transformers.models.data2vec.modeling_data2vec_vision.{_attention}", "relative_position_bias")
-register_shared(
-    "transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionEncoder", "relative_position_bias"
-)
+_DATA2VEC = "transformers.models.data2vec.modeling_data2vec_vision"
+register_shared(f"{_DATA2VEC}.Data2VecVisionSelfAttention", "relative_position_bias")
+register_shared(f"{_DATA2VEC}.Data2VecVisionSdpaSelfAttention", "relative_position_bias")
+register_shared(f"{_DATA2VEC}.Data2VecVisionEncoder", "relative_position_bias")
 register_shared_weight(
     "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder", "rel_embeddings"
 )
