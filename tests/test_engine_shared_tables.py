@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine, VerificationError
+from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.shared import register_shared
 from tests.layer_models import BeitNet, masked_image_batch
 from tests.layer_models import beit_embeddings_loss as loss_fn
@@ -31,6 +32,12 @@ def _check(model: nn.Module, batch: dict[str, torch.Tensor], strategy: str, clip
     tables = _tables(model)
     assert tables and all(float(g[t].norm()) > 0 for g in grads for t in tables)
     check_clipped_step(model, loss_fn, batch, MICRO, strategy, clipping, groups)
+
+
+@pytest.mark.parametrize("kind", ["beit", "data2vec"])
+@pytest.mark.parametrize("relative", ["layer", "shared"])
+def test_relative_position_bias_needs_no_fallback(kind, relative):
+    assert unsupported_modules(BeitNet(kind, relative=relative)) == {}
 
 
 @pytest.mark.parametrize("relative", ["layer", "shared"])

@@ -121,7 +121,7 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
     """Module types owning trainable parameters that no rule covers (they take the fallback, or are refused
     without it): ``{qualified type name: sorted parameter attribute names}``, every offending type at once."""
     found: dict[str, set[str]] = {}
-    claimed = {
+    claimed = shared_modules(model) | {  # a shared layer needs no rule (dpexp.privacy.shared)
         id(module.get_submodule(sub))
         for module in model.modules()
         for sub in getattr(rule_for(module), "claims", ())
