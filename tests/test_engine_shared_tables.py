@@ -101,23 +101,33 @@ class _Table(nn.Module):
 
 
 class _WithTable(nn.Module):
-    def __init__(self, **table) -> None:
+    """``time_major``: the table meets the features as (T, B, 4), dim 0 the positions."""
+
+    def __init__(self, time_major: bool = False, **table) -> None:
         super().__init__()
         self.inp, self.bias, self.head = nn.Linear(3, 4), _Table(**table), nn.Linear(4, 2)
+        self.time_major = time_major
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
-        return self.head(torch.tanh(h + self.bias(x.shape[1]))).sum(1)
+        if self.time_major:
+            h = (h.transpose(0, 1) + self.bias(x.shape[1]).sum(0)).transpose(0, 1)
+        else:
+            h = h + self.bias(x.shape[1])
+        return self.head(torch.tanh(h)).sum(1)
 
 
 register_shared(_WithTable, "bias")
 
 
-def _table_step(**table):
+def _table_step(length: int = 5, **options):
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = _WithTable(**table).double()
-    batch = {"x": torch.randn(4, 5, 3, generator=gen, dtype=torch.float64), "y": torch.tensor([0, 1, 1, 0])}
+    model = _WithTable(**options).double()
+    batch = {
+        "x": torch.randn(4, length, 3, generator=gen, dtype=torch.float64),
+        "y": torch.tensor([0, 1, 1, 0]),
+    }
 
     def loss(m, b):
         return F.cross_entropy(m(b["x"]), b["y"], reduction="none")
@@ -133,6 +143,18 @@ def test_declared_table_read_as_a_whole_matches_oracle():
     assert float(expected["bias.table"].norm()) > 0
     for name, want in expected.items():
         torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "length,match",
+    [(5, "met the batch in a tensor of leading size 5"), (2, "row 0 of its output gradient depends")],
+    ids=["size", "probe"],  # 2 = the micro-batch size: only the probe can tell
+)
+def test_table_meeting_a_time_major_tensor_is_refused(length, match):
+    """Broadcast over dim 0 of a (T, B, d) tensor: its rows are positions, not examples (the size check at
+    T != B, the probe at T = B)."""
+    with pytest.raises(VerificationError, match=rf"layer 'bias' \(_Table\).* {match}"):
+        _table_step(length=length, time_major=True)
 
 
 def test_table_whose_forward_is_not_reproduced_is_refused():

@@ -286,8 +286,15 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
             f"the input of layer {layer.name!r} was modified in place after the layer used it; "
             "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
         )
-    if not tensors and layer.shared and dy.dim() and dy.shape[0] == batch_size:
-        return 1  # a shared table read as a whole: dy's rows are where its output met the batch
+    if not tensors and layer.shared:  # a shared table read as a whole: dy's rows are where it met the batch
+        if dy.dim() and dy.shape[0] == batch_size:
+            return 1
+        raise VerificationError(
+            f"layer {layer.name!r} ({type(layer.module).__name__}) is shared by all examples and met the "
+            f"batch in a tensor of leading size {dy.shape[0] if dy.dim() else 0} for a micro-batch of "
+            f"{batch_size} examples: where a shared output meets the batch, dim 0 must be the example index. Make that "
+            "tensor batch-first, or freeze the layer's parameters."
+        )
     if not tensors:
         raise VerificationError(
             f"layer {layer.name!r} ({type(layer.module).__name__}) was called without a tensor input, so its "
