@@ -292,8 +292,8 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
         raise VerificationError(
             f"layer {layer.name!r} ({type(layer.module).__name__}) is shared by all examples and met the "
             f"batch in a tensor of leading size {dy.shape[0] if dy.dim() else 0} for a micro-batch of "
-            f"{batch_size} examples: where a shared output meets the batch, dim 0 must be the example index. Make that "
-            "tensor batch-first, or freeze the layer's parameters."
+            f"{batch_size} examples: where a shared output meets the batch, dim 0 must be the example "
+            "index. Make that tensor batch-first, or freeze the layer's parameters."
         )
     if not tensors:
         raise VerificationError(
