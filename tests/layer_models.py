@@ -176,9 +176,18 @@ class BeitNet(nn.Module):
     """A two-layer Hugging Face BEiT (or data2vec-vision) on 8x8 images in 4x4 patches (a 2x2 grid), with the
     mask token and (``absolute``) the absolute position table, its pooled output -> head; its embeddings'
     parameters randomised away from their zero start, so that every token matters; no drop-path (the oracle
-    recomputes each example: a deterministic forward)."""
+    recomputes each example: a deterministic forward). ``relative``: a relative position bias table per
+    layer (``"layer"``) or one for all layers (``"shared"``), randomised too, with the attention
+    implementation ``attention``."""
 
-    def __init__(self, kind: str = "beit", absolute: bool = True, hidden_dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        kind: str = "beit",
+        absolute: bool = True,
+        hidden_dropout: float = 0.0,
+        relative: str | None = None,
+        attention: str = "eager",
+    ) -> None:
         super().__init__()
         if kind == "beit":
             from transformers import BeitConfig as Config
@@ -190,12 +199,16 @@ class BeitNet(nn.Module):
             image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
             intermediate_size=24, use_mask_token=True, use_absolute_position_embeddings=absolute,
             layer_scale_init_value=0.5, hidden_dropout_prob=hidden_dropout, attention_probs_dropout_prob=0.0,
-            drop_path_rate=0.0, use_mean_pooling=True,
+            drop_path_rate=0.0, use_mean_pooling=True, use_relative_position_bias=relative == "layer",
+            use_shared_relative_position_bias=relative == "shared", attn_implementation=attention,
         )  # fmt: skip
         self.backbone = Model(config, add_pooling_layer=True)
         with torch.no_grad():
             for p in self.backbone.embeddings.parameters(recurse=False):
                 p.normal_()
+            for name, p in self.backbone.named_parameters():
+                if name.endswith("relative_position_bias_table"):
+                    p.normal_()
         self.head = nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

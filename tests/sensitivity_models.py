@@ -490,6 +490,7 @@ NEW_CASES = [
     *LAYER_CASES,
     "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
     "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
+    "beit_relative_shared",  # HF BEiT's relative position table read whole, one for all layers
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -582,6 +583,9 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         mask[0] = False  # an example without masked patches
         batch = {"x": _floats(gen, size, 3, 8, 8), "mask": mask, "y": _labels(gen, size, 3)}
         return BeitNet().double(), beit_embeddings_loss, batch, float_info
+    if name == "beit_relative_shared":
+        batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
+        return BeitNet(relative="shared").double(), beit_embeddings_loss, batch, float_info
     if name == "dinov2_masked":
         mask = torch.rand(size, 4, generator=gen) < 0.5
         mask[0] = False  # an example without masked patches

@@ -29,13 +29,18 @@ from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.grouping import ParameterLayout
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.rules import CallLayout, LayerRule, rule_for, supported_types
-from dpexp.privacy.rules.functional import check_deterministic, functional_per_example_grads
+from dpexp.privacy.rules.functional import (
+    check_deterministic,
+    functional_per_example_grads,
+    shared_per_example_grads,
+)
 from dpexp.privacy.shared import SharedTensor, follow, plain, share, shared_modules, shared_weights
 
 
 @dataclass
 class Layer:
-    """A module owning trainable parameters, with its rule (None: the exact torch.func fallback)."""
+    """A module owning trainable parameters, with its rule (None: the exact torch.func fallback, or for a
+    shared layer one batched vector-Jacobian product through its recomputed forward)."""
 
     name: str
     module: nn.Module
@@ -74,27 +79,29 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
         }
         if not own:
             continue
-        if rule is None and generic_fallback:
-            check_deterministic(mod_name, module)
-            warnings.warn(
-                f"module {mod_name!r} ({type(module).__name__}) has no per-example gradient rule; its "
-                f"parameters {sorted(own)} use the exact but slower torch.func fallback.",
-                stacklevel=3,
-            )
-        elif rule is None:
+        fallback = rule is None and id(module) not in shared  # a shared one: shared_per_example_grads
+        if fallback and not generic_fallback:
             raise ValueError(
                 f"module {mod_name!r} of type {type(module).__name__} has trainable parameters "
                 f"{sorted(own)} but no per-example gradient rule. Supported types: {supported_types()}. "
                 "Freeze its parameters, replace the module, or register a rule with "
                 "dpexp.privacy.rules.register_rule."
             )
+        if rule is None:
+            check_deterministic(mod_name, module)  # its forward is recomputed
+        if fallback:
+            warnings.warn(
+                f"module {mod_name!r} ({type(module).__name__}) has no per-example gradient rule; its "
+                f"parameters {sorted(own)} use the exact but slower torch.func fallback.",
+                stacklevel=3,
+            )
         if rule is not None and rule.check is not None:
             rule.check(module)
-        if id(module) in shared and (rule is None or rule.tap is not None):
+        if id(module) in shared and rule is not None and rule.tap is not None:
             raise ValueError(
                 f"module {mod_name!r} ({type(module).__name__}) produces a tensor shared by all examples; "
-                "the privacy engine splits its gradient per example only for a module with a rule on its own "
-                "output. Freeze its parameters or register a rule for it."
+                "the privacy engine splits its gradient per example only at its own output, but its rule "
+                "taps a submodule. Freeze its parameters or register a rule on its output."
             )
         layers.append(Layer(mod_name, module, rule, own, id(module) in shared))
     params = {n: p for n, p in model.named_parameters() if id(p) in names}
@@ -114,7 +121,7 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
     """Module types owning trainable parameters that no rule covers (they take the fallback, or are refused
     without it): ``{qualified type name: sorted parameter attribute names}``, every offending type at once."""
     found: dict[str, set[str]] = {}
-    claimed = {
+    claimed = shared_modules(model) | {  # a shared layer needs no rule (dpexp.privacy.shared)
         id(module.get_submodule(sub))
         for module in model.modules()
         for sub in getattr(rule_for(module), "claims", ())
@@ -319,7 +326,10 @@ class Capture:
             self._append(use)
             if self._replayed is not None:
                 return None
-            return share(layer.name, self._anchored(output), args[0], partial(self._deliver_shared, use))
+            if layer.rule is None:  # recomputed for its per-example gradients, checked against this output
+                use.output, use.output_version = output, output._version
+            x = args[0] if args and torch.is_tensor(args[0]) else None
+            return share(layer.name, self._anchored(output), x, partial(self._deliver_shared, use))
         keep = layer.rule.keep_output if layer.rule is not None else None
         if layer.rule is None or (keep and self._replayed is None and keep(module, args[0], output)):
             use.output, use.output_version = output, output._version
@@ -376,9 +386,11 @@ class Capture:
             {k: shared if v is weight else v for k, v in kwargs.items()},
         )
 
-    def _deliver_shared(self, use: Use, x: torch.Tensor, dy: torch.Tensor) -> None:
-        """A shared layer's per-example output gradients (B, ...), with its input expanded to the batch."""
-        use.args = (x, *use.args[1:])
+    def _deliver_shared(self, use: Use, x: torch.Tensor | None, dy: torch.Tensor) -> None:
+        """A shared layer's per-example output gradients (B, ...), with its input expanded to the batch (None:
+        it was called without a tensor input)."""
+        if x is not None:
+            use.args = (x, *use.args[1:])
         self._deliver(use, dy)
 
     def _called_with_layout(
@@ -463,9 +475,10 @@ class Capture:
                     f"gradient for its trainable parameters {sorted(missing)}; fix or replace the rule."
                 )
             return grads
+        fallback = shared_per_example_grads if layer.shared else functional_per_example_grads
         self._recomputing = True
         try:
-            return functional_per_example_grads(
+            return fallback(
                 layer.module, list(layer.params), use.args, use.kwargs, dy, use.output, layer.name
             )
         finally:

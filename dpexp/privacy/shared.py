@@ -15,6 +15,17 @@ vector-Jacobian product through f (``torch.autograd.grad(..., is_grads_batched=T
 place where S meets the batch (every attention layer), is example i's gradient of S. The layer's rule then
 runs unchanged on its input expanded to the batch: ``dW_i = rule(x, dS_i)``.
 
+Tables read as a whole. BEiT's relative position bias (Hugging Face's ``BeitRelativePositionBias``, and
+data2vec-vision's; Bao et al. 2022, BEiT, sec. 2.5, after Swin's eq. 4) is called without a tensor input:
+it resamples its own ``relative_position_bias_table`` to the patch grid and gathers it into S, the
+(1, heads, N, N) bias added to the scores (the model's ``BeitModel.shared_position_bias`` once for all layers,
+or one per layer). A declared shared layer without a rule gets its per-example gradients through its own
+forward: S is the same function of its parameters W for every example, so ``dW_i = J_W^T dS_i`` with the
+one Jacobian ``J_W = dS/dW``, every example at once, by one recomputed forward (checked against the
+recorded S) and one batched vector-Jacobian product
+(:func:`dpexp.privacy.rules.functional.shared_per_example_grads`; exact for any forward, resampling
+included).
+
 Shared *subgraphs*. DeBERTa-v2 (He et al. 2021, DeBERTa, section 3.1: the c2p and p2c terms of disentangled
 attention) reads its relative position embeddings P = ``rel_embeddings.weight`` (2k, d) directly, normalises
 them (``LayerNorm``, optional) and projects them in every layer, with that layer's ``query_proj`` and
@@ -91,6 +102,12 @@ def register_shared_weight(owner_type: type[nn.Module] | str, *attrs: str) -> No
 register_shared("transformers.models.t5.modeling_t5.T5Attention", "relative_attention_bias")
 register_shared("transformers.models.mt5.modeling_mt5.MT5Attention", "relative_attention_bias")
 register_shared("transformers.models.umt5.modeling_umt5.UMT5Attention", "relative_attention_bias")
+register_shared("transformers.models.beit.modeling_beit.BeitLayer", "relative_position_bias")
+register_shared("transformers.models.beit.modeling_beit.BeitModel", "shared_position_bias")
+_DATA2VEC = "transformers.models.data2vec.modeling_data2vec_vision"
+register_shared(f"{_DATA2VEC}.Data2VecVisionSelfAttention", "relative_position_bias")
+register_shared(f"{_DATA2VEC}.Data2VecVisionSdpaSelfAttention", "relative_position_bias")
+register_shared(f"{_DATA2VEC}.Data2VecVisionEncoder", "relative_position_bias")
 register_shared_weight(
     "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder", "rel_embeddings"
 )
@@ -195,12 +212,13 @@ class SharedOutput:
     directly), the per-example parts of its gradient as the places where its descendants meet the batch
     report them, and their delivery once autograd has S's whole gradient.
 
-    ``deliver(per_example_input, dS)`` receives the layer's input expanded to the batch and ``dS`` of shape
-    (B, *S.shape), whose row i is example i's gradient of S.
+    ``deliver(per_example_input, dS)`` receives the layer's input expanded to the batch (None for a layer
+    called without a tensor input) and ``dS`` of shape (B, *S.shape), whose row i is example i's gradient of
+    S.
     """
 
     def __init__(
-        self, name: str, output: torch.Tensor, root: torch.Tensor, x: torch.Tensor, deliver: Callable
+        self, name: str, output: torch.Tensor, root: torch.Tensor, x: torch.Tensor | None, deliver: Callable
     ) -> None:
         self.name, self.root, self.x, self._deliver = name, root, x, deliver
         self.meetings: list[str] = []  # operations where S or a descendant met the batch (split)
@@ -247,7 +265,8 @@ class SharedOutput:
                 f"split: {sorted(set(self.meetings))}): its per-example gradients would miss part of it "
                 f"(relative gap {gap / max(scale, 1e-300):.2g}). Freeze the layer's parameters."
             )
-        self._deliver(self.x.expand(parts.shape[0], *self.x.shape), parts)
+        x = None if self.x is None else self.x.expand(parts.shape[0], *self.x.shape)
+        self._deliver(x, parts)
 
 
 Lineage = tuple[SharedOutput, ...]  # the nodes a shared tensor descends from, oldest first
@@ -360,11 +379,12 @@ def _met(lineage: Lineage, func: Callable, flat: list, shared: set[int], others:
 
 
 def share(
-    name: str, output: torch.Tensor, x: torch.Tensor, deliver: Callable, parents: Lineage = ()
+    name: str, output: torch.Tensor, x: torch.Tensor | None, deliver: Callable, parents: Lineage = ()
 ) -> SharedTensor:
     """Follow a shared output (which needs a gradient, and is no leaf) to where it meets the batch; returns
-    the tensor the layer's caller receives instead (numerically the same). ``parents``: the nodes of the
-    shared graph that ``output`` descends from (those of the layer's shared input)."""
+    the tensor the layer's caller receives instead (numerically the same). ``x``: the layer's input (None:
+    called without a tensor input); ``parents``: the nodes of the shared graph that ``output`` descends from
+    (those of the layer's shared input)."""
     root = output.view_as(output)  # the chain f starts here; the whole gradient is taken at ``output``
     return _wrap(root, (*parents, SharedOutput(name, output, root, x, deliver)))
 

@@ -286,12 +286,22 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
             f"the input of layer {layer.name!r} was modified in place after the layer used it; "
             "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
         )
+    if not tensors and layer.shared:  # a shared table read as a whole: dy's rows are where it met the batch
+        if dy.dim() and dy.shape[0] == batch_size:
+            return 1
+        raise VerificationError(
+            f"layer {layer.name!r} ({type(layer.module).__name__}) is shared by all examples and met the "
+            f"batch in a tensor of leading size {dy.shape[0] if dy.dim() else 0} for a micro-batch of "
+            f"{batch_size} examples: where a shared output meets the batch, dim 0 must be the example "
+            "index. Make that tensor batch-first, or freeze the layer's parameters."
+        )
     if not tensors:
         raise VerificationError(
             f"layer {layer.name!r} ({type(layer.module).__name__}) was called without a tensor input, so its "
-            "output is the same for every example (a table read as a whole, as BEiT's relative position "
-            "bias) and its gradient cannot be split per example at the layer. Freeze its parameters, or "
-            "register a rule for the module that consumes its output."
+            "output is the same for every example (a table read as a whole) and its gradient cannot be "
+            "split per example at the layer. If its output meets the batch later (as BEiT's relative "
+            "position bias, added to the attention scores), declare it with "
+            "dpexp.privacy.shared.register_shared; otherwise freeze its parameters."
         )
     x = tensors[0]
     rows = x.shape[0] if x.dim() else 0

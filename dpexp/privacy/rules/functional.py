@@ -126,3 +126,35 @@ def _vmapped(
 
     with torch.enable_grad():
         return vmap(grad(inner_product, has_aux=True), in_dims=(None, dims, 0))(params, values, dy)
+
+
+def shared_per_example_grads(
+    module: nn.Module,
+    attrs: list[str],
+    args: tuple,
+    kwargs: dict[str, Any],
+    dy: torch.Tensor,
+    output: torch.Tensor,
+    name: str,
+) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of the parameters ``attrs`` of a layer whose output S is shared by all examples
+    (called on no per-example input, :mod:`dpexp.privacy.shared`), for ``dy`` (B, *S.shape), row i example
+    i's gradient of S where S met the batch. S is the same function of the parameters W for every example,
+    so ``dW_i = J_W^T dS_i`` with the one Jacobian ``J_W = dS/dW``: one recomputed forward (checked against
+    the recorded ``output``) and one batched vector-Jacobian product for all examples."""
+    params = {attr: module.get_parameter(attr).detach().requires_grad_(True) for attr in attrs}
+    with torch.enable_grad():
+        recomputed = functional_call(module, params, args, kwargs)
+    if not torch.is_tensor(recomputed) or not _reproduces(output, recomputed):
+        raise RuntimeError(
+            f"layer {name!r} ({type(module).__name__}) is shared by all examples and has no per-example "
+            "gradient rule; recomputing its forward did not reproduce its output, so its per-example "
+            "gradients cannot be taken through it. Make its forward deterministic or freeze its parameters."
+        )
+    grads = torch.autograd.grad(
+        recomputed, list(params.values()), dy.to(recomputed.dtype), is_grads_batched=True, allow_unused=True
+    )
+    return {
+        attr: Dense(p.new_zeros(dy.shape[0], *p.shape) if g is None else g)
+        for (attr, p), g in zip(params.items(), grads, strict=True)
+    }
