@@ -342,6 +342,7 @@ def test_fallback_suite_models_have_exactly_the_named_rule_less_modules() -> Non
     expected = {
         "dinov2": set(),  # Dinov2Embeddings has a rule now: the entry measures it
         "beit": set(),  # BeitEmbeddings and BeitLayer have rules now: the entry measures them
+        "beit_relative": set(),  # BeitRelativePositionBias is shared (dpexp.privacy.shared), no rule needed
         "swin": set(),  # WindowAttention has a rule now: the entry measures it
         "hf_swin": set(),  # Hugging Face SwinAttention has a rule now: the entry measures it
         "hf_swinv2": set(),  # Hugging Face Swinv2SelfAttention has a rule now: the entry measures it
