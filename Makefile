@@ -44,11 +44,12 @@ tables: install
 figures: tables
 
 # One published table: make reproduce EXPERIMENT=he2023_table11b SCALE=offline [LAUNCHER=basic|local|slurm]
-# [ROWS=<row key>,... COLUMNS=<column key>,...: only those cells' runs] runs the runs of conf/experiment/$(EXPERIMENT).yaml not yet complete for this code, resumes interrupted
+# [ROWS=<row key>,... COLUMNS=<column key>,...: only those cells' runs] [WHERE=<key>=<value>,...: only the
+# runs with those settings, e.g. WHERE=optim.lr=1e-3,seed=0] runs the runs of conf/experiment/$(EXPERIMENT).yaml not yet complete for this code, resumes interrupted
 # ones, and renders the table (python -m dpexp.reproduce; an unknown name lists the valid ones).
 EXPERIMENT ?=
 SCALE ?= offline
 LAUNCHER ?= basic
 reproduce: install
 	$(PY) -m dpexp.reproduce experiment=$(EXPERIMENT) scale=$(SCALE) launcher=$(LAUNCHER) \
-		$(if $(ROWS),rows=$(ROWS)) $(if $(COLUMNS),columns=$(COLUMNS))
+		$(if $(ROWS),rows=$(ROWS)) $(if $(COLUMNS),columns=$(COLUMNS)) $(if $(WHERE),where=$(WHERE))

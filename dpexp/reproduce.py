@@ -1,7 +1,8 @@
 """Entry point: reproduce one published table, or regenerate every table from the stored results.
 
     python -m dpexp.reproduce experiment=he2023_table11b scale=offline [launcher=basic|local|slurm]
-        [rows=<key>,...] [columns=<key>,...] [runs=results/runs] [out=results] [dry_run=true]
+        [rows=<key>,...] [columns=<key>,...] [where=<key>=<value>,...] [runs=results/runs] [out=results]
+        [dry_run=true]
         [logger=none|wandb]
         [hydra.launcher.<key>=<value> ...]
     python -m dpexp.reproduce tables [runs=results/runs] [out=results]
@@ -12,7 +13,9 @@ skipped; an interrupted, failed or killed one of the same config and code is con
 (``resume=<run dir>``); a diverged one, or one another process is running, is reported and left alone;
 the rest are launched. ``dry_run=true`` prints that plan and writes nothing. ``rows=`` / ``columns=`` (the
 table's row and column keys, comma-separated) run only the points of those cells, e.g. one row of a table
-whose runs take hours; the table is rendered whole (cells not run say so). Runs go to
+whose runs take hours; ``where=`` (``key=value`` pairs, comma-separated; a key named twice takes either
+value) keeps only the points with those settings, e.g. ``where=optim.lr=1e-3,seed=1,seed=2``; the table is
+rendered whole (cells not run say so). Runs go to
 ``<runs>/<experiment>/<scale>/<values>-<config hash>-<code hash>/``.
 Then the store is re-indexed (``<out>/index.jsonl``) and the table rendered (``<out>/tables/<experiment>_
 <scale>.md`` and ``.tex``, ``<out>/figures/<experiment>_<scale>_epsilon.png``; with ``curves``,
@@ -43,7 +46,7 @@ from dpexp.training.record import COMPLETED, DIVERGED, FAILED, INTERRUPTED, RUNN
 LAUNCHERS = ("basic", "local", "slurm")  # Hydra's basic launcher; conf/hydra/launcher/{local,slurm}.yaml
 LOGGERS = ("none", "wandb")  # wandb: every run of the experiment in one wandb group, <experiment>-<scale>
 OPTIONS = {"experiment": None, "scale": None, "launcher": "basic", "runs": "results/runs", "out": "results",
-           "dry_run": "false", "logger": "none", "rows": None, "columns": None}  # fmt: skip
+           "dry_run": "false", "logger": "none", "rows": None, "columns": None, "where": None}  # fmt: skip
 CURVE_FILES = {"epsilon": "curves", "train_time_s": "time", "epoch": "epochs"}  # curves' axis: file suffix
 RESUMABLE = (INTERRUPTED, FAILED, RUNNING)  # RUNNING here: a record no process holds (a killed run)
 BLOCKING = (DIVERGED, "running_now")
@@ -109,6 +112,37 @@ def selected_points(
     if not selected:
         raise ConfigError(f"rows={rows} columns={columns} select no run of the grid: name cells with runs.")
     return selected
+
+
+def filtered_points(points: Sequence[experiments.Point], where: str | None) -> list[experiments.Point]:
+    """The ``points`` whose settings have every key of ``where`` (``key=value,...``; a key named twice: any of
+    its values; numbers compared as numbers), in grid order; a key no point sets, or no match, is refused."""
+    if where is None:
+        return list(points)
+    wanted: dict[str, list[str]] = {}
+    for item in where.split(","):
+        key, separator, value = item.strip().partition("=")
+        if not separator or not key:
+            raise ConfigError(f"where={where}: {item!r} is not key=value (e.g. where=optim.lr=1e-3,seed=0).")
+        wanted.setdefault(key, []).append(value)
+    known = sorted({key for point in points for key in point.settings})
+    unknown = [key for key in wanted if key not in known]
+    if unknown:
+        raise ConfigError(
+            f"where={where}: no run of the grid sets {', '.join(unknown)}; keys: {', '.join(known)}."
+        )
+    kept = [
+        point
+        for point in points
+        if all(
+            any(experiments.matches(point.settings, {k: v}) for v in values) for k, values in wanted.items()
+        )
+    ]
+    if not kept:
+        raise ConfigError(
+            f"where={where} selects no run of the grid: the grid's values are in its experiment file."
+        )
+    return kept
 
 
 def parse_arguments(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -227,13 +261,18 @@ def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
     spec = experiments.load_experiment(name)
     points = experiments.grid_points(name, spec, scale)
     points = selected_points(spec, points, options["rows"], options["columns"])
+    points = filtered_points(points, options["where"])
     configs = dict(zip(points, experiments.compose_points(points), strict=True))
     run_keys = {p: store.config_key(experiments.resolved(c)) for p, c in configs.items()}
     runs, out = Path(options["runs"]), Path(options["out"])
     source = code_version()
     dry_run = options["dry_run"] == "true"
     plan = plan_runs(points, run_keys, index(runs, None if dry_run else out), source["source_hash"])
-    chosen = "" if options["rows"] is None and options["columns"] is None else " selected"
+    chosen = (
+        ""
+        if options["rows"] is None and options["columns"] is None and options["where"] is None
+        else " selected"
+    )
     print(
         f"{name} (scale={scale}): {len(points)}{chosen} runs: {len(plan.skip)} complete (skipped), "
         f"{len(plan.resume)} to resume, {len(plan.launch)} to launch, {len(plan.blocked)} left alone"

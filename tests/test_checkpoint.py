@@ -24,7 +24,14 @@ from dpexp.training.record import RunDirectoryError, RunRecord
 from dpexp.training.resume import load_run_config, resumed_config
 from dpexp.training.signals import RunInterrupted
 
-TIMING_FIELDS = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}
+TIMING_FIELDS = {
+    "throughput_examples_per_s",
+    "train_time_s",
+    "wall_time_s",
+    "peak_memory_bytes",
+    "resumes",
+    "started_at",
+}
 RUN = ("steps=15", "eval_every=4", "checkpoint.every=5", "progress=false", "batch_size=32")
 
 

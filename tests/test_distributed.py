@@ -565,7 +565,14 @@ def assert_resumed_as_uninterrupted(root: Path) -> list[dict]:
     optimizer, backend and sampler, bit for bit; returns both final checkpoints."""
     whole, parts = (json.loads((root / d / "metrics.json").read_text()) for d in ("whole", "parts"))
     assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
-    timing = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}
+    timing = {
+        "throughput_examples_per_s",
+        "train_time_s",
+        "wall_time_s",
+        "peak_memory_bytes",
+        "resumes",
+        "started_at",
+    }
     for key in set(whole) - timing - {"history"}:
         assert parts[key] == whole[key], key
     assert [h["step"] for h in parts["history"]] == [2, 4, 6]

@@ -913,7 +913,14 @@ def test_interrupted_gpt2_lora_pipeline_run_resumes_as_an_uninterrupted_one(tmp_
     assert _spawn(_gpt2_resume_worker, str(tmp_path), ports, join_s=3 * JOIN_S) == [0] * WORLD
     whole, parts = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "parts"))
     assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
-    timing = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes"}
+    timing = {
+        "throughput_examples_per_s",
+        "train_time_s",
+        "wall_time_s",
+        "peak_memory_bytes",
+        "resumes",
+        "started_at",
+    }
     for key in set(whole) - timing - {"history"}:
         assert parts[key] == whole[key], key
     assert math.isfinite(whole["epsilon"]["rdp"]) and whole["noise_multiplier"] > 0

@@ -123,6 +123,32 @@ def test_rows_and_columns_select_the_runs_of_those_cells(tiny_experiment: Path, 
     assert "| Flat clipping, fixed | not run |" in table
 
 
+def test_where_keeps_the_points_with_those_settings(tiny_experiment: Path, monkeypatch, capsys) -> None:
+    """where= narrows the grid to points by their settings: numbers compared as numbers, a key named twice
+    takes either value, all keys must hold; an unknown key, a malformed pair or an empty result is refused."""
+    spec = experiments.load_experiment("tiny")
+    points = experiments.grid_points("tiny", spec, "offline")
+    clips = [p.settings["clip"] for p in reproduce.filtered_points(points, "clip=nonprivate")]
+    assert clips == ["nonprivate"]
+    assert [p.settings["clip"] for p in reproduce.filtered_points(points, "privacy.epsilon=3.0")] == ["bk"]
+    assert reproduce.filtered_points(points, "clip=bk,clip=nonprivate,steps=3") == points
+    assert reproduce.filtered_points(points, None) == points
+    with pytest.raises(ConfigError, match=r"no run of the grid sets optim\.lr; keys: .*clip"):
+        reproduce.filtered_points(points, "optim.lr=1e-3")
+    with pytest.raises(ConfigError, match="'seed' is not key=value"):
+        reproduce.filtered_points(points, "clip=bk,seed")
+    with pytest.raises(ConfigError, match="selects no run of the grid"):
+        reproduce.filtered_points(points, "clip=bk,steps=4")
+
+    monkeypatch.setattr(reproduce, "_multirun", lambda overrides: pytest.fail(f"launched {overrides}"))
+    runs, out = tiny_experiment / "runs", tiny_experiment / "results"
+    arguments = ["experiment=tiny", "scale=offline", f"runs={runs}", f"out={out}", "dry_run=true"]
+    assert reproduce.main([*arguments, "where=clip=bk"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 selected runs: 0 complete (skipped), 0 to resume, 1 to launch" in printed
+    assert "clip=bk" in printed and "clip=nonprivate" not in printed
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_experiment: Path, monkeypatch, capsys) -> None:
     """dry_run=true reads the store and prints what it would launch; it launches, indexes, renders nothing."""
     monkeypatch.setattr(reproduce, "_multirun", lambda overrides: pytest.fail(f"launched {overrides}"))

@@ -105,7 +105,7 @@ def test_summary_averages_seeds_once_each_and_keeps_other_runs_apart() -> None:
     assert summary.values == [0.90, 0.92, 0.97] and summary.seeds == [0, 1, 2]
     assert summary.mean == pytest.approx(0.93)
     assert summary.std == pytest.approx(math.sqrt(((0.03) ** 2 + 0.01**2 + 0.04**2) / 2))
-    assert summary.stale == [0.50]
+    assert list(summary.older) == ["old"] and summary.older["old"].values == [0.50]
     assert dict(summary.statuses) == {"failed": 1, "diverged": 1, "interrupted": 1}
     single = store.summarize(entries[:1], key, "accuracy", "new")
     assert single.n == 1 and single.std is None  # no std from one seed
@@ -155,7 +155,7 @@ def test_the_index_keeps_the_epsilon_of_every_accountant_as_a_metric(tmp_path: P
     summary = store.summarize(
         store.scan(tmp_path), store.config_key(CONFIG, with_seed=False), "epsilon_gdp", "?"
     )
-    assert summary.stale == [2.3]  # the unknown code's run, kept apart; the infinite one left out
+    assert {code: s.values for code, s in summary.older.items()} == {store.UNKNOWN_CODE: [2.3]}  # no inf
 
 
 def test_a_running_record_is_running_now_only_while_its_process_holds_the_lock(tmp_path: Path) -> None:

@@ -29,8 +29,16 @@ POINTS = [
 KEYS = {POINTS[0]: "dp", POINTS[1]: "dp", POINTS[2]: "np_small", POINTS[3]: "np_large"}
 
 
-def _entry(setting: str, seed: int, accuracy: float | None, status: str = "completed", code: str = "new"):
+def _entry(
+    setting: str,
+    seed: int,
+    accuracy: float | None,
+    status: str = "completed",
+    code: str = "new",
+    started: str = "",
+):
     return {
+        "started_at": started,
         "run_dir": f"runs/{setting}-{seed}-{code}-{status}",
         "run_key": f"{setting}-{seed}",
         "setting_key": setting,
@@ -73,16 +81,37 @@ def test_runs_of_older_code_are_flagged_never_mixed() -> None:
         _entry("np_large", 0, 0.1, code="old"),
     ]
     cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
-    assert cells[0][0].mean is None and tables.cell_texts(cells[0][0])[0] == "50.0†"
+    assert cells[0][0].mean is None and tables.cell_texts(cells[0][0])[0] == "50.0† (n=1)"
     assert cells[1][0].mean == pytest.approx(80.0)  # the old run of the same setting is not averaged in
     assert "†: only runs of older code versions" in tables.markdown(SPEC, "offline", cells, SOURCE)
+
+
+def test_older_code_versions_are_not_mixed_with_one_another() -> None:
+    """A cell with only older runs shows one older version, the one with the most seeds, then the latest
+    started; the others' runs are counted, never averaged in (and a seed run twice is not counted twice)."""
+    entries = [
+        _entry("dp", 0, 0.90, code="v1", started="2026-11-01T10:00:00+00:00"),
+        _entry("dp", 1, 0.60, code="v2", started="2026-11-02T10:00:00+00:00"),
+        _entry("dp", 0, 0.70, code="v2", started="2026-11-02T09:00:00+00:00"),
+    ]
+    cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]
+    assert tables.cell_texts(cell)[0] == "65.0† (n=2) (+1 by other older code)"  # v2's two seeds
+    entries.append(_entry("dp", 1, 0.80, code="v1"))  # now both have two seeds: the latest started wins
+    cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]
+    assert tables.cell_texts(cell)[0] == "65.0† (n=2) (+2 by other older code)"
+    entries.append(_entry("dp", 1, 0.85, code="v1", started="2026-11-03T10:00:00+00:00"))  # seed 1 again
+    cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]
+    assert tables.cell_texts(cell)[0] == "65.0† (n=2) (+2 by other older code)"  # v1: one run per seed
+    entries = [_entry("dp", 1, 0.50, code="v2"), _entry("dp", 0, 0.90, code="v1")]  # no start times
+    cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]  # a tie: the first by run directory
+    assert tables.cell_texts(cell)[0] == "90.0† (n=1) (+1 by other older code)"
 
 
 def test_a_cell_with_only_older_runs_shows_its_best_setting_with_its_values() -> None:
     """With no current run, a tuned cell shows the best older setting, not whichever comes first."""
     entries = [_entry("np_small", 0, 0.44, code="old"), _entry("np_large", 0, 0.49, code="old")]
     cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
-    assert tables.cell_texts(cells[1][0])[0] == "49.0† [optim.lr=0.5]"
+    assert tables.cell_texts(cells[1][0])[0] == "49.0† (n=1) [optim.lr=0.5]"
     entries.append(_entry("np_small", 0, 0.30))  # a current run wins over any older one
     cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
     assert tables.cell_texts(cells[1][0])[0] == "30.0 (n=1) [optim.lr=0.1]"

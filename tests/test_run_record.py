@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from datetime import datetime
 
 import pytest
 import torch
@@ -202,11 +203,12 @@ def test_record_keeps_the_code_version_that_started_it_and_each_other_that_resum
     cfg = compose_config([*TINY_RUN, _target(MissingDataTask)])
     with pytest.raises(FileNotFoundError):
         run_training(cfg, tmp_path)
-    started = _read(tmp_path)["code_version"]
+    started, started_at = _read(tmp_path)["code_version"], _read(tmp_path)["started_at"]
     assert started == code_version() and len(started["source_hash"]) == 16
+    assert datetime.fromisoformat(started_at).tzinfo is not None  # UTC: tables order older versions by it
     with pytest.raises(FileNotFoundError):  # resumed by the same code: nothing added
         run_training(cfg, tmp_path, resume=True)
-    assert "resumed_by_code" not in _read(tmp_path)
+    assert "resumed_by_code" not in _read(tmp_path) and _read(tmp_path)["started_at"] == started_at
     other = {"source_hash": "0" * 16, "commit": None, "dirty": None}
     monkeypatch.setattr(loop, "process_code_version", lambda: other)
     with pytest.raises(FileNotFoundError):

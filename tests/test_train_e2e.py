@@ -10,7 +10,13 @@ import sys
 from dpexp.training.loop import run_training
 from tests.conftest import REPO_ROOT, TINY_RUN
 
-TIMING_FIELDS = {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes"}
+TIMING_FIELDS = {
+    "throughput_examples_per_s",
+    "train_time_s",
+    "wall_time_s",
+    "peak_memory_bytes",
+    "started_at",
+}
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:

@@ -12,8 +12,9 @@ Every ``<run dir>/metrics.json`` under a runs folder (``results/runs``) becomes 
 - ``source_hash``: the code version that made it (:func:`dpexp.runtime.code_version`).
 
 :func:`summarize` averages a setting's completed runs made by one code version, one run per seed (a rerun
-of the same config and code counts once); runs by other code versions are counted apart (``stale``), never
-mixed in, and failed, diverged, interrupted or still running ones are counted by status, never averaged.
+of the same config and code counts once); runs by other code versions are summarized apart, one summary per
+version (``Summary.older``), never mixed in nor with one another; failed, diverged, interrupted or still
+running ones are counted by status, never averaged.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def index_entry(run_dir: Path, record: Mapping[str, Any], root: Path | None = No
         "source_hash": code.get("source_hash", UNKNOWN_CODE),
         "commit": code.get("commit"),
         "dirty": code.get("dirty"),
+        "started_at": record.get("started_at"),
         "task": record.get("task"),
         "model": record.get("model"),
         "clip": record.get("clip"),
@@ -174,13 +176,15 @@ def find_runs(entries: Iterable[Mapping[str, Any]], run_key: str) -> list[Mappin
 
 @dataclass
 class Summary:
-    """A setting's runs: mean and sample std of ``metric`` over the seeds of its completed current-code runs
-    (``values``), the other runs counted by status, and completed runs of other code versions (``stale``)."""
+    """A setting's runs under one code version: mean and sample std of ``metric`` over the seeds of its
+    completed runs (``values``), the other runs counted by status; on the current version's summary, ``older``
+    holds each other code version's summary apart (never mixed in, nor mixed with one another)."""
 
     values: list[float] = field(default_factory=list)
     seeds: list[Any] = field(default_factory=list)
-    statuses: Counter = field(default_factory=Counter)  # runs not completed, by status (current code)
-    stale: list[float] = field(default_factory=list)  # completed runs made by other code versions
+    statuses: Counter = field(default_factory=Counter)  # runs not completed, by status
+    started: str = ""  # the latest ``started_at`` (UTC, ISO 8601) of the completed runs; "" for older records
+    older: dict[str, Summary] = field(default_factory=dict)  # other code versions with a completed run
 
     @property
     def n(self) -> int:
@@ -198,26 +202,38 @@ class Summary:
         mean = self.mean
         return math.sqrt(sum((v - mean) ** 2 for v in self.values) / (self.n - 1))
 
+    @property
+    def latest_older(self) -> Summary | None:
+        """The older code version a table shows where the current code has no run: the one with the most
+        seeds, then the latest started (records without ``started_at`` count as oldest; a full tie: the
+        version whose first run directory sorts first); None if none."""
+        return max(self.older.values(), key=lambda s: (s.n, s.started), default=None)
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
 
 def summarize(
     entries: Iterable[Mapping[str, Any]], setting_key: str, metric: str, source_hash: str
 ) -> Summary:
     """The :class:`Summary` of the runs of ``setting_key`` (all seeds) for ``metric`` under code version
     ``source_hash``: one completed run per seed (the first by run directory; a rerun of the same config and
-    code is the same run), other statuses counted, other code versions' completed runs kept apart."""
-    summary = Summary()
-    taken: set[str] = set()
+    code is the same run), other statuses counted; each other code version summarized the same way, apart."""
+    versions: dict[str, Summary] = {}
+    taken: set[tuple[str, str]] = set()
     for entry in sorted(entries, key=lambda e: e["run_dir"]):
         if entry["setting_key"] != setting_key:
             continue
+        version = versions.setdefault(entry["source_hash"], Summary())
         value = entry["metrics"].get(metric)
-        if entry["source_hash"] != source_hash:
-            if entry["status"] == COMPLETED and value is not None and math.isfinite(value):
-                summary.stale.append(value)
-        elif entry["status"] != COMPLETED:
-            summary.statuses[entry["status"]] += 1
-        elif entry["run_key"] not in taken and value is not None and math.isfinite(value):
-            taken.add(entry["run_key"])
-            summary.values.append(value)
-            summary.seeds.append(entry["seed"])
+        if entry["status"] != COMPLETED:
+            version.statuses[entry["status"]] += 1
+        elif (run := (entry["source_hash"], entry["run_key"])) not in taken and _finite(value):
+            taken.add(run)
+            version.values.append(value)
+            version.seeds.append(entry["seed"])
+            version.started = max(version.started, entry.get("started_at") or "")
+    summary = versions.pop(source_hash, Summary())
+    summary.older = {code: older for code, older in versions.items() if older.n}
     return summary

@@ -52,11 +52,12 @@ class Cell:
         return None if self.ours is None or self.ours.std is None else self.ours.std * self.scale
 
     @property
-    def stale(self) -> float | None:
-        """Mean of completed runs by other code versions, shown (marked) only when no current run exists."""
-        if self.ours is None or self.ours.n or not self.ours.stale:
+    def stale(self) -> Summary | None:
+        """The older code version's runs shown (marked †) where no current run exists
+        (:attr:`Summary.latest_older`); None where a current run exists or no run at all."""
+        if self.ours is None or self.ours.n:
             return None
-        return _mean(self.ours.stale) * self.scale
+        return self.ours.latest_older
 
     @property
     def difference(self) -> float | None:
@@ -118,8 +119,8 @@ def build_cells(
                 for status, count in summary.statuses.items():
                     statuses[status] = statuses.get(status, 0) + count
             done = {key: s for key, s in summaries.items() if s.n}
-            older = {key: s for key, s in summaries.items() if s.stale}  # shown only where none is done
-            ranked = {k: s.mean for k, s in done.items()} or {k: _mean(s.stale) for k, s in older.items()}
+            older = {key: s.latest_older for key, s in summaries.items() if s.older}  # where none is done
+            ranked = {k: s.mean for k, s in done.items()} or {k: s.mean for k, s in older.items()}
             best = max(ranked, key=ranked.__getitem__) if ranked else next(iter(summaries), None)
             varying = _varying([p.settings for p in chosen])
             choice = {k: v for k, v in settings[best][0].settings.items() if k in varying} if ranked else {}
@@ -145,10 +146,6 @@ def build_cells(
     return table
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
 def _varying(settings: Sequence[Mapping[str, str]]) -> set[str]:
     """Keys whose value differs among the settings (seed excluded: seeds are averaged)."""
     keys = {key for s in settings for key in s} - {"seed"}
@@ -164,7 +161,9 @@ def _ours_text(cell: Cell, digits: int) -> str:
         text += f" ± {cell.std:.{digits}f}" if cell.std is not None else ""
         text += f" (n={cell.ours.n})"
     elif cell.stale is not None:
-        text = f"{cell.stale:.{digits}f}†"
+        text = f"{cell.stale.mean * cell.scale:.{digits}f}† (n={cell.stale.n})"
+        others = sum(s.n for s in cell.ours.older.values()) - cell.stale.n
+        text += f" (+{others} by other older code)" if others else ""
     else:
         text = "not run"
     if cell.choice:
@@ -211,7 +210,10 @@ def footer(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mappin
         f"Code version: source {source.get('source_hash')}, commit {str(source.get('commit'))[:10]}{dirty}.",
     ]
     if stale:
-        lines.append("†: only runs of older code versions exist for this cell (not mixed with current runs).")
+        lines.append(
+            "†: only runs of older code versions exist for this cell, not mixed with current runs nor with "
+            "one another: the version with the most seeds (then the latest) is shown, the others counted."
+        )
     return lines
 
 

@@ -11,7 +11,8 @@ everything measured so far. Its ``status``:
 - ``diverged``: the training loss or the parameters became non-finite (NaN or infinity);
 - ``interrupted``: stopped by SIGTERM or SIGINT, after writing a checkpoint.
 
-Whatever the status, ``steps_done`` says how many steps ran and ``epsilon`` what they spent; ``config`` is the
+``started_at`` is when the run first started (UTC, ISO 8601; a resumed run keeps it). Whatever the status,
+``steps_done`` says how many steps ran and ``epsilon`` what they spent; ``config`` is the
 resolved config and ``code_version`` the code that started the run (:func:`dpexp.runtime.code_version`), which
 the result store (:mod:`dpexp.results.store`) keys runs by. Non-finite
 numbers are stored as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (``float()`` reads them back),
@@ -28,6 +29,7 @@ import os
 import resource
 import sys
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +80,9 @@ class RunRecord:
     ) -> RunRecord:
         """A new record in ``output_dir``; RunDirectoryError if a run already keeps its record there."""
         path = Path(output_dir) / METRICS_FILE
-        record = cls(path, {"status": RUNNING, "error": None, **fields, "history": []}, writer=writer)
+        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        data = {"status": RUNNING, "error": None, "started_at": started, **fields, "history": []}
+        record = cls(path, data, writer=writer)
         if not writer:
             return record
         path.parent.mkdir(parents=True, exist_ok=True)
