@@ -9,6 +9,7 @@ the loss; window-major rows refused by the probe; and the refusals of what the r
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -189,3 +190,29 @@ def test_window_major_rows_are_refused(attention):
     match = rf"layer 'attn' \({type(module).__name__}\): row 0 .* other examples"
     with pytest.raises(VerificationError, match=match):
         engine.backward(loss)
+
+
+def test_a_swinv2_forward_that_skips_its_projections_is_refused(monkeypatch):
+    """The V2 rule reads Q, K, V off the query, key and value calls of the module's own forward; a forward
+    that computes them some other way (here: their hooks silenced while the rule recomputes) is refused."""
+    model = Swinv2Net().double()
+    attention = model.backbone.encoder.layers[0].blocks[0].attention.self
+    forward = attention.forward
+
+    @functools.wraps(forward)  # the same signature: the rule binds the call's arguments by name
+    def silent_projections(*args, **kwargs):
+        if torch.is_grad_enabled():  # the model's own forward: as usual
+            return forward(*args, **kwargs)
+        projections = (attention.query, attention.key, attention.value)
+        saved = [dict(p._forward_hooks) for p in projections]
+        for p in projections:
+            p._forward_hooks.clear()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for p, hooks in zip(projections, saved, strict=True):
+                p._forward_hooks.update(hooks)
+
+    monkeypatch.setattr(attention, "forward", silent_projections)
+    with pytest.raises(RuntimeError, match=r"Swinv2SelfAttention: its forward did not call query, key and"):
+        _engine(model).backward(loss_fn(model, _batch()))

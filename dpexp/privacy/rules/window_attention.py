@@ -296,8 +296,9 @@ def hf_swinv2_grads(
     with ``c`` the (log-spaced, eq. 4) relative coordinates of the buffer ``relative_coords_table`` (one row
     per relative position r), ``T`` (r, heads) the MLP's table and M the shift mask. The rule takes the
     probabilities P from the module's own forward (called without recording, so that how it adds the mask is
-    its own) and the scores' gradient by the softmax's backward, ``dS = P * (dP - rowsum(P * dP))``,
-    ``dP = dO V^T`` (+ the gradient of the returned probabilities); then, summed over example i's windows,
+    its own; Q, K and V read off its query, key and value calls, not computed again) and the scores'
+    gradient by the softmax's backward, ``dS = P * (dP - rowsum(P * dP))``, ``dP = dO V^T`` (+ the gradient
+    of the returned probabilities); then, summed over example i's windows,
 
         d logit_scale_i[h] = sum dS_i[h] * cos[h] * exp(logit_scale_h)   (0 where the clamp is active),
         dT_i[r, h] = sum_{(s, t): index[s, t] = r} dS_i[h, s, t] * 16 sigmoid'(T[r, h]),
@@ -323,9 +324,25 @@ def hf_swinv2_grads(
         def split(t: torch.Tensor) -> torch.Tensor:  # (rows, N, C) -> (rows, heads, N, head_dim)
             return t.reshape(rows, n, heads, -1).transpose(1, 2).to(dtype)
 
-        q, k, v = (split(proj(x)) for proj in (module.query, module.key, module.value))
+        projections = {}  # query, key and value outputs of the one forward below, not computed again
+        handles = [
+            getattr(module, name).register_forward_hook(
+                lambda _, __, out, name=name: projections.__setitem__(name, out)
+            )
+            for name in ("query", "key", "value")
+        ]
+        try:
+            probs = module(x, mask, output_attentions=True)[1].to(dtype)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if len(projections) < 3:
+            raise RuntimeError(
+                f"{type(module).__name__}: its forward did not call query, key and value, which the rule "
+                f"reads; register a rule for this attention, or freeze logit_scale and {_V2_MLP}."
+            )
+        q, k, v = (split(projections[name]) for name in ("query", "key", "value"))
         cos = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).transpose(-2, -1)
-        probs = module(x, mask, output_attentions=True)[1].to(dtype)
         d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
         d_scores = _scores_grad(probs, v, split(d_out), dy[:, n * channels :])
         d_scores = d_scores.reshape(batch, windows, heads, n, n)
