@@ -95,13 +95,13 @@ def test_older_code_versions_are_not_mixed_with_one_another() -> None:
         _entry("dp", 0, 0.70, code="v2", started="2026-11-02T09:00:00+00:00"),
     ]
     cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]
-    assert tables.cell_texts(cell)[0] == "65.0† (n=2) (+1 by other older code)"  # v2's two seeds
+    assert tables.cell_texts(cell)[0] == "65.0 ± 7.1† (n=2) (+1 by other older code)"  # v2's two seeds
     entries.append(_entry("dp", 1, 0.80, code="v1"))  # now both have two seeds: the latest started wins
     cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]
-    assert tables.cell_texts(cell)[0] == "65.0† (n=2) (+2 by other older code)"
+    assert tables.cell_texts(cell)[0] == "65.0 ± 7.1† (n=2) (+2 by other older code)"
     entries.append(_entry("dp", 1, 0.85, code="v1", started="2026-11-03T10:00:00+00:00"))  # seed 1 again
     cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]
-    assert tables.cell_texts(cell)[0] == "65.0† (n=2) (+2 by other older code)"  # v1: one run per seed
+    assert tables.cell_texts(cell)[0] == "65.0 ± 7.1† (n=2) (+2 by other older code)"  # v1: one per seed
     entries = [_entry("dp", 1, 0.50, code="v2"), _entry("dp", 0, 0.90, code="v1")]  # no start times
     cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]  # a tie: the first by run directory
     assert tables.cell_texts(cell)[0] == "90.0† (n=1) (+1 by other older code)"

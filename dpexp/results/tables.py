@@ -161,8 +161,11 @@ def _ours_text(cell: Cell, digits: int) -> str:
         text += f" ± {cell.std:.{digits}f}" if cell.std is not None else ""
         text += f" (n={cell.ours.n})"
     elif cell.stale is not None:
-        text = f"{cell.stale.mean * cell.scale:.{digits}f}† (n={cell.stale.n})"
-        others = sum(s.n for s in cell.ours.older.values()) - cell.stale.n
+        older = cell.stale
+        text = f"{older.mean * cell.scale:.{digits}f}"
+        text += f" ± {older.std * cell.scale:.{digits}f}" if older.std is not None else ""
+        text += f"† (n={older.n})"
+        others = sum(s.n for s in cell.ours.older.values()) - older.n
         text += f" (+{others} by other older code)" if others else ""
     else:
         text = "not run"
