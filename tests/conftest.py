@@ -16,6 +16,19 @@ CONF_DIR = REPO_ROOT / "conf"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 # A run of a few seconds: three steps, no progress bar, evaluation only at the end.
+# record fields that depend on the clock or on how a run was split into sessions: a resumed run's record
+# equals an uninterrupted one's without them
+TIMING_FIELDS = frozenset(
+    {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes", "started_at"}
+)
+
+
+def stable_record(record: dict) -> dict:
+    """A run record without what depends on the clock or on how the run was split into sessions."""
+    history = [{k: v for k, v in h.items() if k != "train_time_s"} for h in record["history"]]
+    return {k: v for k, v in record.items() if k not in TIMING_FIELDS} | {"history": history}
+
+
 TINY_RUN = ("steps=3", "progress=false", "eval_every=null", "batch_size=32", "physical_batch_size=16")
 
 

@@ -23,15 +23,8 @@ from dpexp.training.loop import run_training
 from dpexp.training.record import RunDirectoryError, RunRecord
 from dpexp.training.resume import load_run_config, resumed_config
 from dpexp.training.signals import RunInterrupted
+from tests.conftest import stable_record as stable
 
-TIMING_FIELDS = {
-    "throughput_examples_per_s",
-    "train_time_s",
-    "wall_time_s",
-    "peak_memory_bytes",
-    "resumes",
-    "started_at",
-}
 RUN = ("steps=15", "eval_every=4", "checkpoint.every=5", "progress=false", "batch_size=32")
 
 
@@ -55,12 +48,6 @@ class FailAt(RunHooks):
     def before_step(self, step: int) -> None:
         if step == self.step:
             raise RuntimeError("injected failure")
-
-
-def stable(record: dict) -> dict:
-    """The record without what depends on the clock or on how the run was split into sessions."""
-    history = [{k: v for k, v in h.items() if k != "train_time_s"} for h in record["history"]]
-    return {k: v for k, v in record.items() if k not in TIMING_FIELDS} | {"history": history}
 
 
 def identical(a: object, b: object) -> bool:

@@ -35,7 +35,7 @@ from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import run_training
 from dpexp.training.resume import load_run_config
 from dpexp.training.signals import RunInterrupted
-from tests.conftest import CONF_DIR, REPO_ROOT, TINY_RUN
+from tests.conftest import CONF_DIR, REPO_ROOT, TIMING_FIELDS, TINY_RUN
 from tests.test_checkpoint import identical
 
 WORLD = 2
@@ -565,15 +565,7 @@ def assert_resumed_as_uninterrupted(root: Path) -> list[dict]:
     optimizer, backend and sampler, bit for bit; returns both final checkpoints."""
     whole, parts = (json.loads((root / d / "metrics.json").read_text()) for d in ("whole", "parts"))
     assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
-    timing = {
-        "throughput_examples_per_s",
-        "train_time_s",
-        "wall_time_s",
-        "peak_memory_bytes",
-        "resumes",
-        "started_at",
-    }
-    for key in set(whole) - timing - {"history"}:
+    for key in set(whole) - TIMING_FIELDS - {"history"}:
         assert parts[key] == whole[key], key
     assert [h["step"] for h in parts["history"]] == [2, 4, 6]
     assert [h["accuracy"] for h in parts["history"]] == [h["accuracy"] for h in whole["history"]]

@@ -47,7 +47,7 @@ from dpexp.training.pipeline import (
 from dpexp.training.resume import load_run_config
 from dpexp.training.rng import seed_everything
 from dpexp.training.signals import RunInterrupted
-from tests.conftest import CONF_DIR, SHARED_DATA, TINY_RUN
+from tests.conftest import CONF_DIR, SHARED_DATA, TIMING_FIELDS, TINY_RUN
 from tests.test_checkpoint import identical
 from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     JOIN_S,
@@ -913,15 +913,7 @@ def test_interrupted_gpt2_lora_pipeline_run_resumes_as_an_uninterrupted_one(tmp_
     assert _spawn(_gpt2_resume_worker, str(tmp_path), ports, join_s=3 * JOIN_S) == [0] * WORLD
     whole, parts = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "parts"))
     assert parts["resumes"] == [{"from_step": 4, "recorded_steps": 4, "accounted_again": 0}]
-    timing = {
-        "throughput_examples_per_s",
-        "train_time_s",
-        "wall_time_s",
-        "peak_memory_bytes",
-        "resumes",
-        "started_at",
-    }
-    for key in set(whole) - timing - {"history"}:
+    for key in set(whole) - TIMING_FIELDS - {"history"}:
         assert parts[key] == whole[key], key
     assert math.isfinite(whole["epsilon"]["rdp"]) and whole["noise_multiplier"] > 0
     assert [h["step"] for h in parts["history"]] == [2, 4, 6]

@@ -8,15 +8,7 @@ import subprocess
 import sys
 
 from dpexp.training.loop import run_training
-from tests.conftest import REPO_ROOT, TINY_RUN
-
-TIMING_FIELDS = {
-    "throughput_examples_per_s",
-    "train_time_s",
-    "wall_time_s",
-    "peak_memory_bytes",
-    "started_at",
-}
+from tests.conftest import REPO_ROOT, TINY_RUN, stable_record
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
@@ -88,10 +80,6 @@ def test_same_config_twice_gives_identical_metrics(compose_config, tmp_path):
     first = run_training(cfg, tmp_path / "a")
     second = run_training(cfg, tmp_path / "b")
 
-    def stable(record):
-        history = [{k: v for k, v in h.items() if k != "train_time_s"} for h in record["history"]]
-        return {k: v for k, v in record.items() if k not in TIMING_FIELDS} | {"history": history}
-
-    assert stable(first) == stable(second)
+    assert stable_record(first) == stable_record(second)
     other = run_training(compose_config([*TINY_RUN, "eval_every=1", "seed=1"]), tmp_path / "c")
-    assert stable(other)["history"] != stable(first)["history"]
+    assert stable_record(other)["history"] != stable_record(first)["history"]
