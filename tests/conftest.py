@@ -15,8 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
-# A run of a few seconds: three steps, no progress bar, evaluation only at the end.
-# record fields that depend on the clock or on how a run was split into sessions: a resumed run's record
+# Record fields that depend on the clock or on how a run was split into sessions: a resumed run's record
 # equals an uninterrupted one's without them
 TIMING_FIELDS = frozenset(
     {"throughput_examples_per_s", "train_time_s", "wall_time_s", "peak_memory_bytes", "resumes", "started_at"}
@@ -29,6 +28,7 @@ def stable_record(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in TIMING_FIELDS} | {"history": history}
 
 
+# A run of a few seconds: three steps, no progress bar, evaluation only at the end.
 TINY_RUN = ("steps=3", "progress=false", "eval_every=null", "batch_size=32", "physical_batch_size=16")
 
 
