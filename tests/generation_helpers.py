@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+from dpexp.metrics.model_based import MODEL_METRICS
 from dpexp.models.gpt2 import GPT2Factory
 
 E2E_ROWS = [
@@ -46,3 +47,35 @@ def write_json(path: Path, records: object) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records), encoding="utf-8")
     return path
+
+
+# A stand-in for an evaluate metric: the word overlap of each (prediction, reference) pair under ``field``;
+# ``lang`` is required, as BERTScore's is.
+METRIC_SCRIPT = """
+import datasets
+import evaluate
+
+
+class WordOverlap(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="test", citation="", inputs_description="",
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
+        )
+
+    def _compute(self, predictions, references, KWARGS):
+        overlap = [float(len(set(p.split()) & set(r.split()))) for p, r in zip(predictions, references)]
+        return {"FIELD": overlap}
+"""
+
+
+def write_metric(folder: Path, name: str) -> str:
+    """A local metric script standing in for ``name`` (its result field and keyword arguments)."""
+    spec = MODEL_METRICS[name]
+    kwargs = ", ".join(spec.kwargs) or "**unused"
+    path = folder / f"fake_{name}" / f"fake_{name}.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(METRIC_SCRIPT.replace("FIELD", spec.field).replace("KWARGS", kwargs), encoding="utf-8")
+    return str(path.parent)

@@ -65,7 +65,9 @@ PUBLISHED_CELLS = {
     "he2023_table2": {("flat", "eps1"): (44.7, None), ("adaptive_perlayer", "eps8"): (73.5, None)},
     "he2023_table4": {("flat", "e3"): (88.70, 0.52), ("adaptive_perlayer", "e30"): (92.23, 0.06)},
     "he2023_table12": {("flat", "e10"): (91.53, 0.12), ("adaptive_perlayer", "e30"): (92.87, 0.12)},
-    "li2022_table8": {("bleu.eps8", "full"): (35.057, None), ("rougeL.eps3", "full"): (52.063, None)},
+    "li2022_table8": {("eps8", "bleu"): (35.057, None), ("eps3", "rougeL"): (52.063, None),
+                      ("non_private", "bleurt"): (0.178, None), ("eps3", "epsilon_prv"): (2.65, None),
+                      ("eps8", "meteor"): (0.319, None)},  # Li et al. 2022, Table 8
     "li2022_table9": {("eps3", "r100"): (5.26, 4.20), ("non_private", "r10"): (17.22, 0.00),
                       ("non_private", "r1"): (13.82, 3.86), ("eps8", "r1"): None},  # Li et al. 2022, Table 9
     "he2023_table3_sst2": {("li2022", "eps8"): (85.89, None), ("he2023", "eps3"): (92.03, None)},

@@ -111,11 +111,46 @@ def test_nist_rewards_informative_ngrams_and_matches_nltk():
     assert nist(["The cat sat on the mat"], refs) == pytest.approx(corpus_nist(tokens, [tokens[0][0]], n=5))
 
 
-def test_meteor_is_left_out_without_java(monkeypatch):
+def test_meteor_is_left_out_without_java_and_says_so(monkeypatch, caplog):
     from dpexp.metrics import text
 
     monkeypatch.setattr(text.shutil, "which", lambda name: None)
-    assert "meteor" not in text.e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+    with caplog.at_level("WARNING", logger=text.__name__):
+        assert "meteor" not in text.e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+        assert "meteor" not in text.dart_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+    assert caplog.text.count("METEOR needs a Java runtime") == 2
+
+
+# --------------------------------------------------------------------------------------------- DART metrics
+def test_dart_metrics_are_table8s_offline_columns_in_its_order():
+    """METEOR, ROUGE-1, ROUGE-2, ROUGE-L and BLEU (Li et al. 2022, Table 8): the ROUGE values are
+    :func:`rouge`'s (best reference, mean over inputs), BLEU :func:`corpus_bleu`'s, METEOR the E2E one."""
+    from dpexp.metrics.text import DART_METRICS, dart_metrics, e2e_metrics, java_available
+
+    scores = dart_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+    want = DART_METRICS if java_available() else tuple(m for m in DART_METRICS if m != "meteor")
+    assert tuple(scores) == want
+    by_rouge = rouge(E2E_HYPOTHESES, E2E_REFERENCES, ("rouge1", "rouge2", "rougeL"))
+    assert {k: scores[k] for k in by_rouge} == pytest.approx(by_rouge)
+    assert scores["bleu"] == pytest.approx(corpus_bleu(E2E_HYPOTHESES, E2E_REFERENCES))
+    assert 0 < scores["rouge2"] < scores["rouge1"] < 100
+    if "meteor" in scores:
+        assert scores["meteor"] == pytest.approx(e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)["meteor"])
+        assert 0 < scores["meteor"] < 1
+
+
+def test_dart_metrics_score_a_copy_of_any_reference_as_perfect():
+    from dpexp.metrics.text import dart_metrics
+
+    copies = [refs[1] for refs in E2E_REFERENCES]
+    scores = dart_metrics(copies, E2E_REFERENCES)
+    assert {k: v for k, v in scores.items() if k != "meteor"} == pytest.approx(
+        {"rouge1": 100.0, "rouge2": 100.0, "rougeL": 100.0, "bleu": 100.0}
+    )
+    if "meteor" in scores:
+        assert scores["meteor"] > 0.99
+    with pytest.raises(ValueError, match="reference groups"):
+        dart_metrics(copies, E2E_REFERENCES[:1])
 
 
 def test_nist_of_short_or_empty_generations_is_defined():

@@ -67,6 +67,16 @@ def test_kept_checkpoints_are_part_of_the_key_only_when_set() -> None:
     assert store.config_key(_with(kept, "checkpoint.at_epochs", [0.0, 2.0])) != store.config_key(kept)
 
 
+def test_model_metrics_are_part_of_the_key_only_when_set() -> None:
+    """task.model_metrics came after DART and E2E records existed: null hashes as a record without it."""
+    task = {"task": {"_target_": "dpexp.tasks.dart.DARTTask", "num_beams": 5}}
+    older = {**CONFIG, **task}
+    assert store.config_key(_with(older, "task.model_metrics", None)) == store.config_key(older)
+    asked = _with(older, "task.model_metrics", {"bertscore": "bertscore"})
+    assert store.config_key(asked) != store.config_key(older)
+    assert store.config_key(_with(CONFIG, "model_metrics", None)) != store.config_key(CONFIG)  # only task's
+
+
 def test_the_setting_key_ignores_only_the_seed() -> None:
     assert store.config_key(_with(CONFIG, "seed", 7), with_seed=False) == store.config_key(
         CONFIG, with_seed=False

@@ -123,6 +123,20 @@ def test_a_cell_without_runs_says_so_and_no_figure_is_drawn(tmp_path: Path) -> N
     assert not tables.epsilon_figure(SPEC, "offline", cells, tmp_path / "f.png")
 
 
+def test_a_cell_whose_completed_runs_lack_its_metric_says_so() -> None:
+    """A metric the runs did not compute (a hub metric offline, one older code did not have) is "not
+    measured", counted over the cell's settings and code versions (a rerun once), never "not run"."""
+    entries = [_entry("dp", 0, None), _entry("dp", 0, None), _entry("dp", 1, None, code="old")]
+    cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[0][0]
+    assert tables.cell_texts(cell)[0] == "not measured (2 completed runs lack it)"
+    entries = [_entry("np_small", 0, None), _entry("np_large", 0, None, status="failed")]
+    cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[1][0]
+    assert tables.cell_texts(cell)[0] == "not measured (1 completed run lacks it) (1 failed)"
+    entries.append(_entry("np_large", 0, 0.7))  # a run with the metric is shown as usual
+    cell = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")[1][0]
+    assert tables.cell_texts(cell)[0] == "70.0 (n=1) [optim.lr=0.5] (1 failed)"
+
+
 def _histories(cells, entries, history=tables.load_history):
     return tables.current_histories(SPEC, cells, entries, "new", history)
 

@@ -7,7 +7,7 @@ import pytest
 from dpexp.tasks.dart import DARTTask, linearize_tripleset, records_to_pairs
 from dpexp.tasks.generation import in_dev_eval_part
 from tests.conftest import SHARED_DATA
-from tests.generation_helpers import tiny_factory, write_json
+from tests.generation_helpers import tiny_factory, write_json, write_metric
 
 RECORDS = [
     {
@@ -86,6 +86,37 @@ def test_setup_groups_annotations_and_trains_on_all_pairs(tmp_path: Path) -> Non
     task.setup(tiny_factory())
     assert len(task.train_dataset) == 3
     assert [len(refs) for refs in task._eval_references] == [2, 1]
+
+
+def test_evaluate_scores_table8s_metrics_and_the_asked_model_based_ones(tmp_path: Path) -> None:
+    """Li et al. (2022), Table 8's offline columns always; BLEURT here through a local metric script (the hub
+    is unreachable), scored on the same generations: every hypothesis against all its annotations."""
+    import math
+
+    import torch
+
+    from dpexp.metrics.text import DART_METRICS, java_available
+
+    write_json(tmp_path / "dart" / "dart-v1.1.1-full-train.json", RECORDS)
+    write_json(tmp_path / "dart" / "dart-v1.1.1-full-test.json", RECORDS)
+    bleurt = write_metric(tmp_path / "metrics", "bleurt")
+    task = DARTTask(data_root=str(tmp_path), max_new_tokens=8, num_beams=2, model_metrics={"bleurt": bleurt})
+    task.setup(tiny_factory())
+    torch.manual_seed(0)
+    metrics = task.evaluate(tiny_factory().build(task.info), batch_size=2)
+    offline = set(DART_METRICS) if java_available() else set(DART_METRICS) - {"meteor"}
+    assert set(metrics) == {*offline, "bleurt", "nll", "eval_inputs"}
+    assert metrics["eval_inputs"] == 2 and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_a_model_based_metric_that_cannot_load_is_refused_at_setup(tmp_path: Path) -> None:
+    write_json(tmp_path / "dart" / "dart-v1.1.1-full-train.json", RECORDS)
+    write_json(tmp_path / "dart" / "dart-v1.1.1-full-test.json", RECORDS)
+    with pytest.raises(ValueError, match="unknown model-based metric"):
+        DARTTask(data_root=str(tmp_path), model_metrics={"bleu": "bleu"})
+    task = DARTTask(data_root=str(tmp_path), model_metrics={"bertscore": str(tmp_path / "absent")})
+    with pytest.raises(ValueError, match=r"^task.model_metrics.bertscore: evaluate could not load"):
+        task.setup(tiny_factory())
 
 
 @pytest.mark.skipif(

@@ -1,4 +1,5 @@
-"""Corpus BLEU (sacrebleu), ROUGE (rouge-score) and the E2E challenge's five metrics, grouped references.
+"""Corpus BLEU (sacrebleu), ROUGE (rouge-score), the E2E challenge's five metrics and Li et al.'s DART
+metrics, grouped references.
 
 The metrics are called directly from their packages (``evaluate.load`` would fetch metric scripts from the
 hub at run time and fails offline). Every hypothesis is scored against *all* references of its input: the
@@ -18,16 +19,20 @@ How these numbers differ from the papers' official pipelines (Li et al. 2022, ap
 - SAMSum (He et al. 2023, Table 6): ROUGE-1/2/L F1 from rouge-score as here; whether the paper used
   stemming is not stated (we stem, the common choice for SAMSum).
 
-All scores are on a 0-100 scale, as the papers report them, except in :func:`e2e_metrics`, which follows Li
-et al. (2022), Tables 2 and 7: BLEU and ROUGE-L in 0-100, NIST, METEOR (0-1) and CIDEr on their own scales.
+All scores are on a 0-100 scale, as the papers report them, except METEOR (0-1), NIST and CIDEr, which keep
+their own scales as Li et al. (2022) print them (Tables 2, 7 and 8).
 The E2E challenge's script scores NIST with mteval and METEOR, ROUGE-L and CIDEr with the MS-COCO caption
 code (pycocoevalcap); here NIST is NLTK's implementation of the same formula (n = 5) on sacrebleu's 13a
 tokens, and METEOR, ROUGE-L (beta = 1.2) and CIDEr are pycocoevalcap's own, on lower-cased 13a tokens.
 METEOR runs Meteor 1.5 in a Java process: without a Java runtime it is left out, and the caller says so.
+:func:`dart_metrics` gives the columns of Li et al.'s DART table (Table 8) that run offline: METEOR as for
+E2E, ROUGE-1, ROUGE-2 and ROUGE-L as :func:`rouge`, and BLEU; its BERTScore and BLEURT need scoring models
+from the hub (:mod:`dpexp.metrics.model_based`).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Sequence
 
@@ -35,7 +40,10 @@ import sacrebleu
 from rouge_score import rouge_scorer
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
+log = logging.getLogger(__name__)
+
 E2E_METRICS = ("bleu", "nist", "meteor", "rougeL", "cider")  # Li et al. (2022), Table 7's columns
+DART_METRICS = ("meteor", "rouge1", "rouge2", "rougeL", "bleu")  # Table 8's columns that need no hub model
 
 
 def _check_aligned(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> None:
@@ -111,6 +119,30 @@ def java_available() -> bool:
     return shutil.which("java") is not None
 
 
+def meteor(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float | None:
+    """METEOR 1.5 (0-1; pycocoevalcap's Java scorer) of every hypothesis against all of its references, on
+    lower-cased 13a tokens; None without a Java runtime (:func:`java_available`)."""
+    _check_aligned(hypotheses, references)
+    if not java_available():
+        log.warning("METEOR needs a Java runtime (java on the PATH): this evaluation leaves it out")
+        return None
+    from pycocoevalcap.meteor.meteor import Meteor
+
+    gts, res = _coco_inputs(hypotheses, references)
+    scorer = Meteor()  # a Java process, ended when the scorer is collected
+    score = float(scorer.compute_score(gts, res)[0])
+    del scorer
+    return score
+
+
+def _coco_inputs(
+    hypotheses: Sequence[str], references: Sequence[Sequence[str]]
+) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+    """References and hypotheses as the MS-COCO caption scorers take them: {input: [tokenised texts]}."""
+    gts = {i: [_tokens(r) for r in group] for i, group in enumerate(references)}
+    return gts, {i: [_tokens(h)] for i, h in enumerate(hypotheses)}
+
+
 def e2e_metrics(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
     """BLEU, NIST, METEOR, ROUGE-L and CIDEr (the E2E challenge's metrics, Li et al. 2022 Table 7), every
     hypothesis against all references of its input; METEOR only where Java runs (module docstring)."""
@@ -118,18 +150,23 @@ def e2e_metrics(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) 
     from pycocoevalcap.rouge.rouge import Rouge
 
     _check_aligned(hypotheses, references)
-    gts = {i: [_tokens(r) for r in group] for i, group in enumerate(references)}
-    res = {i: [_tokens(h)] for i, h in enumerate(hypotheses)}
+    gts, res = _coco_inputs(hypotheses, references)
     scores = {
         "bleu": corpus_bleu(hypotheses, references),
         "nist": nist(hypotheses, references),
+        "meteor": meteor(hypotheses, references),
         "rougeL": 100.0 * float(Rouge().compute_score(gts, res)[0]),
         "cider": float(Cider().compute_score(gts, res)[0]),
     }
-    if java_available():
-        from pycocoevalcap.meteor.meteor import Meteor
+    return {name: scores[name] for name in E2E_METRICS if scores[name] is not None}
 
-        scorer = Meteor()  # a Java process, ended when the scorer is collected
-        scores["meteor"] = float(scorer.compute_score(gts, res)[0])
-        del scorer
-    return {name: scores[name] for name in E2E_METRICS if name in scores}
+
+def dart_metrics(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
+    """METEOR, ROUGE-1, ROUGE-2, ROUGE-L and BLEU (Li et al. 2022, Table 8's columns that need no hub
+    model), every hypothesis against all annotations of its triple set; METEOR only where Java runs."""
+    scores = {
+        "meteor": meteor(hypotheses, references),
+        **rouge(hypotheses, references, ("rouge1", "rouge2", "rougeL")),
+        "bleu": corpus_bleu(hypotheses, references),
+    }
+    return {name: scores[name] for name in DART_METRICS if scores[name] is not None}

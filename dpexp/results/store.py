@@ -39,9 +39,9 @@ from dpexp.training.resume import RUNTIME_KEYS
 # and reads its files and how often the progress bar reports.
 RUN_LOCAL_KEYS = (*RUNTIME_KEYS, "output", "data.root", "log_every")
 KEPT_CHECKPOINTS = ("checkpoint", "at_epochs")  # a run-local key that, when set, is part of the run key
-# keys added after records existed, left out of the run key while they hold these values (what a record
-# without them did), so older records keep their key
-LATER_DEFAULTS: dict[str, Any] = {"parameters": {"train": None, "freeze": []}}
+# (dotted) keys added after records existed, left out of the run key while they hold these values (what a
+# record without them did), so older records keep their key
+LATER_DEFAULTS: dict[str, Any] = {"parameters": {"train": None, "freeze": []}, "task.model_metrics": None}
 INDEX_FILE = "index.jsonl"
 UNKNOWN_CODE = "unknown"  # source_hash of a record written before records stored their code version
 
@@ -71,8 +71,12 @@ def config_key(config: Mapping[str, Any], *, with_seed: bool = True) -> str:
     if at_epochs:  # null or [] (no kept checkpoints) leaves the key as it was before the option existed
         kept[group] = {key: at_epochs}
     for later, default in LATER_DEFAULTS.items():
-        if kept.get(later) == default:
-            del kept[later]
+        *parents, leaf = later.split(".")
+        node: Any = kept
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node and node[leaf] == default:
+            del node[leaf]
     text = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -185,6 +189,7 @@ class Summary:
     statuses: Counter = field(default_factory=Counter)  # runs not completed, by status
     started: str = ""  # the latest ``started_at`` (UTC, ISO 8601) of the completed runs; "" for older records
     older: dict[str, Summary] = field(default_factory=dict)  # other code versions with a completed run
+    lacking: int = 0  # completed runs of any code version whose records lack the metric (offline, older code)
 
     @property
     def n(self) -> int:
@@ -222,18 +227,23 @@ def summarize(
     code is the same run), other statuses counted; each other code version summarized the same way, apart."""
     versions: dict[str, Summary] = {}
     taken: set[tuple[str, str]] = set()
+    lacking: set[tuple[str, str]] = set()
     for entry in sorted(entries, key=lambda e: e["run_dir"]):
         if entry["setting_key"] != setting_key:
             continue
         version = versions.setdefault(entry["source_hash"], Summary())
         value = entry["metrics"].get(metric)
+        run = (entry["source_hash"], entry["run_key"])
         if entry["status"] != COMPLETED:
             version.statuses[entry["status"]] += 1
-        elif (run := (entry["source_hash"], entry["run_key"])) not in taken and _finite(value):
+        elif value is None:
+            lacking.add(run)
+        elif run not in taken and _finite(value):
             taken.add(run)
             version.values.append(value)
             version.seeds.append(entry["seed"])
             version.started = max(version.started, entry.get("started_at") or "")
     summary = versions.pop(source_hash, Summary())
     summary.older = {code: older for code, older in versions.items() if older.n}
+    summary.lacking = len(lacking)
     return summary

@@ -6,7 +6,8 @@ e.g. a non-private row across epsilon columns). Points differing only by seed ar
 several settings (a tuned hyperparameter) shows the best mean, naming the chosen values, as the papers report
 tuned results. Each cell is printed as ours (mean +- sample std over seeds, n), the paper's value (from
 ``conf/published``) and the difference; runs of other code versions are never mixed in (a cell with only
-those shows its best such setting marked †), runs that did not complete are counted by status.
+those shows its best such setting marked †), runs that did not complete are counted by status, and a cell
+whose completed runs lack its metric (not computed offline, or by their code) says so.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Cell:
     scale: float = 1.0  # factor from the record's metric to the table's unit (100 for percent)
     setting: str | None = None  # setting key of ``ours`` (the best setting's runs)
     spread: float | None = None  # the experiment's ``spread``: a std recorded within runs (pooled over seeds)
+    lacking: int = 0  # completed runs in the cell whose records lack its metric (:attr:`Summary.lacking`)
 
     @property
     def mean(self) -> float | None:
@@ -140,6 +142,7 @@ def build_cells(
                     scale=factor,
                     setting=best,
                     spread=spread,
+                    lacking=sum(s.lacking for s in summaries.values()),
                 )
             )
         table.append(cells)
@@ -167,6 +170,9 @@ def _ours_text(cell: Cell, digits: int) -> str:
         text += f"† (n={older.n})"
         others = sum(s.n for s in cell.ours.older.values()) - older.n
         text += f" (+{others} by other older code)" if others else ""
+    elif cell.lacking:
+        runs = "run lacks it" if cell.lacking == 1 else "runs lack it"
+        text = f"not measured ({cell.lacking} completed {runs})"
     else:
         text = "not run"
     if cell.choice:

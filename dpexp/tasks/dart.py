@@ -2,8 +2,10 @@
 
 A triple set ``[[s1, r1, o1], [s2, r2, o2]]`` is linearised as in Li & Liang (2021):
 ``s1 : r1 : o1 | s2 : r2 : o2``. Each annotation of a triple set is one training pair; evaluation groups
-all annotations of the same (linearised) triple set as its references. Metrics: BLEU and ROUGE-L (He et al.
-2023, Table 5) plus the test-set per-token NLL.
+all annotations of the same (linearised) triple set as its references. Metrics: the columns of Li et al.
+(2022), Table 8 that run offline, METEOR, ROUGE-1, ROUGE-2, ROUGE-L and BLEU
+(:func:`dpexp.metrics.text.dart_metrics`; He et al. 2023, Table 5, prints BLEU and ROUGE-L), its BERTScore
+and BLEURT where ``model_metrics`` asks for them (hub models), and the test-set per-token NLL.
 
 Local files (``data_root/dart/``): ``dart-v1.1.1-full-{train,dev,test}.json`` from the original release,
 a JSON list of records with ``tripleset`` and ``annotations`` (list of ``{source, text}``). Offline copies
@@ -20,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from dpexp.metrics.text import dart_metrics
 from dpexp.tasks.files import read_text
 from dpexp.tasks.generation import GenerationTask
 
@@ -73,6 +76,10 @@ class DARTTask(GenerationTask):
 
     def __init__(self, *, hub_name: str = "Yale-LILY/dart", **kwargs: Any) -> None:
         super().__init__(hub_name=hub_name, **kwargs)
+
+    def score(self, hypotheses: list[str], references: list[tuple[str, ...]]) -> dict[str, float]:
+        """Li et al. (2022), Table 8's metrics that need no hub model (:func:`dart_metrics`)."""
+        return dart_metrics(hypotheses, references)
 
     def read_local(self, path: Path) -> list[tuple[str, str]]:
         try:

@@ -16,17 +16,14 @@ Hub: ``tuetschek/e2e_nlg`` (columns ``meaning_representation``, ``human_referenc
 from __future__ import annotations
 
 import csv
-import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dpexp.metrics.text import e2e_metrics, java_available
+from dpexp.metrics.text import e2e_metrics
 from dpexp.tasks.files import text_file
 from dpexp.tasks.generation import GenerationTask
-
-log = logging.getLogger(__name__)
 
 _ATTRIBUTE = re.compile(r"\s*([^,\[\]]+?)\s*\[([^\]]*)\]\s*(?:,|$)")
 _FIELD_NAMES = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
@@ -68,8 +65,6 @@ class E2ETask(GenerationTask):
 
     def score(self, hypotheses: list[str], references: list[tuple[str, ...]]) -> dict[str, float]:
         """The E2E challenge's five metrics (Li et al. 2022, Table 7)."""
-        if not java_available():
-            log.warning("METEOR needs a Java runtime (java on the PATH): this evaluation leaves it out")
         return e2e_metrics(hypotheses, references)
 
     def read_local(self, path: Path) -> list[tuple[str, str]]:

@@ -21,7 +21,8 @@ Evaluation on the held-out split (``evaluate``):
   divided by the number of target tokens, over every (input, reference) pair of the evaluated inputs;
 - beam-search generations for every distinct input (``dpexp.metrics.generation``), scored against all its
   references (``dpexp.metrics.text``; that module's docstring says how the numbers differ from the official
-  E2E and GEM scripts).
+  E2E and GEM scripts), and by the model-based metrics asked for in ``model_metrics`` (BERTScore, BLEURT:
+  ``dpexp.metrics.model_based``, loaded at :meth:`GenerationTask.setup`, before training).
 
 Canaries (``canaries``, a task whose ``canary_fields`` says how a canary's prefix is formatted: E2E): the
 secret-sharer test of Carlini et al. (2019) as Li et al. (2022, app. M) run it. Random (prefix, suffix)
@@ -48,7 +49,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -61,6 +62,7 @@ from torch.utils.data import Dataset
 
 from dpexp.metrics import exposure
 from dpexp.metrics.generation import beam_search
+from dpexp.metrics.model_based import check_model_metrics, load_model_metrics, model_metric_scores
 from dpexp.metrics.text import corpus_bleu, rouge
 from dpexp.models.base import ModelFactory, TaskInfo
 from dpexp.tasks.base import Task
@@ -156,6 +158,7 @@ class GenerationTask(Task):
         max_eval_batch_size: int = 32,
         lora: dict[str, Any] | None = None,
         canaries: dict[str, Any] | None = None,
+        model_metrics: Mapping[str, str] | None = None,
     ) -> None:
         if on_overflow not in ("truncate", "error"):
             raise ValueError(f"on_overflow must be 'truncate' or 'error', got {on_overflow!r}")
@@ -176,6 +179,8 @@ class GenerationTask(Task):
         self.max_new_tokens = max_new_tokens
         self.max_eval_batch_size = max_eval_batch_size
         self.lora = dict(lora) if lora else None
+        self.model_metrics = check_model_metrics(model_metrics or {}, "task.model_metrics")
+        self._model_metrics: dict[str, Any] = {}  # the loaded evaluate modules (setup)
         if canaries is not None and self.canary_fields is None:
             raise ValueError(f"task {self.name} has no canary format; canaries are implemented for task=e2e")
         self.canary_config = CanaryConfig.from_mapping(canaries) if canaries is not None else None
@@ -340,6 +345,7 @@ class GenerationTask(Task):
     # ----- Task interface --------------------------------------------------------------------------------
 
     def setup(self, factory: ModelFactory) -> None:
+        self._model_metrics = load_model_metrics(self.model_metrics, "task.model_metrics")
         train_split, eval_split = self._resolve_splits()
         train_pairs = self._load_pairs(train_split)
         eval_groups = self._select_eval_groups(group_pairs(self._load_pairs(eval_split)))
@@ -620,5 +626,9 @@ class GenerationTask(Task):
         hypotheses = [self._tok.decode(ids, skip_special_tokens=True).strip() for ids in generated]
         for hypothesis, refs in list(zip(hypotheses, self._eval_references, strict=True))[:2]:
             logger.info("%s sample: %r (reference: %r)", self.name, hypothesis, refs[0])
-        metrics = self.score(hypotheses, list(self._eval_references))
+        references = list(self._eval_references)
+        metrics = {
+            **self.score(hypotheses, references),
+            **model_metric_scores(self._model_metrics, hypotheses, references),
+        }
         return {**metrics, "nll": nll, "eval_inputs": float(len(hypotheses)), **canaries}
