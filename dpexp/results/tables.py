@@ -63,9 +63,13 @@ class Cell:
 
     @property
     def difference(self) -> float | None:
-        if self.mean is None or self.reported is None:
+        """Ours minus the paper's: of the current runs, else of the older version shown (:attr:`stale`)."""
+        if self.reported is None:
             return None
-        return self.mean - self.reported[0]
+        if self.mean is not None:
+            return self.mean - self.reported[0]
+        older = self.stale
+        return None if older is None or older.mean is None else older.mean * self.scale - self.reported[0]
 
 
 def _reported(value: Any) -> tuple[float, float | None] | None:
@@ -191,7 +195,9 @@ def _paper_text(cell: Cell, digits: int) -> str:
 
 
 def _diff_text(cell: Cell, digits: int) -> str:
-    return "-" if cell.difference is None else f"{cell.difference:+.{digits}f}"
+    if cell.difference is None:
+        return "-"
+    return f"{cell.difference:+.{digits}f}" + ("†" if cell.mean is None else "")
 
 
 def cell_texts(cell: Cell, digits: int = 1) -> tuple[str, str, str]:
@@ -221,7 +227,8 @@ def footer(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mappin
     if stale:
         lines.append(
             "†: only runs of older code versions exist for this cell, not mixed with current runs nor with "
-            "one another: the version with the most seeds (then the latest) is shown, the others counted."
+            "one another: the version with the most seeds (then the latest) is shown, the others counted; its "
+            "difference to the paper is marked † too."
         )
     return lines
 
