@@ -227,8 +227,8 @@ def footer(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mappin
     if stale:
         lines.append(
             "†: only runs of older code versions exist for this cell, not mixed with current runs nor with "
-            "one another: the version with the most seeds (then the latest) is shown, the others counted; its "
-            "difference to the paper is marked † too."
+            "one another: the version with the most seeds (then the latest) is shown, the others counted; "
+            "its difference to the paper is marked † too."
         )
     return lines
 
