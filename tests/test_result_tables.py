@@ -214,6 +214,29 @@ def test_threshold_figure_draws_the_recorded_thresholds_of_each_rows_first_seed(
         SPEC, "offline", _histories(cells, entries, lambda _: [{"step": 1}]), none
     )
     assert not none.exists()
+    final_only = [{"step": 3, "accuracy": 0.5, "thresholds": {"0 fc": 1.0}}]  # evaluated once, at the end
+    assert not tables.threshold_figure(
+        SPEC, "offline", _histories(cells, entries, lambda _: final_only), none
+    )
+    assert not none.exists()
+
+
+def _png_width(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[16:20], "big")
+
+
+def test_rows_reading_the_same_run_share_one_threshold_panel(tmp_path: Path) -> None:
+    """A table with one row per metric (He et al. Table 5) reads each run in several rows: one panel each."""
+    course = [{"step": s, "thresholds": {"0 fc": 1.0 / s}} for s in (1, 2, 3)]
+    row = OmegaConf.create({"label": "BLEU, ε = 3"})
+
+    def histories(*dirs: str) -> list[tables.RowHistory]:
+        return [tables.RowHistory(i, row, [], None, [course], [d]) for i, d in enumerate(dirs)]
+
+    shared, separate = tmp_path / "shared.png", tmp_path / "separate.png"
+    assert tables.threshold_figure(SPEC, "offline", histories("runs/a", "runs/a"), shared)
+    assert tables.threshold_figure(SPEC, "offline", histories("runs/a", "runs/b"), separate)
+    assert _png_width(separate) > 1.8 * _png_width(shared)  # two panels against one
 
 
 def test_a_row_without_noise_is_a_horizontal_line_against_epsilon_and_a_curve_against_epochs(

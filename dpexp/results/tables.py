@@ -448,13 +448,15 @@ def _finite(value: Any) -> bool:
 def threshold_figure(spec: DictConfig, scale: str, rows: Sequence[RowHistory], path: Path) -> bool:
     """The adaptive thresholds C_k of every clipping group over training (He et al. 2023, Algorithm 1; the
     records' ``thresholds``, released values), one panel per row of ``rows`` (:func:`current_histories`)
-    with adaptive thresholds, from its first seed's run; the y axis logarithmic. False (nothing written)
-    when no run recorded thresholds."""
-    panels = []
+    with adaptive thresholds, from its first seed's run (rows reading the same run, e.g. one per metric,
+    share the first one's panel); the y axis logarithmic. False (nothing written) when no run recorded
+    thresholds at two evaluations or more: a single point is no course over training."""
+    panels, drawn = [], set()
     for r in rows:
         points = [h for h in (r.runs[0] if r.runs else []) if h.get("thresholds")]
-        if points:
+        if len(points) > 1 and r.run_dirs[0] not in drawn:
             panels.append((r.row, points))
+            drawn.add(r.run_dirs[0])
     if not panels:
         return False
     import matplotlib
