@@ -62,14 +62,16 @@ class Cell:
         return self.ours.latest_older
 
     @property
+    def stale_mean(self) -> float | None:
+        """The mean of the older version shown (:attr:`stale`), in the table's unit."""
+        older = self.stale
+        return None if older is None or older.mean is None else older.mean * self.scale
+
+    @property
     def difference(self) -> float | None:
         """Ours minus the paper's: of the current runs, else of the older version shown (:attr:`stale`)."""
-        if self.reported is None:
-            return None
-        if self.mean is not None:
-            return self.mean - self.reported[0]
-        older = self.stale
-        return None if older is None or older.mean is None else older.mean * self.scale - self.reported[0]
+        shown = self.mean if self.mean is not None else self.stale_mean
+        return None if self.reported is None or shown is None else shown - self.reported[0]
 
 
 def _reported(value: Any) -> tuple[float, float | None] | None:
@@ -167,9 +169,9 @@ def _ours_text(cell: Cell, digits: int) -> str:
         text = f"{cell.mean:.{digits}f}"
         text += f" ± {cell.std:.{digits}f}" if cell.std is not None else ""
         text += f" (n={cell.ours.n})"
-    elif cell.stale is not None:
+    elif cell.stale_mean is not None:
         older = cell.stale
-        text = f"{older.mean * cell.scale:.{digits}f}"
+        text = f"{cell.stale_mean:.{digits}f}"
         text += f" ± {older.std * cell.scale:.{digits}f}" if older.std is not None else ""
         text += f"† (n={older.n})"
         others = sum(s.n for s in cell.ours.older.values()) - older.n
