@@ -219,7 +219,9 @@ def index(runs: Path, out: Path | None) -> list[dict[str, Any]]:
 def render(
     name: str, scale: str, entries: Sequence[Mapping[str, Any]], out: Path, source: Mapping[str, Any]
 ) -> list[Path]:
-    """Write the experiment's table (Markdown, LaTeX) and figure at ``scale``; the files written."""
+    """Write the experiment's table (Markdown, LaTeX) and figures at ``scale``; the files written. A figure
+    that the records no longer give (its runs now older code, or gone) is removed, not left from an earlier
+    render: the folder holds what the store draws."""
     spec = experiments.load_experiment(name)
     points = experiments.grid_points(name, spec, scale)
     configs = experiments.compose_points(points)
@@ -236,6 +238,8 @@ def render(
     figure = out / "figures" / f"{stem}_epsilon.png"
     if tables.epsilon_figure(spec, scale, cells, figure):
         written.append(figure)
+    else:
+        figure.unlink(missing_ok=True)
     rows = tables.current_histories(spec, cells, entries, source["source_hash"])
     figures = [(tables.threshold_figure, "thresholds", {})]
     for axis in experiments.curve_axes(spec, name):
@@ -246,6 +250,8 @@ def render(
         path = out / "figures" / f"{stem}_{suffix}.png"
         if draw(spec, scale, rows, path, **options):
             written.append(path)
+        else:
+            path.unlink(missing_ok=True)
     return written
 
 

@@ -161,3 +161,17 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_experiment: Path, monke
     launches = [line for line in printed.splitlines() if line.startswith("  launch: ")]
     assert len(launches) == 2 and any("clip=bk" in line for line in launches)
     assert not out.exists() and not any(runs.iterdir())
+
+
+def test_render_removes_the_figures_its_records_no_longer_give(tiny_experiment: Path) -> None:
+    """A figure left by an earlier render (its runs since rerun by newer code, or removed) is deleted, not
+    kept beside tables that no longer say what it shows: the folder holds what the store draws."""
+    out = tiny_experiment / "results"
+    names = [f"tiny_offline_{suffix}.png" for suffix in ("epsilon", "thresholds", "curves", "time")]
+    for name in names:
+        (out / "figures").mkdir(parents=True, exist_ok=True)
+        (out / "figures" / name).write_bytes(b"an earlier render")
+    source = {"source_hash": "new", "commit": None, "dirty": None}
+    written = reproduce.render("tiny", "offline", [], out, source)
+    assert sorted(path.name for path in written) == ["tiny_offline.md", "tiny_offline.tex"]
+    assert not [name for name in names if (out / "figures" / name).exists()]

@@ -119,6 +119,28 @@ def test_a_cell_with_only_older_runs_shows_its_best_setting_with_its_values() ->
     assert tables.cell_texts(cells[1][0])[0] == "30.0 (n=1) [optim.lr=0.1]"
 
 
+def test_the_epsilon_figure_marks_older_runs_and_never_joins_them_to_current_ones(monkeypatch) -> None:
+    """A cell with only older code's runs (the table's †) is a hollow marker labelled so; a row of current
+    runs keeps its line; neither is mistaken for the other."""
+    drawn = []
+    monkeypatch.setattr(tables, "_save", lambda figure, path: drawn.append(figure) or True)
+    entries = [_entry("dp", 0, 0.50, code="old"), _entry("np_large", 0, 0.8)]
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    assert tables.epsilon_figure(SPEC, "offline", cells, None)
+    axes = drawn[-1].axes[0]
+    labels = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert labels == ["Flat clipping, fixed (ours, † older code)", "Non-private (ours)"]
+    (hollow,) = axes.collections  # the older runs' marker: no face, at their mean
+    assert hollow.get_facecolors().size == 0 and list(hollow.get_offsets()[0]) == [3.0, 50.0]
+    lines = [(line.get_linestyle(), float(line.get_ydata()[0])) for line in axes.lines]
+    assert lines == [("--", 63.1), (":", 80.0)]  # the paper's (dashed) and the current non-private run
+    entries = [_entry("dp", 0, 0.50, code="old"), _entry("dp", 0, 0.60)]  # a current run: no † marker
+    cells = tables.build_cells(SPEC, POINTS, KEYS, entries, "new")
+    assert tables.epsilon_figure(SPEC, "offline", cells, None)
+    labels = [text.get_text() for text in drawn[-1].axes[0].get_legend().get_texts()]
+    assert labels == ["Flat clipping, fixed (ours)"]
+
+
 def test_a_cell_without_runs_says_so_and_no_figure_is_drawn(tmp_path: Path) -> None:
     cells = tables.build_cells(SPEC, POINTS, KEYS, [], "new")
     assert tables.cell_texts(cells[0][0]) == ("not run", "63.1 ± 0.2", "-")

@@ -296,10 +296,12 @@ def _save(figure: Any, path: Path) -> bool:
 
 def epsilon_figure(spec: DictConfig, scale: str, cells: list[list[Cell]], path: Path) -> bool:
     """Metric against epsilon, one line per row (ours with std bars, the paper's dashed); a row without
-    epsilon columns (non-private) as a horizontal line. False (nothing written) when the columns are not
-    epsilons or no cell has a result."""
+    epsilon columns (non-private) as a horizontal line. A cell with only older code's runs (the table's †)
+    is drawn as a hollow marker, labelled so, never joined to the current runs' line. False (nothing written)
+    when the columns are not epsilons or no cell has a result of any code version."""
     epsilons = [(column.get("match") or {}).get("privacy.epsilon") for column in spec.columns]
-    if any(eps is None for eps in epsilons) or not any(c.mean is not None for row in cells for c in row):
+    shown = [c for row in cells for c in row if c.mean is not None or c.stale_mean is not None]
+    if any(eps is None for eps in epsilons) or not shown:
         return False
     import matplotlib
 
@@ -312,11 +314,18 @@ def epsilon_figure(spec: DictConfig, scale: str, cells: list[list[Cell]], path: 
         color = f"C{index}"
         means = [c.mean if c.mean is not None else math.nan for c in row_cells]
         stds = [c.std or 0.0 for c in row_cells]
+        stale = [c.stale_mean if c.stale_mean is not None else math.nan for c in row_cells]
+        ours, older = f"{row.label} (ours)", f"{row.label} (ours, † older code)"
         if "privacy.epsilon" in (row.get("ignore") or []):  # the same runs in every column
             if not math.isnan(means[0]):
-                axes.axhline(means[0], color=color, linestyle=":", label=f"{row.label} (ours)")
+                axes.axhline(means[0], color=color, linestyle=":", label=ours)
+            elif not math.isnan(stale[0]):
+                axes.axhline(stale[0], color=color, linestyle=":", alpha=0.5, label=older)
             continue
-        axes.errorbar(xs, means, yerr=stds, color=color, marker="o", capsize=3, label=f"{row.label} (ours)")
+        if not all(math.isnan(m) for m in means):
+            axes.errorbar(xs, means, yerr=stds, color=color, marker="o", capsize=3, label=ours)
+        if not all(math.isnan(m) for m in stale):
+            axes.scatter(xs, stale, marker="o", facecolors="none", edgecolors=color, label=older)
         reported = [c.reported[0] if c.reported else math.nan for c in row_cells]
         if not all(math.isnan(r) for r in reported):
             axes.plot(xs, reported, color=color, linestyle="--", marker="x", alpha=0.6)
