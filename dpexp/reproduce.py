@@ -204,7 +204,11 @@ def execute(
         )
     if plan.resume:
         dirs = ",".join(f"'{Path(run_dir).resolve()}'" for _, run_dir in plan.resume)
-        _multirun([f"resume={dirs}", f"hydra.sweep.dir={(sweep_dir / '.resume').resolve()}", *launch])
+        # each job's output directory is the run it resumes (the subdir, an absolute path, replaces the
+        # sweep dir): its log continues the run's own train.log, not a .resume/<n>/ log that every resume
+        # shares; no .hydra/ is written over the run's own
+        sweep = [f"hydra.sweep.dir={(sweep_dir / '.resume').resolve()}", "hydra.sweep.subdir=${resume}"]
+        _multirun([f"resume={dirs}", *sweep, "hydra.output_subdir=null", *launch])
 
 
 def index(runs: Path, out: Path | None) -> list[dict[str, Any]]:

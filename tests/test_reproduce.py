@@ -74,11 +74,17 @@ def test_reproduce_resumes_an_unfinished_run_in_its_own_directory(tiny_experimen
     record = json.loads(record_path.read_text())
     record.update(status="interrupted", error="RunInterrupted: SIGTERM")  # as a preempted run leaves it
     record_path.write_text(json.dumps(record))
+    (record_path.parent / "train.log").write_text("[the interrupted part's log]\n")
     capsys.readouterr()
     assert reproduce.main(arguments) == 0
     assert "2 runs: 1 complete (skipped), 1 to resume, 0 to launch" in capsys.readouterr().out
     assert json.loads(record_path.read_text())["status"] == "completed"
     assert len(list(runs.rglob("metrics.json"))) == 2  # continued in place, no new run directory
+    log = (record_path.parent / "train.log").read_text()  # the resumed part appended to the run's own log
+    assert log.startswith("[the interrupted part's log]\n")
+    assert f"resuming {record_path.parent.resolve()} at step" in log
+    assert not list(runs.rglob(".resume/*/train.log"))
+    assert "resume=" not in (record_path.parent / ".hydra" / "overrides.yaml").read_text()  # the run's own
 
 
 def test_logger_wandb_groups_every_run_of_the_experiment(tiny_experiment: Path, monkeypatch) -> None:
