@@ -43,6 +43,16 @@ def compose_config() -> Callable[[Sequence[str]], DictConfig]:
     return _compose
 
 
+@pytest.fixture
+def without_meteor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluations leave METEOR out, as on a machine without Java: its scorer starts a JVM that loads
+    Meteor's paraphrase tables, seconds per evaluation. For tests of a training path, not of the metrics
+    (tests/test_metrics_text.py and each generation task's evaluation test score METEOR)."""
+    from dpexp.metrics import text
+
+    monkeypatch.setattr(text, "java_available", lambda: False)
+
+
 def composed_group(group: str, option: str) -> DictConfig:
     """One option of a config group as it is composed (its ``defaults`` merged), outside a test."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

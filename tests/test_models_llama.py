@@ -114,7 +114,7 @@ def test_llama_refuses_classification_tasks() -> None:
         tiny_llama().build(TaskInfo("sst2", "classification", num_labels=2, vocab_size=100))
 
 
-def test_private_run_of_llama_tiny(tmp_path: Path, compose_config) -> None:
+def test_private_run_of_llama_tiny(tmp_path: Path, compose_config, without_meteor) -> None:
     """model=llama_tiny as composed by python -m dpexp.train (narrowed): one private step on E2E-format
     files, every layer on a rule (no torch.func fallback), the tokenizer in the run record."""
     write_e2e_csv(tmp_path / "data" / "e2e" / "devset.csv")

@@ -106,7 +106,7 @@ def test_evaluation_generates_from_the_decoder(e2e_task):
     assert {"bleu", "rougeL", "nll"} <= set(metrics) and metrics["eval_inputs"] == 3
 
 
-def test_private_training_run(tmp_path: Path, compose_config):
+def test_private_training_run(tmp_path: Path, compose_config, without_meteor):
     """python -m dpexp.train task=e2e model=t5_tiny under the engine: the relative attention bias is trained
     privately (it would be refused without per-example gradients where it meets the batch)."""
     write_e2e_csv(tmp_path / "e2e" / "devset.csv")

@@ -205,7 +205,7 @@ def test_hub_path_maps_splits_and_columns(monkeypatch: pytest.MonkeyPatch) -> No
     ],
 )
 def test_training_runs_with_every_clip_option(
-    clip: str, e2e_root: Path, tmp_path: Path, compose_config
+    clip: str, e2e_root: Path, tmp_path: Path, compose_config, without_meteor
 ) -> None:
     overrides = [
         "task=e2e", "model=gpt2_tiny", f"data.root={e2e_root}", f"clip={clip}", "optim=adam", "steps=2",
@@ -219,7 +219,7 @@ def test_training_runs_with_every_clip_option(
 
 
 def test_grouping_micro_batches_by_length_keeps_the_run(
-    e2e_root: Path, tmp_path: Path, compose_config
+    e2e_root: Path, tmp_path: Path, compose_config, without_meteor
 ) -> None:
     """Ordering a logical batch by length before splitting it changes only the padding: same examples, same
     clipped sum, so the same model (up to float summation order)."""
