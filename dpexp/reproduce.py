@@ -35,6 +35,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -239,20 +240,18 @@ def render(
     written[0].parent.mkdir(parents=True, exist_ok=True)
     written[0].write_text(tables.markdown(spec, scale, cells, source))
     written[1].write_text(tables.latex(spec, scale, cells, source))
-    figure = out / "figures" / f"{stem}_epsilon.png"
-    if tables.epsilon_figure(spec, scale, cells, figure):
-        written.append(figure)
-    else:
-        figure.unlink(missing_ok=True)
     rows = tables.current_histories(spec, cells, entries, source["source_hash"])
-    figures = [(tables.threshold_figure, "thresholds", {})]
+    figures = {  # file suffix: draw(path) -> whether it drew
+        "epsilon": partial(tables.epsilon_figure, spec, scale, cells),
+        "thresholds": partial(tables.threshold_figure, spec, scale, rows),
+    }
     for axis in experiments.curve_axes(spec, name):
-        figures.append((tables.curve_figure, CURVE_FILES[axis], {"x": axis}))
+        figures[CURVE_FILES[axis]] = partial(tables.curve_figure, spec, scale, rows, x=axis)
     if spec.get("layer_norms") is not None:  # He et al. 2023, Figure 2 (a diagnostic, not private)
-        figures.append((layer_norms.figure, "layer_norms", {}))
-    for draw, suffix, options in figures:
+        figures["layer_norms"] = partial(layer_norms.figure, spec, scale, rows)
+    for suffix, draw in figures.items():
         path = out / "figures" / f"{stem}_{suffix}.png"
-        if draw(spec, scale, rows, path, **options):
+        if draw(path):
             written.append(path)
         else:
             path.unlink(missing_ok=True)

@@ -300,7 +300,7 @@ def epsilon_figure(spec: DictConfig, scale: str, cells: list[list[Cell]], path: 
     is drawn as a hollow marker, labelled so, never joined to the current runs' line. False (nothing written)
     when the columns are not epsilons or no cell has a result of any code version."""
     epsilons = [(column.get("match") or {}).get("privacy.epsilon") for column in spec.columns]
-    shown = [c for row in cells for c in row if c.mean is not None or c.stale_mean is not None]
+    shown = any(c.mean is not None or c.stale_mean is not None for row in cells for c in row)
     if any(eps is None for eps in epsilons) or not shown:
         return False
     import matplotlib
