@@ -26,11 +26,16 @@ scale that has a runs folder, from the records alone. Launchers: ``basic`` (Hydr
 another), ``local`` (hydra-joblib-launcher, parallel processes: ``conf/hydra/launcher/local.yaml``),
 ``slurm`` (hydra-submitit-launcher: ``conf/hydra/launcher/slurm.yaml``). ``logger=wandb`` mirrors every run to
 Weights & Biases (offline unless configured) in one group, ``<experiment>-<scale>``. Bad input is refused in
-one line naming the valid values (exit 2); exit 1 when some run of the grid did not complete.
+one line naming the valid values (exit 2); exit 1 when some run of the grid did not complete. Ctrl-C,
+SIGTERM or a hang-up reaches the runs in progress once (each stops at a step boundary with a checkpoint),
+starts no further run, and exits with 128 + the signal's number; the same command continues the grid.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -49,6 +54,7 @@ LOGGERS = ("none", "wandb")  # wandb: every run of the experiment in one wandb g
 OPTIONS = {"experiment": None, "scale": None, "launcher": "basic", "runs": "results/runs", "out": "results",
            "dry_run": "false", "logger": "none", "rows": None, "columns": None, "where": None}  # fmt: skip
 CURVE_FILES = {"epsilon": "curves", "train_time_s": "time", "epoch": "epochs"}  # curves' axis: file suffix
+FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
 RESUMABLE = (INTERRUPTED, FAILED, RUNNING)  # RUNNING here: a record no process holds (a killed run)
 BLOCKING = (DIVERGED, "running_now")
 
@@ -168,9 +174,41 @@ def parse_arguments(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     return options, passthrough
 
 
+class GridInterrupted(Exception):
+    """A signal stopped the grid while a multirun ran (``signum``: the first one received)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
 def _multirun(overrides: Sequence[str]) -> int:
-    """``python -m dpexp.train -m <overrides>`` in this directory; its exit status."""
-    return subprocess.run([sys.executable, "-m", "dpexp.train", "-m", *overrides], check=False).returncode
+    """``python -m dpexp.train -m <overrides>`` in this directory; its exit status.
+
+    The multirun runs in a process group of its own, and every SIGINT, SIGTERM or SIGHUP (as SIGTERM) this
+    process receives meanwhile is passed on to that group exactly once: Ctrl-C, ``kill`` of this process
+    and a hang-up all reach the training as one signal, which stops each run at a step boundary with a
+    checkpoint (a second one stops it at once, as for ``dpexp.train`` itself). In the same group as this
+    process, Ctrl-C would reach the runs twice; left to Python's defaults, SIGTERM would end this process
+    and orphan the runs, and Ctrl-C would kill them before they checkpoint. Raises :exc:`GridInterrupted`
+    once the multirun has ended, if a signal came."""
+    child = subprocess.Popen([sys.executable, "-m", "dpexp.train", "-m", *overrides], process_group=0)
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):  # the multirun has just ended
+            os.killpg(child.pid, FORWARDED[signal.Signals(signum)])
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    try:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        raise GridInterrupted(received[0])
+    return code
 
 
 def execute(
@@ -184,7 +222,8 @@ def execute(
     logging: Sequence[str] = (),
 ) -> None:
     """Launch the plan's new runs (one multirun over ``+point=...`` configs written under ``sweep_dir/
-    .points``) and continue its resumable ones (one multirun over ``resume=...``)."""
+    .points``) and continue its resumable ones (one multirun over ``resume=...``); a signal during the first
+    (:exc:`GridInterrupted`) starts no second."""
     launch = [*([f"hydra/launcher={launcher}"] if launcher != "basic" else []), *passthrough, *logging]
     if plan.launch:
         point_dir = sweep_dir / ".points" / "point"
@@ -295,16 +334,25 @@ def reproduce(options: Mapping[str, str], passthrough: Sequence[str]) -> int:
             print(f"  resume: {run_dir}")
         return 0
     logging = [] if options["logger"] == "none" else ["logger=wandb", f"wandb.group={name}-{scale}"]
-    execute(
-        plan,
-        configs,
-        run_keys,
-        runs / name / scale,
-        source["source_hash"],
-        options["launcher"],
-        passthrough,
-        logging,
-    )
+    try:
+        execute(
+            plan,
+            configs,
+            run_keys,
+            runs / name / scale,
+            source["source_hash"],
+            options["launcher"],
+            passthrough,
+            logging,
+        )
+    except GridInterrupted as interrupt:
+        print(
+            f"{interrupt} received: the runs in progress were stopped as dpexp.train stops on it (at a step "
+            f"boundary, with a checkpoint) and no further run was started; the same command continues the "
+            f"grid ({runs / name / scale}).",
+            file=sys.stderr,
+        )
+        return 128 + interrupt.signum
     entries = index(runs, out)
     for path in render(name, scale, entries, out, source):
         print(f"wrote {path}")

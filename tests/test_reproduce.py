@@ -3,7 +3,13 @@ and its table rendered from the store."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +18,7 @@ from omegaconf import OmegaConf
 from dpexp import reproduce
 from dpexp.config import ConfigError
 from dpexp.results import experiments, store
+from tests.conftest import REPO_ROOT
 
 TINY_EXPERIMENT = """
 title: "Tiny: flat vs non-private on digits"
@@ -85,6 +92,66 @@ def test_reproduce_resumes_an_unfinished_run_in_its_own_directory(tiny_experimen
     assert f"resuming {record_path.parent.resolve()} at step" in log
     assert not list(runs.rglob(".resume/*/train.log"))
     assert "resume=" not in (record_path.parent / ".hydra" / "overrides.yaml").read_text()  # the run's own
+
+
+REPRODUCE_IN = """
+import sys
+from pathlib import Path
+
+from dpexp import reproduce
+from dpexp.results import experiments
+
+experiments.EXPERIMENT_DIR = Path(sys.argv[1])
+sys.exit(reproduce.main(sys.argv[2:]))
+"""
+
+
+def test_a_signal_to_reproduce_reaches_each_run_once_and_starts_no_further_run(tmp_path: Path) -> None:
+    """Real signals to a real ``python -m dpexp.reproduce``: SIGTERM to it alone (``kill <pid>``), and SIGINT
+    to its whole process group (Ctrl-C). Either way the run in progress gets the signal once, stops at a step
+    boundary with a checkpoint and an interrupted record, the grid's second run never starts, and reproduce
+    exits with 128 + the signal's number. Before, SIGTERM ended reproduce alone and the orphaned run went on
+    to its end; Ctrl-C reached the run and reproduce, which killed the run 0.25 s later."""
+    experiment = tmp_path / "experiment"
+    experiment.mkdir()
+    long = TINY_EXPERIMENT.replace("steps=3,", "steps=2000, checkpoint.every=4,")  # ~30 steps a second
+    (experiment / "tiny.yaml").write_text(long)
+    (tmp_path / "reproduce_in.py").write_text(REPRODUCE_IN)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    started = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        runs = tmp_path / signum.name
+        arguments = ["experiment=tiny", "scale=offline", f"runs={runs}", f"out={tmp_path / 'out'}"]
+        command = [sys.executable, str(tmp_path / "reproduce_in.py"), str(experiment), *arguments]
+        started[signum] = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    try:
+        for signum, process in started.items():
+            deadline = time.monotonic() + 180
+            while not list((tmp_path / signum.name).glob("tiny/offline/*/checkpoints/*.pt")):
+                assert process.poll() is None, process.communicate()
+                assert time.monotonic() < deadline, "the run wrote no checkpoint in time"
+                time.sleep(0.05)
+            if signum == signal.SIGTERM:
+                os.kill(process.pid, signum)
+            else:
+                os.killpg(process.pid, signum)
+        for signum, process in started.items():
+            _, err = process.communicate(timeout=120)
+            assert process.returncode == 128 + signum, err
+            assert f"{signum.name} received: the runs in progress were stopped" in err
+            records = list((tmp_path / signum.name).glob("tiny/offline/*/metrics.json"))
+            assert len(records) == 1, "the grid's second run was started"
+            record = json.loads(records[0].read_text())
+            assert record["clip"] == "bk" and record["status"] == "interrupted"
+            assert record["error"] == f"RunInterrupted: {signum.name} received; stopped at a step boundary"
+            assert 4 <= record["steps_done"] < 2000
+            assert (records[0].parent / record["checkpoint"]).is_file()
+    finally:  # whatever is left in each reproduce's group (its own, or before the fix its orphaned run)
+        for process in started.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_logger_wandb_groups_every_run_of_the_experiment(tiny_experiment: Path, monkeypatch) -> None:
