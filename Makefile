@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q
+	PY=$(PY) bash scripts/pytest_shards.sh
 
 test-all: install
-	$(PY) -m pytest -q -m ""
+	PY=$(PY) bash scripts/pytest_shards.sh -m ""
 
 lint: install
 	$(PY) -m ruff check .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -14,6 +15,31 @@ import dpexp.train  # registers the config schema  # noqa: F401
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run only the tests whose node id hashes to I modulo N (make test: N = 2 processes at once)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--shard=I/N`` keeps the tests whose node id hashes to I modulo N: N processes, I = 0..N-1, together
+    run each test exactly once (by its name, whatever order each process collects in), every module's costly
+    tests spread over them."""
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    index, _, count = shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise pytest.UsageError(f"--shard={shard}: expected I/N with 0 <= I < N, e.g. --shard=0/2")
+    parts = [zlib.crc32(item.nodeid.encode()) % int(count) == int(index) for item in items]
+    config.hook.pytest_deselected(items=[item for item, keep in zip(items, parts, strict=True) if not keep])
+    items[:] = [item for item, keep in zip(items, parts, strict=True) if keep]
+
 
 # Record fields that depend on the clock or on how a run was split into sessions: a resumed run's record
 # equals an uninterrupted one's without them
