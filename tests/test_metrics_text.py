@@ -75,10 +75,18 @@ E2E_REFERENCES = [
 ]
 
 
-def test_e2e_metrics_has_the_five_columns_on_their_scales():
-    from dpexp.metrics.text import E2E_METRICS, e2e_metrics, java_available
+@pytest.fixture(scope="module")
+def e2e_scores() -> dict[str, float]:
+    """e2e_metrics of the hypotheses above, computed once: each METEOR call starts a JVM (about 7 s)."""
+    from dpexp.metrics.text import e2e_metrics
 
-    scores = e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+    return e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
+
+
+def test_e2e_metrics_has_the_five_columns_on_their_scales(e2e_scores: dict[str, float]):
+    from dpexp.metrics.text import E2E_METRICS, java_available
+
+    scores = e2e_scores
     want = E2E_METRICS if java_available() else tuple(m for m in E2E_METRICS if m != "meteor")
     assert tuple(scores) == want
     assert 0 < scores["bleu"] < 100 and 0 < scores["rougeL"] < 100
@@ -87,7 +95,7 @@ def test_e2e_metrics_has_the_five_columns_on_their_scales():
         assert 0 < scores["meteor"] < 1
 
 
-def test_e2e_metrics_score_a_copy_of_any_reference_as_perfect():
+def test_e2e_metrics_score_a_copy_of_any_reference_as_perfect(e2e_scores: dict[str, float]):
     """Each hypothesis is scored against all of its references: copying the second one is perfect."""
     from dpexp.metrics.text import e2e_metrics
 
@@ -96,8 +104,7 @@ def test_e2e_metrics_score_a_copy_of_any_reference_as_perfect():
     assert scores["bleu"] == pytest.approx(100.0) and scores["rougeL"] == pytest.approx(100.0)
     if "meteor" in scores:
         assert scores["meteor"] > 0.99
-    worse = e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
-    assert all(worse[name] < scores[name] for name in worse)
+    assert all(e2e_scores[name] < scores[name] for name in e2e_scores)
 
 
 def test_nist_rewards_informative_ngrams_and_matches_nltk():
@@ -122,10 +129,10 @@ def test_meteor_is_left_out_without_java_and_says_so(monkeypatch, caplog):
 
 
 # --------------------------------------------------------------------------------------------- DART metrics
-def test_dart_metrics_are_table8s_offline_columns_in_its_order():
+def test_dart_metrics_are_table8s_offline_columns_in_its_order(e2e_scores: dict[str, float]):
     """METEOR, ROUGE-1, ROUGE-2, ROUGE-L and BLEU (Li et al. 2022, Table 8): the ROUGE values are
     :func:`rouge`'s (best reference, mean over inputs), BLEU :func:`corpus_bleu`'s, METEOR the E2E one."""
-    from dpexp.metrics.text import DART_METRICS, dart_metrics, e2e_metrics, java_available
+    from dpexp.metrics.text import DART_METRICS, dart_metrics, java_available
 
     scores = dart_metrics(E2E_HYPOTHESES, E2E_REFERENCES)
     want = DART_METRICS if java_available() else tuple(m for m in DART_METRICS if m != "meteor")
@@ -135,7 +142,7 @@ def test_dart_metrics_are_table8s_offline_columns_in_its_order():
     assert scores["bleu"] == pytest.approx(corpus_bleu(E2E_HYPOTHESES, E2E_REFERENCES))
     assert 0 < scores["rouge2"] < scores["rouge1"] < 100
     if "meteor" in scores:
-        assert scores["meteor"] == pytest.approx(e2e_metrics(E2E_HYPOTHESES, E2E_REFERENCES)["meteor"])
+        assert scores["meteor"] == pytest.approx(e2e_scores["meteor"])
         assert 0 < scores["meteor"] < 1
 
 
