@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
 # `make test`: the selected tests as N pytest processes at once (N = SHARDS, default 2, one per core), each
 # running the tests whose node id hashes to its index (tests/conftest.py, --shard=I/N), with one torch
-# thread. Each process's output is printed whole when it has ended; the exit status is the first
-# non-zero one. Arguments are passed to every pytest (e.g. `-m ""` for the whole suite).
+# thread. Part 0 prints as it goes; the others' output is printed whole when they have ended. The exit
+# status is the first non-zero one. Arguments are passed to every pytest (e.g. `-m ""` for the whole suite).
 set -u
 PY=${PY:-.venv/bin/python}
 N=${SHARDS:-2}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
+part() {
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --shard="$1/$N" "${@:2}"
+}
 pids=()
-for ((i = 0; i < N; i++)); do
-    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --shard="$i/$N" "$@" \
-        >"$logs/$i.log" 2>&1 &
+for ((i = 1; i < N; i++)); do
+    part "$i" "$@" >"$logs/$i.log" 2>&1 &
     pids+=($!)
 done
-status=0
-for ((i = 0; i < N; i++)); do
-    wait "${pids[$i]}"
+echo "=== tests, part 0 of $N ==="
+part 0 "$@"
+status=$?
+echo "=== tests, part 0 of $N: exit $status ==="
+for ((i = 1; i < N; i++)); do
+    wait "${pids[$((i - 1))]}"
     code=$?
-    echo "=== tests, part $i of $N (exit $code) ==="
+    echo "=== tests, part $i of $N: exit $code ==="
     cat "$logs/$i.log"
     if [ "$status" -eq 0 ]; then status=$code; fi
 done
