@@ -188,10 +188,12 @@ def _multirun(overrides: Sequence[str]) -> int:
     The multirun runs in a process group of its own, and every SIGINT, SIGTERM or SIGHUP (as SIGTERM) this
     process receives meanwhile is passed on to that group exactly once: Ctrl-C, ``kill`` of this process
     and a hang-up all reach the training as one signal, which stops each run at a step boundary with a
-    checkpoint (a second one stops it at once, as for ``dpexp.train`` itself). In the same group as this
-    process, Ctrl-C would reach the runs twice; left to Python's defaults, SIGTERM would end this process
-    and orphan the runs, and Ctrl-C would kill them before they checkpoint. Raises :exc:`GridInterrupted`
-    once the multirun has ended, if a signal came."""
+    checkpoint (a second one stops it at once, as for ``dpexp.train`` itself). Were the multirun in this
+    process' group, Ctrl-C would reach it directly and again passed on; left to Python's defaults, SIGTERM
+    would end this process and orphan the runs, and Ctrl-C would kill them before they checkpoint. With
+    ``launcher=local``, joblib's process gets the signal as well and may kill a run still finishing its
+    step (it keeps its previous checkpoint). Raises :exc:`GridInterrupted` once the multirun has ended, if a
+    signal came."""
     child = subprocess.Popen([sys.executable, "-m", "dpexp.train", "-m", *overrides], process_group=0)
     received: list[int] = []
 
