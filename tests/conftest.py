@@ -36,9 +36,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     index, _, count = shard.partition("/")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
         raise pytest.UsageError(f"--shard={shard}: expected I/N with 0 <= I < N, e.g. --shard=0/2")
-    parts = [zlib.crc32(item.nodeid.encode()) % int(count) == int(index) for item in items]
-    config.hook.pytest_deselected(items=[item for item, keep in zip(items, parts, strict=True) if not keep])
-    items[:] = [item for item, keep in zip(items, parts, strict=True) if keep]
+    kept, deselected = [], []
+    for item in items:
+        (kept if zlib.crc32(item.nodeid.encode()) % int(count) == int(index) else deselected).append(item)
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = kept
 
 
 # Record fields that depend on the clock or on how a run was split into sessions: a resumed run's record

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from dpexp import reproduce
 from dpexp.config import ConfigError
 from dpexp.results import experiments, store
 from tests.conftest import REPO_ROOT
+from tests.test_signals import ENV, _wait_until
 
 TINY_EXPERIMENT = """
 title: "Tiny: flat vs non-private on digits"
@@ -117,22 +117,18 @@ def test_a_signal_to_reproduce_reaches_each_run_once_and_starts_no_further_run(t
     long = TINY_EXPERIMENT.replace("steps=3,", "steps=2000, checkpoint.every=4,")  # ~30 steps a second
     (experiment / "tiny.yaml").write_text(long)
     (tmp_path / "reproduce_in.py").write_text(REPRODUCE_IN)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = {}
     for signum in (signal.SIGTERM, signal.SIGINT):
         runs = tmp_path / signum.name
         arguments = ["experiment=tiny", "scale=offline", f"runs={runs}", f"out={tmp_path / 'out'}"]
         command = [sys.executable, str(tmp_path / "reproduce_in.py"), str(experiment), *arguments]
         started[signum] = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+            command, cwd=REPO_ROOT, env=ENV, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
     try:
         for signum, process in started.items():
-            deadline = time.monotonic() + 180
-            while not list((tmp_path / signum.name).glob("tiny/offline/*/checkpoints/*.pt")):
-                assert process.poll() is None, process.communicate()
-                assert time.monotonic() < deadline, "the run wrote no checkpoint in time"
-                time.sleep(0.05)
+            runs = tmp_path / signum.name
+            _wait_until(lambda runs=runs: bool(list(runs.glob("tiny/offline/*/checkpoints/*.pt"))), process)
             if signum == signal.SIGTERM:
                 os.kill(process.pid, signum)
             else:
