@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import math
 
 import pytest
@@ -295,6 +296,27 @@ def test_adaptive_runs_record_their_released_thresholds_at_every_evaluation(comp
     assert first != last  # moved by the noised counts of step 2
     fixed = run_training(compose_config([*TINY_RUN, "clip=perlayer", "eval_every=1"]), tmp_path / "f")
     assert all("thresholds" not in entry for entry in fixed["history"])
+
+
+def test_a_run_without_a_progress_bar_logs_progress_and_evaluations(compose_config, tmp_path, caplog):
+    """progress=false (every run of a sweep): the log (train.log) has the loss and epsilon every log_every
+    steps and each evaluation's metrics, the numbers the record holds; with the bar, only the evaluations."""
+    caplog.set_level(logging.INFO, logger="dpexp.training.loop")
+    overrides = [*TINY_RUN, "clip=bk", "steps=4", "log_every=2", "eval_every=2"]
+    record = run_training(compose_config(overrides), tmp_path / "a")
+    lines = [r.getMessage() for r in caplog.records if r.name == "dpexp.training.loop"]
+    progress = [line for line in lines if line.startswith("step ")]
+    assert [line.split(":")[0] for line in progress] == ["step 2/4", "step 4/4"]
+    assert f"epsilon {record['history'][-1]['epsilon']:.4g}" in progress[-1]
+    evaluations = [line for line in lines if line.startswith("evaluation at step")]
+    assert len(evaluations) == len(record["history"]) == 2
+    name = record["metric_names"][0]
+    assert f"{name} {record['history'][-1][name]:.4g}" in evaluations[-1]
+    caplog.clear()
+    run_training(compose_config([*overrides, "progress=true"]), tmp_path / "b")
+    lines = [r.getMessage() for r in caplog.records if r.name == "dpexp.training.loop"]
+    assert not any(line.startswith("step ") for line in lines)
+    assert sum(line.startswith("evaluation at step") for line in lines) == 2
 
 
 def test_engine_backend_releases_the_engines_adaptive_thresholds():

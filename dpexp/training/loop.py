@@ -447,12 +447,14 @@ class _Run:
                     self.train_loss = float(self.window_loss) / self.window_count
                 self.window_loss.zero_()
                 self.window_count = 0
-                bar.set_postfix(
-                    loss=self.train_loss,
-                    eps=self.budget.epsilon(plan, self._accounted(), cfg.accountant.name),
-                    ex_per_s=round(self.examples / max(self.train_time, 1e-9)),
-                    refresh=False,
-                )
+                epsilon = self.budget.epsilon(plan, self._accounted(), cfg.accountant.name)
+                throughput = round(self.examples / max(self.train_time, 1e-9))
+                bar.set_postfix(loss=self.train_loss, eps=epsilon, ex_per_s=throughput, refresh=False)
+                if bar.disable and self.record.writer:  # no bar (progress=false, a sweep): the log has it
+                    log.info(
+                        "step %d/%d: train loss %s, epsilon %s, %d examples/s",
+                        step, plan.steps, _number(self.train_loss), _number(epsilon), throughput,
+                    )  # fmt: skip
         history = self.record.data["history"]
         evaluated = bool(history) and history[-1]["step"] == step
         if ((cfg.eval_every and step % cfg.eval_every == 0) or last) and not evaluated:
@@ -497,6 +499,12 @@ class _Run:
         }
         self.record.update(**self._counts())
         self.record.log_eval(entry, metrics)
+        if self.record.writer:
+            log.info(
+                "evaluation at step %d (epoch %.2f, epsilon %s): %s",
+                self.step, entry["epoch"], _number(entry["epsilon"]),
+                ", ".join(f"{name} {_number(value)}" for name, value in metrics.items()),
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints and resume
     @property
@@ -687,3 +695,8 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
 def _choice(value: Any) -> str:
     """The string of an enum-typed config value (the schema in dpexp/config.py types them as str Enums)."""
     return str(getattr(value, "value", value))
+
+
+def _number(value: float | None) -> str:
+    """A logged value: four significant digits, ``-`` for none (no loss yet, a non-private run's epsilon)."""
+    return "-" if value is None else f"{value:.4g}"
