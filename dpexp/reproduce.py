@@ -44,6 +44,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from dpexp.config import ConfigError
 from dpexp.results import experiments, layer_norms, store, tables
 from dpexp.runtime import code_version
@@ -191,9 +193,9 @@ def _multirun(overrides: Sequence[str]) -> int:
     checkpoint (a second one stops it at once, as for ``dpexp.train`` itself). Were the multirun in this
     process' group, Ctrl-C would reach it directly and again passed on; left to Python's defaults, SIGTERM
     would end this process and orphan the runs, and Ctrl-C would kill them before they checkpoint. With
-    ``launcher=local``, joblib's process gets the signal as well and may kill a run still finishing its
-    step (it keeps its previous checkpoint). Raises :exc:`GridInterrupted` once the multirun has ended, if a
-    signal came."""
+    ``launcher=local`` joblib's processes get it too, and take note of it (:mod:`dpexp.train`; the pool
+    no larger than the multirun: :func:`pool_size`). Raises :exc:`GridInterrupted` once the multirun has
+    ended, if a signal came."""
     child = subprocess.Popen([sys.executable, "-m", "dpexp.train", "-m", *overrides], process_group=0)
     received: list[int] = []
 
@@ -211,6 +213,26 @@ def _multirun(overrides: Sequence[str]) -> int:
     if received:
         raise GridInterrupted(received[0])
     return code
+
+
+POOL_SIZE = "hydra.launcher.n_jobs"
+
+
+def pool_size(overrides: Sequence[str], launcher: str, jobs: int) -> list[str]:
+    """``overrides`` with a launcher's process pool (``launcher=local``: ``n_jobs`` in its config, or as
+    overridden) no larger than the multirun's ``jobs``. A pool process that never gets a job has not taken
+    over SIGTERM and SIGINT from Python's defaults (:func:`dpexp.train.main` does, at its first job), so a
+    signal to the sweep would end it, and joblib would abort the pool and kill the runs before they reach
+    their step boundary."""
+    given = [o for o in overrides if o.startswith(f"{POOL_SIZE}=")]
+    config = experiments.CONF_DIR / "hydra" / "launcher" / f"{launcher}.yaml"
+    if given:
+        size = int(given[-1].split("=", 1)[1])
+    else:
+        size = OmegaConf.load(config).get("n_jobs") if config.is_file() else None
+    if size is None or size <= jobs:
+        return list(overrides)
+    return [f"{POOL_SIZE}={jobs}", *(o for o in overrides if o not in given)]
 
 
 def execute(
@@ -241,7 +263,7 @@ def execute(
                 f"hydra.searchpath=[file://{point_dir.parent.resolve()}]",
                 f"hydra.sweep.dir={sweep_dir.resolve()}",
                 "hydra.sweep.subdir=${hydra:runtime.choices.point}",
-                *launch,
+                *pool_size(launch, launcher, len(names)),
             ]
         )
     if plan.resume:
@@ -250,7 +272,8 @@ def execute(
         # sweep dir): its log continues the run's own train.log, not a .resume/<n>/ log that every resume
         # shares; no .hydra/ is written over the run's own
         sweep = [f"hydra.sweep.dir={(sweep_dir / '.resume').resolve()}", "hydra.sweep.subdir=${resume}"]
-        _multirun([f"resume={dirs}", *sweep, "hydra.output_subdir=null", *launch])
+        resumes = pool_size(launch, launcher, len(plan.resume))
+        _multirun([f"resume={dirs}", *sweep, "hydra.output_subdir=null", *resumes])
 
 
 def index(runs: Path, out: Path | None) -> list[dict[str, Any]]:

@@ -9,14 +9,20 @@ prints its one-line message, which names the key to change (in a sweep the other
 errors (bugs, a library failing) print their traceback, and so does every error with ``debug=true`` or
 ``DPEXP_DEBUG=1``. Either way the exit code is 1.
 SIGTERM and SIGINT stop the run at a step boundary with a checkpoint; it exits with 128 + the signal's number
-and ``resume=<run dir>`` continues it.
+and ``resume=<run dir>`` continues it. In a sweep (``-m``) no further run starts once a signal has come: with
+the basic launcher the sweep ends with the run it stopped; with a launcher whose jobs run in worker processes
+(joblib's, ``hydra/launcher=local``) the launching process and the workers between runs only take note of the
+signal, every run in progress (it gets the signal too, as the process group does) stops at its step boundary
+and returns, the runs not yet started are skipped, and the sweep exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +35,42 @@ from dpexp.privacy import accounting
 from dpexp.runtime import debug_requested, is_project_error, one_line, process_code_version
 from dpexp.training.loop import run_training
 from dpexp.training.resume import resumed_config
-from dpexp.training.signals import RunInterrupted
+from dpexp.training.signals import SIGNALS, RunInterrupted
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's conf/ (editable install)
 GROUPS = ("task", "model", "clip", "accountant", "noise", "optim")
 APPROXIMATION_LABELS = {"clt_approximation": "CLT approximation"}  # epsilon kinds that are not upper bounds
 
 REPORTED: list[str] = []  # the one-line messages of the runs of this process that failed by a project error
+STOPPED: list[int] = []  # the signals this process took note of: no further run of its sweep starts
+LAUNCHING: list[bool] = []  # [True] in the process that launches (cli ran); empty in a launcher's workers
+
+
+def _note_signal(signum: int, _frame: object = None) -> None:
+    """The handler of a sweep's launching process, and of its worker processes between jobs: remember the
+    signal (the runs in progress get it themselves, as the process group does) instead of dying, which would
+    make joblib abort its pool and kill the runs before they reach a step boundary."""
+    if not STOPPED:
+        print(
+            f"{signal.Signals(signum).name} received: the runs in progress stop at their next step boundary "
+            "and no further run starts",
+            file=sys.stderr,
+        )
+    STOPPED.append(signum)
+
+
+def _stop_job(signum: int, _frame: object = None) -> None:
+    """A worker's handler while its job starts (the run's :class:`~dpexp.training.signals.InterruptGuard`
+    takes over once the run has begun)."""
+    raise RunInterrupted(signum)
+
+
+def _handle_signals(handler: Any) -> dict[int, Any]:
+    """Install ``handler`` for :data:`~dpexp.training.signals.SIGNALS` (in the main thread, where Python
+    delivers signals); the handlers it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, handler) for signum in SIGNALS}
 
 
 def _epsilon_text(name: str, value: float, kind: str) -> str:
@@ -87,10 +122,28 @@ def summary(record: dict[str, Any]) -> str:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    """Run one configuration (or continue one: ``resume=<run dir>``) and print its summary."""
+    """Run one configuration (or continue one: ``resume=<run dir>``) and print its summary. In a launcher's
+    worker process a signal stops the job (before its run starts, or the run at a step boundary) and the
+    job returns; between jobs the worker only takes note of it (:func:`_note_signal`)."""
+    if LAUNCHING:
+        _job(cfg)
+        return
+    try:
+        _handle_signals(_stop_job)
+        _job(cfg)
+    except RunInterrupted as interrupt:
+        STOPPED.append(interrupt.signum)  # returning lets the pool wait for the runs still finishing a step
+    finally:
+        _handle_signals(_note_signal)
+
+
+def _job(cfg: DictConfig) -> None:
     debug = debug_requested(cfg.debug)
     # the run's own directory: the one it resumes, else Hydra's (a resume's Hydra directory holds only logs)
     output_dir = Path(cfg.resume if cfg.resume is not None else HydraConfig.get().runtime.output_dir)
+    if STOPPED:
+        print(f"not started, the sweep was interrupted: {output_dir}", file=sys.stderr)
+        return
     try:
         record = _train(cfg)
     except RunInterrupted as interrupt:
@@ -99,7 +152,9 @@ def main(cfg: DictConfig) -> None:
             f"with: python -m dpexp.train resume={output_dir}",
             file=sys.stderr,
         )
-        sys.exit(interrupt.exit_code)
+        if LAUNCHING:  # this process runs its jobs itself: the sweep ends here
+            sys.exit(interrupt.exit_code)
+        raise
     except Exception as error:
         if debug or not is_project_error(error):
             raise
@@ -129,10 +184,20 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
 
 def cli() -> None:
     """``python -m dpexp.train``: :func:`main`, then exit code 1 if a run failed with a project error (Hydra
-    would add its own traceback hint to an exception it reports)."""
+    would add its own traceback hint to an exception it reports), or 128 + the signal's number if a sweep
+    (``-m``) was interrupted: while its launcher runs, this process only takes note of SIGTERM and SIGINT."""
     REPORTED.clear()
+    STOPPED.clear()
+    LAUNCHING[:] = [True]
     process_code_version()  # the code this process runs: the files as it starts, before any job
-    main()
+    previous = _handle_signals(_note_signal) if {"-m", "--multirun"} & set(sys.argv[1:]) else {}
+    try:
+        main()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if STOPPED:
+        sys.exit(128 + STOPPED[0])
     if REPORTED:
         sys.exit(1)
 

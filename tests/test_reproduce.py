@@ -150,6 +150,61 @@ def test_a_signal_to_reproduce_reaches_each_run_once_and_starts_no_further_run(t
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+def test_a_signal_with_launcher_local_stops_every_parallel_run_at_a_step_boundary(tmp_path: Path) -> None:
+    """launcher=local (joblib's process pool, two processes) and Ctrl-C: each of the two runs in progress
+    stops at a step boundary with a checkpoint and an interrupted record, the grid's third run never starts,
+    and reproduce exits with 130. Before, the first run to stop ended its job with SystemExit, joblib aborted
+    the pool and killed the other run before it could checkpoint (its record left as running)."""
+    experiment = tmp_path / "experiment"
+    experiment.mkdir()
+    long = TINY_EXPERIMENT.replace("steps=3,", "steps=2000, checkpoint.every=4,").replace(
+        "params: {clip: bk, privacy.epsilon: 3}", "params: {clip: bk, privacy.epsilon: 3, seed: '0,1'}"
+    )
+    (experiment / "tiny.yaml").write_text(long)
+    (tmp_path / "reproduce_in.py").write_text(REPRODUCE_IN)
+    runs = tmp_path / "runs"
+    arguments = [
+        "experiment=tiny",
+        "scale=offline",
+        "launcher=local",
+        f"runs={runs}",
+        f"out={tmp_path / 'out'}",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, str(tmp_path / "reproduce_in.py"), str(experiment), *arguments],
+        cwd=REPO_ROOT, env=ENV, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_until(lambda: len(list(runs.glob("tiny/offline/*/checkpoints/*.pt"))) >= 4, process)
+        os.killpg(process.pid, signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 128 + signal.SIGINT, err
+        records = [json.loads(path.read_text()) for path in runs.glob("tiny/offline/*/metrics.json")]
+        assert sorted(record["clip"] for record in records) == ["bk", "bk"], "the third run was started"
+        for record, path in zip(records, runs.glob("tiny/offline/*/metrics.json"), strict=True):
+            assert record["status"] == "interrupted", err
+            assert record["error"] == "RunInterrupted: SIGINT received; stopped at a step boundary"
+            assert 4 <= record["steps_done"] < 2000
+            assert (path.parent / record["checkpoint"]).is_file()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_a_local_pool_is_never_larger_than_the_multirun() -> None:
+    """launcher=local: n_jobs (2 in conf/hydra/launcher/local.yaml, or as given) is cut to the number of
+    jobs, so that no pool process waits without a job (one would die of the sweep's Ctrl-C, and joblib would
+    then kill the runs); other launchers are left alone."""
+    launch = ["hydra/launcher=local", "logger=none"]
+    assert reproduce.pool_size(launch, "local", 1) == ["hydra.launcher.n_jobs=1", *launch]
+    assert reproduce.pool_size(launch, "local", 2) == launch
+    given = [*launch, "hydra.launcher.n_jobs=4"]
+    assert reproduce.pool_size(given, "local", 3) == ["hydra.launcher.n_jobs=3", *launch]
+    assert reproduce.pool_size(given, "local", 5) == given
+    assert reproduce.pool_size(["hydra/launcher=slurm"], "slurm", 1) == ["hydra/launcher=slurm"]
+    assert reproduce.pool_size([], "basic", 1) == []
+
+
 def test_logger_wandb_groups_every_run_of_the_experiment(tiny_experiment: Path, monkeypatch) -> None:
     """logger=wandb reaches every launched and resumed run with the experiment's group; the group is run-local
     (it changes no config hash)."""

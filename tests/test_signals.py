@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dpexp.privacy import accounting
 from dpexp.training.checkpoint import checkpoints, load_checkpoint
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, TINY_RUN
 from tests.test_checkpoint import identical, stable
 
 ARGS = ("eval_every=5", "checkpoint.every=4", "progress=false", "batch_size=32", "physical_batch_size=16")
@@ -104,3 +104,28 @@ def test_sigkill_at_a_random_step_then_resume_ends_as_an_uninterrupted_run(tmp_p
     final = [load_checkpoint(run / "checkpoints" / "step_00000060.pt") for run in (whole, parts)]
     for part in ("model", "optimizer", "backend", "sampler", "rng"):
         assert identical(final[0][part], final[1][part]), (part, first_kept, delay)
+
+
+def test_a_signal_as_the_record_is_created_is_recorded(compose_config, tmp_path, monkeypatch):
+    """SIGTERM just after the record is written and before the run object exists (a sweep's workers all get
+    the signal, whatever each is doing): the record says interrupted at step 0, not running for ever."""
+    from dpexp.training import loop
+    from dpexp.training.signals import RunInterrupted
+
+    create = loop.RunRecord.create
+
+    def create_then_signal(*args, **kwargs):
+        record = create(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return record
+
+    monkeypatch.setattr(loop.RunRecord, "create", create_then_signal)
+    try:
+        loop.run_training(compose_config([*TINY_RUN]), tmp_path / "run")
+    except RunInterrupted as interrupt:
+        assert interrupt.signum == signal.SIGTERM and not interrupt.mid_step
+    else:
+        raise AssertionError("the run went on after SIGTERM")
+    record = _record(tmp_path / "run")
+    assert record["status"] == "interrupted" and record["steps_done"] == 0
+    assert record["error"] == "RunInterrupted: SIGTERM received; stopped at a step boundary"

@@ -126,26 +126,30 @@ def run_training(
     with InterruptGuard() as guard:
         parallel = start_data_parallel(cfg.get("distributed"), resolve_device(cfg.device))
         writer = parallel is None or parallel.rank == 0  # only rank 0 writes the record and checkpoints
+        record: RunRecord | None = None
+        run: _Run | None = None
         try:
-            code = process_code_version()
-            if resume:
-                record = RunRecord.reopen(output_dir, writer=writer)
-                if record.data.get("code_version", {}).get("source_hash") != code["source_hash"]:
-                    record.update(resumed_by_code=[*record.data.get("resumed_by_code", []), code])
-            else:
-                resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-                fields = {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "code_version": code}
-                record = RunRecord.create(output_dir, {**fields, "config": resolved}, writer=writer)
-            run = _Run(cfg, record, dict(choices or {}), hooks or RunHooks(), started, parallel)
-            try:
-                run.run(guard, resume)
-            except BaseException as error:
+            with guard.step():  # a signal waits until the run exists to record it (raised at the block's end)
+                code = process_code_version()
+                if resume:
+                    record = RunRecord.reopen(output_dir, writer=writer)
+                    if record.data.get("code_version", {}).get("source_hash") != code["source_hash"]:
+                        record.update(resumed_by_code=[*record.data.get("resumed_by_code", []), code])
+                else:
+                    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+                    fields = {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "code_version": code}
+                    record = RunRecord.create(output_dir, {**fields, "config": resolved}, writer=writer)
+                run = _Run(cfg, record, dict(choices or {}), hooks or RunHooks(), started, parallel)
+            run.run(guard, resume)
+        except BaseException as error:
+            if run is not None:
                 run.stop(error)
-                raise
-            finally:
-                run.close()
-                record.close()
+            raise
         finally:
+            if run is not None:
+                run.close()
+            if record is not None:
+                record.close()
             if parallel is not None:
                 parallel.close()
     return record.data
