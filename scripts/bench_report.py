@@ -247,7 +247,26 @@ def max_batch_lines(suite: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_markdown(suites: list[dict[str, Any]], out: Path, plots: dict[str, list[str]]) -> None:
+def later_lines(results: Path) -> list[str]:
+    """The targets of the suites in ``results``' subfolders (each a later measurement of some models, with
+    its own report), in date order: where a model is in both, this folder's table and a subfolder's differ
+    by when and how quietly they were measured."""
+    folders = [
+        (suites[0]["machine"]["date"], folder.name, suites)
+        for folder in sorted(results.iterdir())
+        if folder.is_dir() and (suites := load(folder)) and len(targets_table(suites)) > 2
+    ]
+    lines = []
+    for date, name, suites in sorted(folders):
+        lines += ["", f"### `{name}/`, {date} ([its report]({name}/README.md))", "", *targets_table(suites)]
+    if lines:
+        lines = ["", "## Targets measured again (subfolders)", *lines]
+    return lines
+
+
+def write_markdown(
+    suites: list[dict[str, Any]], out: Path, plots: dict[str, list[str]], later: list[str] = ()
+) -> None:
     lines = [
         "# dpexp efficiency benchmark",
         "",
@@ -272,6 +291,7 @@ def write_markdown(suites: list[dict[str, Any]], out: Path, plots: dict[str, lis
             "Why the missed targets are missed, with the profiles behind it and what was done about it:",
             "[analysis.md](analysis.md) (written by hand; the numbers above come from the JSON alone).",
         ]
+    lines += later
     for suite in suites:
         lines += ["", f"## Suite `{suite['suite']}`", "", *machine_lines(suite), "", *results_table(suite)]
         if errors := error_lines(suite):
@@ -368,7 +388,7 @@ def report(results: Path, out: Path | None = None) -> Path:
             continue
         plot = plot_scaling if suite.get("kind") == "scaling" else plot_ratios
         plots[suite["suite"]] = [plot(suite, out)]
-    write_markdown(suites, out, plots)
+    write_markdown(suites, out, plots, later_lines(results))
     return out / "README.md"
 
 

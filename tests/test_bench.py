@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -61,6 +62,23 @@ def test_smoke_suite_writes_schema_and_report(tmp_path: Path) -> None:
     text = readme.read_text()
     assert "## Suite `smoke`" in text and "| gpt2_tiny | 8 | 4 | bk |" in text
     assert (tmp_path / "smoke.png").stat().st_size > 0
+
+
+def test_the_report_lists_the_targets_measured_again_in_subfolders(tmp_path: Path) -> None:
+    """A subfolder of suite JSON (a later, quieter measurement of some models, with its own report) gets its
+    targets under the folder's own, dated and linked; a subfolder without target rows is left out."""
+    bench_dir = Path(__file__).resolve().parents[1] / "results" / "bench"
+    shutil.copy(bench_dir / "cpu_llm.json", tmp_path / "cpu_llm.json")
+    (tmp_path / "quiet").mkdir()
+    shutil.copy(bench_dir / "quiet_stop37" / "cpu_llm.json", tmp_path / "quiet" / "cpu_llm.json")
+    (tmp_path / "empty").mkdir()
+    text = _report_module().report(tmp_path).read_text()
+    later = text[text.index("## Targets measured again (subfolders)") : text.index("## Suite `cpu_llm`")]
+    date = json.loads((tmp_path / "quiet" / "cpu_llm.json").read_text())["machine"]["date"]
+    assert f"### `quiet/`, {date} ([its report](quiet/README.md))" in later and "empty" not in later
+    row = "| cpu_llm | wrn16_4_b64 B=64 | perlayer throughput / nonprivate | 0.76 | >= 0.85 | **missed** |"
+    assert row in later
+    assert "gpt2_small" not in later  # that run measured Llama and WRN only
 
 
 def _compose(*overrides: str):
