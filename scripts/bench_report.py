@@ -251,21 +251,20 @@ def later_lines(results: Path) -> list[str]:
     """The targets of the suites in ``results``' subfolders (each a later measurement of some models, with
     its own report), in date order: where a model is in both, this folder's table and a subfolder's differ
     by when and how quietly they were measured."""
-    folders = [
-        (suites[0]["machine"]["date"], folder.name, suites)
-        for folder in sorted(results.iterdir())
-        if folder.is_dir() and (suites := load(folder)) and len(targets_table(suites)) > 2
-    ]
+    folders = []
+    for folder in (f for f in sorted(results.iterdir()) if f.is_dir()):
+        if (suites := load(folder)) and len(table := targets_table(suites)) > 2:  # rows beyond the header
+            folders.append((suites[0]["machine"]["date"], folder.name, table))
     lines = []
-    for date, name, suites in sorted(folders):
-        lines += ["", f"### `{name}/`, {date} ([its report]({name}/README.md))", "", *targets_table(suites)]
+    for date, name, table in sorted(folders):
+        lines += ["", f"### `{name}/`, {date} ([its report]({name}/README.md))", "", *table]
     if lines:
         lines = ["", "## Targets measured again (subfolders)", *lines]
     return lines
 
 
 def write_markdown(
-    suites: list[dict[str, Any]], out: Path, plots: dict[str, list[str]], later: list[str] = ()
+    suites: list[dict[str, Any]], out: Path, plots: dict[str, list[str]], later: list[str]
 ) -> None:
     lines = [
         "# dpexp efficiency benchmark",
