@@ -5,6 +5,7 @@ test_signals.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 
@@ -123,6 +124,26 @@ def test_resume_without_a_checkpoint_starts_over_in_the_same_record(compose_conf
     resumed = _resume(tmp_path)
     assert resumed["status"] == "completed" and [h["step"] for h in resumed["history"]] == [1, 2, 3]
     assert resumed["resumes"] == [{"from_step": 0, "recorded_steps": 2, "accounted_again": 0}]
+
+
+def test_a_lost_checkpoint_is_named_and_the_run_redone_from_the_last_one_left(
+    compose_config, tmp_path, caplog
+):
+    """The record names the checkpoint of step 7, which is gone (e.g. a fresh clone: checkpoints are not
+    committed). The resume says so and starts over; the redone steps draw the same batches and noise, so the
+    run ends as an uninterrupted one and no step is accounted twice."""
+    cfg = compose_config(list(RUN))
+    whole = run_training(cfg, tmp_path / "whole")
+    parts = tmp_path / "parts"
+    with pytest.raises(RunInterrupted):
+        run_training(cfg, parts, hooks=SignalAt(7))
+    for path in checkpoints(parts):
+        path.unlink()
+    with caplog.at_level(logging.WARNING, logger="dpexp.training.loop"):
+        resumed = _resume(parts)
+    assert "checkpoints/step_00000007.pt is missing; continuing from the start" in caplog.text
+    assert resumed["resumes"] == [{"from_step": 0, "recorded_steps": 7, "accounted_again": 0}]
+    assert stable(resumed) == stable(whole)
 
 
 def test_resume_refusals(compose_config, tmp_path):

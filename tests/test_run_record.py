@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 import types
@@ -215,3 +216,21 @@ def test_record_keeps_the_code_version_that_started_it_and_each_other_that_resum
         run_training(cfg, tmp_path, resume=True)
     data = _read(tmp_path)
     assert data["code_version"] == started and data["resumed_by_code"] == [other]
+
+
+def test_a_record_that_cannot_be_written_leaves_no_file_behind(tmp_path):
+    """A field JSON cannot hold fails the creation before anything exists: the directory still takes a run
+    (an empty metrics.json would have claimed it for good, and resume could not read it)."""
+    with pytest.raises(TypeError, match="cannot store object"):
+        RunRecord.create(tmp_path, {"steps": 3, "bad": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+    RunRecord.create(tmp_path, {"steps": 3}).close()  # the lock was released, the directory is free
+    assert _read(tmp_path)["steps"] == 3 and _read(tmp_path)["status"] == "running"
+
+
+def test_resuming_a_directory_whose_record_is_not_json_says_so(tmp_path):
+    (tmp_path / "metrics.json").write_text("")
+    with pytest.raises(RunDirectoryError, match=r"is not a run record.*new directory"):
+        RunRecord.reopen(tmp_path)
+    with open(tmp_path / ".lock") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -572,6 +572,14 @@ class _Run:
         """
         recorded = int(self.record.data.get("steps_done", 0))
         found = checkpoints(self.run_dir)
+        named = self.record.data.get("checkpoint")
+        if named and not (self.run_dir / named).is_file():
+            log.warning(
+                "%s: the record's checkpoint %s is missing; continuing from %s",
+                self.run_dir,
+                named,
+                found[-1].name if found else "the start",
+            )
         if found:
             state = load_checkpoint(found[-1])
             if state["plan"] != asdict(self.plan):

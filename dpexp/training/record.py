@@ -1,8 +1,8 @@
 """metrics.json: the record every run leaves in its run directory, whatever happens to the run.
 
-The file is created exclusively (a run never overwrites another run's record) and then rewritten atomically
-(temporary file + rename) after every evaluation, checkpoint and at the end, so a run that dies keeps
-everything measured so far. Its ``status``:
+The file is created exclusively and whole (a run never overwrites another run's record, and no record is ever
+seen empty), then rewritten atomically (temporary file + rename) after every evaluation, checkpoint and at the
+end, so a run that dies keeps everything measured so far. Its ``status``:
 
 - ``running``: under way, or killed without a chance to say so (SIGKILL, power loss); ``resume=<run dir>``
   continues it from its last checkpoint;
@@ -85,17 +85,17 @@ class RunRecord:
         record = cls(path, data, writer=writer)
         if not writer:
             return record
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with path.open("x") as handle:
-                handle.write(record._text(strict=True))
-        except FileExistsError:
+            _create_with(path, record._text(strict=True))
+        except BaseException as error:
             record.close()
-            raise RunDirectoryError(
-                f"{path.parent} already holds another run's record ({METRICS_FILE}), which is never "
-                f"overwritten: choose another directory (hydra.run.dir), or continue that run with "
-                f"resume={path.parent}."
-            ) from None
+            if isinstance(error, FileExistsError):
+                raise RunDirectoryError(
+                    f"{path.parent} already holds another run's record ({METRICS_FILE}), which is never "
+                    f"overwritten: choose another directory (hydra.run.dir), or continue that run with "
+                    f"resume={path.parent}."
+                ) from None
+            raise
         return record
 
     @classmethod
@@ -105,7 +105,14 @@ class RunRecord:
         if not path.is_file():
             raise RunDirectoryError(f"resume={output_dir}: no {METRICS_FILE} there, so no run to continue.")
         record = cls(path, {}, writer=writer)
-        record.data = json.loads(path.read_text())
+        try:
+            record.data = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            record.close()
+            raise RunDirectoryError(
+                f"resume={output_dir}: its {METRICS_FILE} is not a run record ({error}); start the run in "
+                "a new directory instead."
+            ) from None
         status = record.data.get("status")
         if status in (COMPLETED, DIVERGED):
             record.close()
@@ -180,6 +187,18 @@ class RunRecord:
         ordered.update((k, self.data[k]) for k in bulky if k in self.data)
         default = _jsonable if strict else _jsonable_or_repr
         return json.dumps(finite_json(ordered), indent=2, allow_nan=False, default=default) + "\n"
+
+
+def _create_with(path: Path, text: str) -> None:
+    """Create ``path`` holding ``text`` in one step: FileExistsError if it exists. The text goes to a
+    temporary file first, which is then hard-linked to ``path`` (the link fails if ``path`` exists), so the
+    record never exists empty or half-written, even if the process dies while writing."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.new")
+    try:
+        temporary.write_text(text)
+        os.link(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _lock(folder: Path) -> int:
