@@ -53,7 +53,7 @@ def _instrument() -> None:
     _timed(clipping.Clipper, "_finish_group", lambda *_: "clipper: finish groups (clipped sums)")
     _timed(PrivacyEngine, "_privatize", lambda *_: "engine: noise and / B")
     for owner in (ConvWeightGrads, Standardized):
-        for name in ("norm_sq", "weighted_sum", "instantiate"):
+        for name in ("norm_sq", "weighted_sum", "instantiate_chunks"):
             _timed(owner, name, lambda self, *_, n=name: f"{n} {type(self).__name__} {tuple(self.shape)}")
 
 

@@ -82,10 +82,17 @@ class Head(nn.Module):
         return self.body(x).flatten(1).tanh().sum(1)
 
 
+CHUNKS = pytest.mark.parametrize("chunk", [32, 2], ids=["whole", "in_chunks"])
+"""Per-example gradients instantiated at once, or in chunks of 2 examples (3-example micro-batches: chunks of
+2 and 1), whose norms, kept sums and selections read the chunks (``PerExampleGrad.instantiate_chunks``)."""
+
+
+@CHUNKS
 @pytest.mark.parametrize("name", list(_convs()))
 @pytest.mark.parametrize("backend", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_convolution_matches_oracle(name, backend, clipping):
+def test_convolution_matches_oracle(name, backend, clipping, chunk, monkeypatch):
+    monkeypatch.setattr(conv_rules, "INSTANTIATE_CHUNK", chunk)
     torch.manual_seed(0)
     body, shape = _convs()[name]
     assert all(rule_for(m) is not None for m in body if isinstance(m, nn.modules.conv._ConvNd))
@@ -112,11 +119,13 @@ def test_convolution_matches_oracle(name, backend, clipping):
         torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
 
 
+@CHUNKS
 @pytest.mark.parametrize("norm_mode", ["ghost", "instantiate"])
 @pytest.mark.parametrize("body", ["grouped_and_ungrouped", *_ws_convs()])
-def test_forced_norm_modes_on_convolutions(norm_mode, body):
+def test_forced_norm_modes_on_convolutions(norm_mode, body, chunk, monkeypatch):
     """Forcing the ghost norm on a convolution without a ghost form instantiates instead; both are exact,
     also for weight-standardised convolutions (strided, reflect- and same-padded, dilated)."""
+    monkeypatch.setattr(conv_rules, "INSTANTIATE_CHUNK", chunk)
     torch.manual_seed(0)
     if body == "grouped_and_ungrouped":
         body, shape = (

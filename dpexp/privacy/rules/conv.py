@@ -290,10 +290,13 @@ class ConvWeightGrads(PerExampleGrad):
         return Outer(g, unfold_patches(self.module, self.x), self.shape, g.shape[-1]).norm_sq("ghost")
 
     def instantiate(self) -> torch.Tensor:
+        chunks = self.instantiate_chunks()
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def instantiate_chunks(self) -> list[torch.Tensor]:
         """The batch-grouped weight gradient, :data:`INSTANTIATE_CHUNK` examples at a time."""
         chunks = zip(self.x.split(INSTANTIATE_CHUNK), self.dy.split(INSTANTIATE_CHUNK), strict=True)
-        grads = [self._instantiate(x, dy) for x, dy in chunks]
-        return grads[0] if len(grads) == 1 else torch.cat(grads)
+        return [self._instantiate(x, dy) for x, dy in chunks]
 
     def _instantiate(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         b, groups = x.shape[0], self.module.groups

@@ -52,8 +52,13 @@ class Standardized(PerExampleGrad):
         return (u - u.mean(-1, keepdim=True) - self.w_hat * proj) / self.s
 
     def instantiate(self) -> torch.Tensor:
-        u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape)
-        return self._vjp(u).view(self.batch_size, *self.shape)
+        return torch.cat(self.instantiate_chunks())
+
+    def instantiate_chunks(self) -> list[torch.Tensor]:
+        return [
+            self._vjp(u.view(len(u), *self.w_hat.shape)).view(len(u), *self.shape)
+            for u in self.inner.per_example_chunks()
+        ]
 
     def retain(self, release: bool = False, max_values: int = 0) -> None:
         self.inner.retain(release, max_values)
@@ -104,9 +109,11 @@ class Standardized(PerExampleGrad):
             total = torch.einsum("brt,bt->br", g, sums)
             proj = torch.einsum("brt,brt->br", g, projections)
         else:
-            u = self.inner.per_example().view(self.batch_size, *self.w_hat.shape).to(dtype)
-            scaled = (torch.linalg.vector_norm(u, dim=-1).square() / s.pow(2)).sum(-1)
-            total, proj = u.sum(-1), torch.einsum("brp,rp->br", u, w_hat)
+            chunks = [u.view(len(u), *self.w_hat.shape).to(dtype) for u in self.inner.per_example_chunks()]
+            scaled = torch.cat([torch.linalg.vector_norm(u, dim=-1).square() for u in chunks])
+            scaled = (scaled / s.pow(2)).sum(-1)
+            total = torch.cat([u.sum(-1) for u in chunks])
+            proj = torch.cat([torch.einsum("brp,rp->br", u, w_hat) for u in chunks])
         coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
         return scaled + (-total.pow(2) / self.p / s.pow(2) + proj.pow(2) * coeff).sum(-1)
 
