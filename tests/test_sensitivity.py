@@ -87,6 +87,22 @@ def test_automatic_clipping_has_its_sensitivity(name, backend, clipping, groups)
     assert_refuses_or_private(outcome, case)
 
 
+CHUNKED_CASES = ["wrn_block", "convnext", "efficientnet_gn", "conv_transpose_grouped", "conv3d"]
+CHUNKED = [_param(name, *setting) for name in CHUNKED_CASES for setting in SETTINGS if setting[0] == "bk"]
+
+
+@pytest.mark.parametrize("name,backend,clipping,groups", CHUNKED)
+def test_convolutions_instantiated_in_chunks_have_their_sensitivity(
+    name, backend, clipping, groups, monkeypatch
+):
+    """Convolution models with per-example gradients instantiated two examples at a time: norms, kept
+    clipped sums and dropped examples read the chunks (``PerExampleGrad.instantiate_chunks``)."""
+    from dpexp.privacy.rules import conv
+
+    monkeypatch.setattr(conv, "INSTANTIATE_CHUNK", 2)
+    _check(name, backend, clipping, groups)
+
+
 def test_default_slice_covers_every_setting_and_neighbour_kind():
     """Every model once, every backend and clipping mode (each of the 9 settings) at least once, and every
     kind of neighbour for some model."""
