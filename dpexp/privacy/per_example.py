@@ -33,6 +33,11 @@ import torch
 NormMode = Literal["auto", "ghost", "instantiate"]
 
 
+def joined(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Chunks of examples as one (B, ...) tensor (a single chunk as it is, without a copy)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
 def accurate(x: torch.Tensor) -> torch.Tensor:
     """Half-precision factors are promoted so that norms are accumulated in float32."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
@@ -126,7 +131,7 @@ class PerExampleGrad(ABC):
         """Only the examples where ``keep`` (B,) is true: the clipper drops an example whose norm is not
         finite this way, since multiplying it by 0 could still give NaN (``0 * inf``)."""
         if self._kept is not None:
-            return Dense(torch.cat(self._kept)[keep])
+            return Dense(joined(self._kept)[keep])
         return self._select(keep)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:

@@ -87,14 +87,15 @@ class RunRecord:
             return record
         try:
             _create_with(path, record._text(strict=True))
-        except BaseException as error:
+        except FileExistsError:
             record.close()
-            if isinstance(error, FileExistsError):
-                raise RunDirectoryError(
-                    f"{path.parent} already holds another run's record ({METRICS_FILE}), which is never "
-                    f"overwritten: choose another directory (hydra.run.dir), or continue that run with "
-                    f"resume={path.parent}."
-                ) from None
+            raise RunDirectoryError(
+                f"{path.parent} already holds another run's record ({METRICS_FILE}), which is never "
+                f"overwritten: choose another directory (hydra.run.dir), or continue that run with "
+                f"resume={path.parent}."
+            ) from None
+        except BaseException:
+            record.close()  # e.g. a field JSON cannot hold: nothing was created, the directory stays free
             raise
         return record
 

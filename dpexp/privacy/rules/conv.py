@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, accurate
+from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, accurate, joined
 from dpexp.privacy.rules import register_rule
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -290,8 +290,7 @@ class ConvWeightGrads(PerExampleGrad):
         return Outer(g, unfold_patches(self.module, self.x), self.shape, g.shape[-1]).norm_sq("ghost")
 
     def instantiate(self) -> torch.Tensor:
-        chunks = self.instantiate_chunks()
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        return joined(self.instantiate_chunks())
 
     def instantiate_chunks(self) -> list[torch.Tensor]:
         """The batch-grouped weight gradient, :data:`INSTANTIATE_CHUNK` examples at a time."""

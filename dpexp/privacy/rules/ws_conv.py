@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dpexp.layers import WSConv2d, weight_standardization
-from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
+from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad, joined
 from dpexp.privacy.rules import register_rule
 from dpexp.privacy.rules.conv import ConvWeightGrads, check_conv, explicitly_padded
 
@@ -52,7 +52,7 @@ class Standardized(PerExampleGrad):
         return (u - u.mean(-1, keepdim=True) - self.w_hat * proj) / self.s
 
     def instantiate(self) -> torch.Tensor:
-        return torch.cat(self.instantiate_chunks())
+        return joined(self.instantiate_chunks())
 
     def instantiate_chunks(self) -> list[torch.Tensor]:
         return [
