@@ -167,6 +167,8 @@ def _geometries() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
         "same_even": (nn.Conv2d(3, 4, 4, padding="same"), (3, 5, 6)),
         "same_dilated": (nn.Conv2d(3, 4, 3, padding="same", dilation=2, bias=False), (3, 7, 7)),
         "dilated_strided": (nn.Conv2d(3, 4, 5, stride=3, padding=1, dilation=2), (3, 12, 11)),
+        # odd rows of the padded input are all padding: a phase component without pixels
+        "padding_only_phase": (nn.Conv2d(3, 4, 3, stride=2, padding=2), (3, 1, 4)),
         "conv1d_strided_dilated": (nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=3), (3, 11)),
         "conv1d_circular": (nn.Conv1d(3, 4, 3, padding=2, padding_mode="circular"), (3, 7)),
         "conv1d_zero_padded": (nn.Conv1d(3, 4, 3, padding=1), (3, 7)),

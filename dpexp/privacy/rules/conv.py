@@ -16,7 +16,7 @@ convolutions (every other convolution instantiates its per-example gradients for
 patches (``F.unfold``, ``T^2 (C_in K + C_out)`` multiply-adds per example for K kernel offsets), or over
 pixels (:func:`patch_gram_norm_sq`): a patch is the padded input at ``stride t + dilation o`` for the
 offsets o, so ``<a_t, a_s> = sum_o P[stride t + dilation o, stride s + dilation o]`` with P the Gram of the
-input's pixels over channels, a sum of K shifted blocks of P (``N^2 C_in`` for N padded pixels, plus the
+input's pixels over channels, a sum of K shifted blocks of P (``N^2 C_in`` for N input pixels, plus the
 output gradients' ``T^2 C_out``). Each layer takes the cheapest of the three by a measured cost model
 (:func:`norm_costs`). Padding modes other than zeros, and ``padding="same"``, are applied to the input
 explicitly, exactly as the module does.
@@ -25,7 +25,6 @@ explicitly, exactly as the module does.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import torch
@@ -94,7 +93,15 @@ def as_image(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tens
     return x, Geometry(module.kernel_size, module.stride, tuple(padding), module.dilation)
 
 
-Component = tuple[tuple[int, int], tuple[int, int], list[int], list[int]]
+class Axis(NamedTuple):
+    """One dimension of a phase component ``x_r`` of the zero-padded input (positions ``r + stride i``): the
+    ``pixels`` input indices ``start, start + stride, ...`` that it holds sit at its positions ``offset, ...``
+    (the rest is padding), and the kernel offsets of this phase read it at ``shifts``."""
+
+    start: int
+    pixels: int
+    offset: int
+    shifts: list[int]
 
 
 class Geometry(NamedTuple):
@@ -105,22 +112,26 @@ class Geometry(NamedTuple):
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
 
-    def components(self, out: tuple[int, int]) -> list[Component]:
-        """For output size ``out``, the phase components of the padded input that the kernel reads:
-        ``(phase, size, shifts_h, shifts_w)``. Kernel offset ``dilation u = stride q + r`` (per dimension) of
-        output position t reads the input at ``stride (t + q) + r``: position ``t + q`` of the component
-        ``x[r::stride]``, which is read up to ``out + max(q)``."""
+    def components(self, out: tuple[int, int], size: tuple[int, int]) -> list[tuple[Axis, Axis]]:
+        """For output size ``out`` and input size ``size`` (before padding), the phase components of the
+        padded input that the kernel reads, an :class:`Axis` per dimension. Kernel offset
+        ``dilation u = stride q + r`` of output position t reads the padded input at ``stride (t + q) + r``:
+        position ``t + q`` of the component ``x_pad[r::stride]``, which is read up to ``out + max(q)``."""
         per_dim = []
-        for k, s, d in zip(self.kernel, self.stride, self.dilation, strict=True):
-            phase: dict[int, list[int]] = {}
+        for k, s, p, d, n, length in zip(
+            self.kernel, self.stride, self.padding, self.dilation, out, size, strict=True
+        ):
+            phases: dict[int, list[int]] = {}
             for u in range(k):
                 q, r = divmod(d * u, s)
-                phase.setdefault(r, []).append(q)
-            per_dim.append(phase)
-        return [
-            ((r1, r2), (out[0] + max(q1), out[1] + max(q2)), q1, q2)
-            for (r1, q1), (r2, q2) in itertools.product(per_dim[0].items(), per_dim[1].items())
-        ]
+                phases.setdefault(r, []).append(q)
+            axes = []
+            for r, shifts in phases.items():
+                first = max(0, -((r - p) // s))  # the first position inside the input: r + s i >= p
+                end = min(n + max(shifts), -((r - p - length) // s))  # and the last: r + s i < p + length
+                axes.append(Axis(r + s * first - p, max(0, end - first), first, shifts))
+            per_dim.append(axes)
+        return list(itertools.product(*per_dim))
 
 
 def unfold_patches(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -138,53 +149,70 @@ def patch_gram_norm_sq(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, dy: torch
     """``sum_{t,s} <a_t, a_s> <dy_t, dy_s>`` per example, shape (B,), without unfolding the patches ``a_t``.
 
     With the zero-padded input split into phase components ``x_r = x[r::stride]`` (one for stride 1),
-    ``<a_t, a_s> = sum_o P_r(o)[t + q(o), s + q(o)]``, where ``P_r = x_r^T x_r`` is the (N_r, N_r) Gram of
-    the component's pixels over channels and kernel offset o reads component r(o) at shift q(o)
-    (:meth:`Geometry.components`). The shifted blocks are summed one dimension at a time (a component's
-    offsets are a product of per-dimension shifts) into the (T, T) patch Gram, whose inner product with the
-    output gradients' Gram ``dY^T dY`` is the norm. At stride 1 the Gram is formed over the unpadded pixels
-    and bordered with zeros (a 16 x 16 map with padding 1: 256^2 instead of 324^2 pixel pairs). Chunked over
-    examples (:data:`GRAM_VALUES`).
+    ``<a_t, a_s> = sum_o P_r(o)[t + q(o), s + q(o)]``, where ``P_r = x_r^T x_r`` is the Gram of the
+    component's pixels over channels and kernel offset o reads component r(o) at shift q(o)
+    (:meth:`Geometry.components`). The Gram is formed over the pixels inside the input only (padding adds
+    zeros), and the shifted blocks are added in place one dimension at a time (a component's offsets are a
+    product of per-dimension shifts), each clipped to the pixels it covers, into the (T, T) patch Gram, whose
+    inner product with the output gradients' Gram ``dY^T dY`` is the norm. Chunked over examples
+    (:data:`GRAM_VALUES`).
     """
     x, geo = as_image(module, accurate(x))
     out = (1, dy.shape[2]) if isinstance(module, nn.Conv1d) else (dy.shape[2], dy.shape[3])
     dy = accurate(dy).flatten(2)  # (B, C_out, T)
-    components = geo.components(out)
-    per_example = 2 * dy.shape[2] ** 2 + max(h * w * (h * w + h * out[1]) for _, (h, w), _, _ in components)
+    components = geo.components(out, x.shape[2:])
+    per_example = 2 * dy.shape[2] ** 2 + max(  # the Grams, the component's Gram and its row sums
+        a.pixels**2 * (b.pixels**2 + out[1] ** 2) for a, b in components
+    )
     chunk = max(1, GRAM_VALUES // per_example)
     chunks = zip(x.split(chunk), dy.split(chunk), strict=True)
     return torch.cat([_patch_gram_dot(xs, gs, out, geo, components) for xs, gs in chunks])
 
 
-def _pixel_grams(x: torch.Tensor, geo: Geometry, components: list[Component]) -> Iterator[torch.Tensor]:
-    """The Gram (b, h, w, h, w) of each component's pixels of the zero-padded input, x (b, C_in, H, W)."""
-    b, _, height, width = x.shape
-    if geo.stride == (1, 1):  # one component, the padded input itself: a zero border around x's Gram
-        ((_, (h, w), _, _),) = components
-        flat = x.reshape(b, -1, height * width)
-        gram = torch.einsum("bcp,bcq->bpq", flat, flat).view(b, height, width, height, width)
-        top, left = geo.padding
-        border = [left, w - width - left, top, h - height - top]
-        yield F.pad(gram, border * 2)
-        return
-    x = F.pad(x, (geo.padding[1], geo.padding[1], geo.padding[0], geo.padding[0]))
-    for (r1, r2), (h, w), _, _ in components:
-        flat = x[:, :, r1 :: geo.stride[0], r2 :: geo.stride[1]][:, :, :h, :w].reshape(b, -1, h * w)
-        yield torch.einsum("bcp,bcq->bpq", flat, flat).view(b, h, w, h, w)
-
-
 def _patch_gram_dot(x, dy, out, geo: Geometry, components) -> torch.Tensor:
     """:func:`patch_gram_norm_sq` of one chunk: x (b, C_in, H, W) before zero padding, dy (b, C_out, T)."""
     (n1, n2), b = out, x.shape[0]
-    patch_gram = dy.new_zeros(b, n1, n2, n1, n2)
-    for pixel_gram, (_, _, shifts1, shifts2) in zip(
-        _pixel_grams(x, geo, components), components, strict=True
-    ):
-        rows = sum(pixel_gram[:, :, q : q + n2, :, q : q + n2] for q in shifts2)  # (b, h, n2, h, n2)
-        for q in shifts1:
-            patch_gram += rows[:, q : q + n1, :, q : q + n1]
-    grad_gram = torch.einsum("bct,bcs->bts", dy, dy)
-    return torch.linalg.vecdot(patch_gram.view(b, -1), grad_gram.view(b, -1))
+    patch_gram = None
+    for rows, cols in components:
+        if rows.pixels and cols.pixels:
+            pixels = x[:, :, rows.start :: geo.stride[0], cols.start :: geo.stride[1]]
+            flat = pixels[:, :, : rows.pixels, : cols.pixels].reshape(b, -1, rows.pixels * cols.pixels)
+            gram = torch.bmm(flat.transpose(1, 2), flat)
+            gram = gram.view(b, rows.pixels, cols.pixels, rows.pixels, cols.pixels)
+            patch_gram = _add_shifted(_add_shifted(gram, cols, (2, 4), n2), rows, (1, 3), n1, patch_gram)
+    if patch_gram is None:  # the kernel reads only padding
+        return dy.new_zeros(b)
+    grad_gram = torch.bmm(dy.transpose(1, 2), dy)
+    pairs = zip(patch_gram.view(b, -1), grad_gram.view(b, -1), strict=True)
+    return torch.stack([torch.dot(p, g) for p, g in pairs])  # on CPU faster than one batched product
+
+
+def _add_shifted(
+    gram: torch.Tensor, axis: Axis, dims: tuple[int, int], n: int, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``into[t, s] += sum_q gram[t + q - offset, s + q - offset]`` on dimensions ``dims`` (of size n in
+    ``into``; a new tensor if None), over the shifts q of ``axis`` and where the indices are inside."""
+    blocks = []  # (first target index, length, first source index) per shift
+    for q in axis.shifts:
+        lo, hi = max(0, axis.offset - q), min(n, axis.pixels + axis.offset - q)
+        if lo < hi:
+            blocks.append((lo, hi - lo, lo + q - axis.offset))
+
+    def block(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        return t.narrow(dims[0], start, length).narrow(dims[1], start, length)
+
+    if into is None:
+        whole = next((b for b in blocks if b[1] == n), None)
+        if whole is not None:  # a shift covering every index is copied, not added to zeros
+            blocks.remove(whole)
+            into = block(gram, whole[2], n).clone(memory_format=torch.contiguous_format)
+        else:
+            shape = list(gram.shape)
+            shape[dims[0]] = shape[dims[1]] = n
+            into = gram.new_zeros(shape)
+    for lo, length, src in blocks:
+        block(into, lo, length).add_(block(gram, src, length))
+    return into
 
 
 NormMethod = Literal["instantiate", "unfold", "pixels"]
@@ -203,32 +231,27 @@ many output positions: on CPU at batch 64 it ran at 25-32 G multiply-adds/s for 
 T = 300 for T = 64 and T = 256 (``scripts/conv_norm_bench.py``)."""
 
 
-def norm_costs(geo: Geometry, c_in: int, c_out: int, out: tuple[int, int]) -> dict[NormMethod, float]:
-    """Time per example of each way to the norm of an ungrouped convolution with output size ``out``, in
-    multiply-adds of a matmul (measured on CPU at one thread, ``scripts/conv_norm_bench.py``), with T output
-    positions and K kernel offsets: instantiation ``K C_in C_out max(T, INSTANTIATE_MIN_POSITIONS)``; unfolded
-    patches ``T^2 (K C_in + C_out)`` plus the unfolding; pixels ``sum_r N_r^2 C_in + T^2 C_out`` plus the
-    shifted blocks' sums (:func:`patch_gram_norm_sq`; N_r unpadded at stride 1)."""
+def norm_costs(
+    geo: Geometry, c_in: int, c_out: int, out: tuple[int, int], size: tuple[int, int]
+) -> dict[NormMethod, float]:
+    """Time per example of each way to the norm of an ungrouped convolution with output size ``out`` and
+    input size ``size``, in multiply-adds of a matmul (measured on CPU at one thread,
+    ``scripts/conv_norm_bench.py``), with T output positions and K kernel offsets: instantiation
+    ``K C_in C_out max(T, INSTANTIATE_MIN_POSITIONS)``; unfolded patches ``T^2 (K C_in + C_out)`` plus the
+    unfolding; pixels ``sum_r N_r^2 C_in + T^2 C_out`` for the N_r pixels of component r inside the input,
+    plus the shifted blocks' adds (:func:`patch_gram_norm_sq`)."""
     t, k = out[0] * out[1], geo.kernel[0] * geo.kernel[1]
     grad_gram = t * t * c_out
     blocks = sum(
-        _gram_pixels(geo, h, w) ** 2 * c_in
-        + ELEMENT_COST * (len(shifts2) * h * h * out[1] ** 2 + len(shifts1) * t * t)
-        for _, (h, w), shifts1, shifts2 in geo.components(out)
+        (rows.pixels * cols.pixels) ** 2 * c_in
+        + ELEMENT_COST * (len(cols.shifts) * rows.pixels**2 * out[1] ** 2 + len(rows.shifts) * t * t)
+        for rows, cols in geo.components(out, size)
     )
     return {
         "instantiate": k * c_in * c_out * max(t, INSTANTIATE_MIN_POSITIONS),
         "unfold": t * t * k * c_in + grad_gram + ELEMENT_COST * t * k * c_in,
         "pixels": blocks + grad_gram + ELEMENT_COST * t * t,
     }
-
-
-def _gram_pixels(geo: Geometry, h: int, w: int) -> int:
-    """Pixels of the Gram that :func:`_pixel_grams` forms for an (h, w) component: the unpadded ones at
-    stride 1."""
-    if geo.stride == (1, 1):
-        return max(h - 2 * geo.padding[0], 1) * max(w - 2 * geo.padding[1], 1)
-    return h * w
 
 
 class ConvWeightGrads(PerExampleGrad):
@@ -256,9 +279,8 @@ class ConvWeightGrads(PerExampleGrad):
         """:func:`norm_costs` of this layer; where the instantiation is kept for a fused clipped sum
         (:meth:`retain` without release), the ghost forms also pay for that sum (a weight-gradient
         convolution, ``T K C_in C_out``), the kept gradients' ``tensordot`` costing next to nothing."""
-        costs = norm_costs(
-            as_image(self.module, self.x[:1])[1], self.shape[1], self.shape[0], self._out_size()
-        )
+        x, geo = as_image(self.module, self.x[:1])
+        costs = norm_costs(geo, self.shape[1], self.shape[0], self._out_size(), tuple(x.shape[2:]))
         if self._retain and not self._release:
             t, values = self.dy[0, 0].numel(), self.shape.numel()
             costs = {m: c + (t * values if m != "instantiate" else 0) for m, c in costs.items()}
