@@ -103,6 +103,30 @@ def test_convolutions_instantiated_in_chunks_have_their_sensitivity(
     _check(name, backend, clipping, groups)
 
 
+PIXEL_CASES = ["wrn_block", "efficientnet_gn", "convnext", "sequence", "vit"]
+PIXELS = [
+    _param(name, *setting) for name in PIXEL_CASES for setting in SETTINGS if setting[0] != "instantiate"
+]
+
+
+@pytest.mark.parametrize("name,backend,clipping,groups", PIXELS)
+def test_convolution_norms_by_pixel_grams_have_their_sensitivity(
+    name, backend, clipping, groups, monkeypatch
+):
+    """Every ungrouped convolution that takes a ghost norm takes it from pixel Grams
+    (:func:`~dpexp.privacy.rules.conv.patch_gram_norm_sq`: strided, padded, 1-D and patch-embedding
+    geometries of models the pixel form was not written for), and the released statistics keep their
+    sensitivity."""
+    from dpexp.privacy.rules import conv
+
+    monkeypatch.setattr(conv, "norm_costs", lambda *_: {"instantiate": 1e30, "unfold": 1e30, "pixels": 0.0})
+    calls = []
+    real = conv.patch_gram_norm_sq
+    monkeypatch.setattr(conv, "patch_gram_norm_sq", lambda *a: calls.append(1) or real(*a))
+    _check(name, backend, clipping, groups)
+    assert calls  # the pixel form was exercised
+
+
 def test_default_slice_covers_every_setting_and_neighbour_kind():
     """Every model once, every backend and clipping mode (each of the 9 settings) at least once, and every
     kind of neighbour for some model."""
