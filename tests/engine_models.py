@@ -187,6 +187,34 @@ def bert() -> nn.Module:
     return _encoder(BertConfig, BertForSequenceClassification, num_labels=2)
 
 
+LABEL_WORDS = [5, 7]  # the two label words' token ids scored at the mask (Li et al. 2022, sec. 3.2)
+
+
+def masked_lm(kind: str) -> nn.Module:
+    """A tiny masked LM in the text-infilling wrapper (``model.objective=infilling``). Both heads register
+    the decoder's bias twice, in the head and in its decoder (tied), and tie the decoder weight to the word
+    embeddings: ``roberta`` (RobertaLMHead) or ``bert`` (BertOnlyMLMHead -> BertLMPredictionHead)."""
+    from transformers import BertConfig, BertForMaskedLM, RobertaConfig, RobertaForMaskedLM
+
+    from dpexp.models.hf_encoder import MaskedLMInfilling
+
+    config_cls, model_cls = {
+        "roberta": (RobertaConfig, RobertaForMaskedLM),
+        "bert": (BertConfig, BertForMaskedLM),
+    }[kind]
+    model = MaskedLMInfilling(_encoder(config_cls, model_cls, num_labels=2))
+    head = model.head.predictions if kind == "bert" else model.head
+    assert head.decoder.bias is head.bias, "the head no longer registers its bias twice"
+    assert head.decoder.weight is model.encoder.embeddings.word_embeddings.weight
+    return model
+
+
+def infilling_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Cross entropy over the label words' logits at each example's mask position."""
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["mask_positions"])
+    return F.cross_entropy(logits[:, LABEL_WORDS], batch["labels"], reduction="none")
+
+
 class ScaledInput(nn.Module):
     """A module using its own parameter directly (no rule: the torch.func fallback handles it)."""
 
@@ -275,6 +303,13 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         batch = _padded_text(batch_size, 10, 40, gen)
         batch["labels"] = torch.randint(0, 2, (batch_size,), generator=gen)
         return (roberta() if name == "roberta" else bert()), seq_classification_loss, batch
+    if name in ("roberta_infilling", "bert_infilling"):
+        batch = _padded_text(batch_size, 10, 40, gen)
+        positions = torch.randint(1, 5, (batch_size,), generator=gen)  # inside every text (>= 5 tokens)
+        batch["input_ids"][torch.arange(batch_size), positions] = 2  # the mask token
+        batch["mask_positions"] = positions
+        batch["labels"] = torch.randint(0, len(LABEL_WORDS), (batch_size,), generator=gen)
+        return masked_lm(name.removesuffix("_infilling")), infilling_loss, batch
     raise KeyError(name)
 
 
@@ -292,4 +327,6 @@ CASES = [
     "deit_distilled",
     "flattened",
     "opt",
+    "roberta_infilling",
+    "bert_infilling",
 ]

@@ -434,6 +434,8 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "opt": {"padding": LM_PADDING},
     "roberta": {"class_label": ("labels", 3), "padding": {"input_ids": 1, "attention_mask": 0}},
     "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
+    "roberta_infilling": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
+    "bert_infilling": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
 }
 
 # the cases whose contract allows a refusal, and the names such a refusal must mention

@@ -37,10 +37,10 @@ def test_saturating_example_is_exact(strategy, norm_mode):
     x = torch.randn(4, 3, dtype=torch.float64)
     huge = x.clone()
     huge[0] = 1e300
-    delta = _update(huge, backend=strategy, norm_mode=norm_mode, clipping="per_layer")
+    delta = _update(huge, strategy=strategy, norm_mode=norm_mode, clipping="per_layer")
     assert all(torch.isfinite(d).all() for d in delta.values())
     # the first layer gets nothing from example 0 (tanh' = 0 there): same as dropping it from the batch
-    rest = _update(x[1:], backend=strategy, norm_mode=norm_mode, clipping="per_layer")
+    rest = _update(x[1:], strategy=strategy, norm_mode=norm_mode, clipping="per_layer")
     torch.testing.assert_close(delta["0.weight"] * 4, rest["0.weight"] * 3)
 
 
@@ -52,9 +52,9 @@ def test_example_with_a_non_finite_gradient_is_dropped_from_its_groups(strategy,
     x = torch.randn(4, 3, dtype=torch.float64)
     bad = x.clone()
     bad[0] = float("inf")
-    delta = _update(bad, backend=strategy, clipping=clipping)
+    delta = _update(bad, strategy=strategy, clipping=clipping)
     assert all(torch.isfinite(d).all() for d in delta.values())
     if clipping == "flat":  # the whole gradient of example 0 is dropped
-        rest = _update(x[1:], backend=strategy, clipping=clipping)
+        rest = _update(x[1:], strategy=strategy, clipping=clipping)
         for name in delta:
             torch.testing.assert_close(delta[name] * 4, rest[name] * 3)

@@ -88,7 +88,7 @@ def test_update_matches_oracle(case, backend, clipping, groups):
         batch_size=size,
         clipping=clipping,
         groups=groups,
-        backend=backend,
+        strategy=backend,
         thresholds=thresholds,
         max_grad_norm=1.0,
     )

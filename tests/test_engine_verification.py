@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine, VerificationError
+from dpexp.privacy.capture import discover_layers
 from dpexp.privacy.verification import Verifier
 from tests.oracle import clipped_mean, group_norms, per_example_grads
 
@@ -190,6 +191,44 @@ class ReadOnlyWeights(nn.Module):
 
     def forward(self, x):
         return F.linear(x, self.fc.weight, self.fc.bias)
+
+
+class BiasRegisteredTwice(nn.Module):
+    """``fc.bias`` registered again as the parent's own ``bias``, as Hugging Face's masked-LM heads tie
+    ``decoder.bias`` to the head's ``bias``; ``direct``: the parent also adds it itself, outside ``fc``."""
+
+    def __init__(self, direct: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.bias = self.fc.bias
+        self.direct = direct
+
+    def forward(self, x):
+        y = self.fc(torch.tanh(x))
+        return y + self.bias if self.direct else y
+
+
+def test_a_parameter_registered_in_a_module_and_its_submodule_belongs_to_the_submodule():
+    """The parent's own registration adds no layer (its fallback would count fc's use twice); the update
+    equals the oracle's."""
+    torch.manual_seed(0)
+    model = BiasRegisteredTwice(direct=False).double()
+    batch = {"x": torch.randn(4, 3, dtype=torch.float64), "y": torch.randint(0, 2, (4,))}
+    layers, _ = discover_layers(model, generic_fallback=True)
+    assert [(layer.name, layer.params) for layer in layers] == [
+        ("fc", {"weight": "fc.weight", "bias": "bias"})
+    ]
+    grads = per_example_grads(model, _cross_entropy, batch)
+    expected = clipped_mean(grads, [list(grads[0])], [0.1], batch_size=4)
+    delta = _step(model, _cross_entropy, batch, max_grad_norm=0.1)
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
+
+
+def test_a_parameter_registered_twice_and_used_outside_the_inner_call_is_refused():
+    batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(VerificationError, match=r"parameter 'bias'.*\['fc'\]"):
+        _step(BiasRegisteredTwice(direct=True), _cross_entropy, batch)
 
 
 def test_hand_tied_output_layer_is_refused_naming_the_parameter():

@@ -181,7 +181,7 @@ def test_factory_llama_matches_oracle(tied, strategy, clipping, groups):
     thresholds = norms.median(0).values.tolist()
     expected = clipped_mean(grads, partition, thresholds, batch_size=6)
     delta, _ = engine_update(
-        model, _lm_loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, backend=strategy, clipping=clipping,
+        model, _lm_loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy, clipping=clipping,
         groups=groups, thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
     for name, want in expected.items():

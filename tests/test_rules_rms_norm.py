@@ -95,7 +95,7 @@ def test_rms_norm_matches_oracle(name, backend, clipping):
     thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-3).tolist()
     expected = clipped_mean(grads, groups, thresholds, batch_size=6)
     delta, _ = engine_update(
-        model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, backend=backend, clipping=clipping,
+        model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=backend, clipping=clipping,
         thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
     # OLMo-2 and Gemma compute in float32 whatever the model's dtype

@@ -54,9 +54,12 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
 
     Refuses BatchNorm anywhere (its batch statistics mix examples, even with frozen parameters) and a module
     without a rule when ``generic_fallback`` is off. The parameters of submodules a rule claims
-    (``LayerRule.claims``) are its layer's, under ``"submodule.attr"``; those submodules are no layers.
+    (``LayerRule.claims``) are its layer's, under ``"submodule.attr"``; those submodules are no layers. A
+    parameter registered in a module and again in one of its submodules belongs to the innermost one
+    (:func:`_registered_below`).
     """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    below = _registered_below(model)
     shared = shared_modules(model)
     layers: list[Layer] = []
     claimed: set[int] = set()  # submodules whose parameters a parent's rule covers (LayerRule.claims)
@@ -75,7 +78,7 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
             f"{sub}.{attr}" if sub else attr: names[id(p)]
             for sub, part in parts.items()
             for attr, p in part.named_parameters(recurse=False)
-            if id(p) in names
+            if id(p) in names and id(p) not in below[id(part)]
         }
         if not own:
             continue
@@ -110,6 +113,29 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     return layers, params
 
 
+def _registered_below(model: nn.Module) -> dict[int, set[int]]:
+    """``id`` of each module -> ``id`` of the parameters registered directly in any of its strict submodules.
+
+    A parameter registered twice on one path, as Hugging Face's masked-LM heads tie ``decoder.bias`` to the
+    head's own ``bias``, is used by the outer module through the inner one's call, which the inner one's hook
+    sees: the outer module does not own it too (its fallback would count that use twice). An outer use of its
+    own, outside the inner call, is unseen, and verification (check 2) refuses it.
+    """
+    below: dict[int, set[int]] = {}
+
+    def visit(module: nn.Module) -> set[int]:
+        if id(module) not in below:
+            below[id(module)] = set()  # a module reached again through a cycle adds nothing more
+            inner: set[int] = set()
+            for child in module.children():
+                inner |= visit(child)
+            below[id(module)] = inner
+        return below[id(module)] | {id(p) for p in module.parameters(recurse=False)}
+
+    visit(model)
+    return below
+
+
 def parameter_layout(layers: Sequence[Layer], params: Mapping[str, nn.Parameter]) -> ParameterLayout:
     """What :func:`dpexp.privacy.grouping.partition` needs of :func:`discover_layers`' result: the trainable
     parameters in model order, their sizes and the layers that use each."""
@@ -126,8 +152,13 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
         for module in model.modules()
         for sub in getattr(rule_for(module), "claims", ())
     }
+    below = _registered_below(model)
     for module in model.modules():
-        own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+        own = [
+            name
+            for name, p in module.named_parameters(recurse=False)
+            if p.requires_grad and id(p) not in below[id(module)]
+        ]
         if own and rule_for(module) is None and id(module) not in claimed:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             found.setdefault(kind, set()).update(own)

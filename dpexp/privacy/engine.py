@@ -62,8 +62,7 @@ class PrivacyEngine:
             a step beyond the schedule.
         accountant: the default accountant of :meth:`get_epsilon`.
         clipping: "flat", "per_layer" or "groups" (``groups`` = lists of parameter names, or an int K).
-        strategy: "bk", "ghost" or "instantiate" (:mod:`dpexp.privacy.clipping`); ``backend`` is its old
-            name, accepted for one release.
+        strategy: "bk", "ghost" or "instantiate" (:mod:`dpexp.privacy.clipping`).
         thresholds: initial per-group thresholds C_k.
         adaptive: ``{"target_quantile", "quantile_lr", "budget_fraction", "rescale_to_global"}`` to adapt
             the thresholds by private quantile estimation (He et al. Algorithm 1), or ``{"method": "norm",
@@ -123,7 +122,6 @@ class PrivacyEngine:
         clipping: ClippingMode = "flat",
         groups: Sequence[Sequence[str]] | int | None = None,
         strategy: StrategyName = "bk",
-        backend: StrategyName | None = None,
         thresholds: Sequence[float] | None = None,
         adaptive: AdaptiveConfig | Mapping[str, Any] | None = None,
         noise_allocation: Allocation = "global",
@@ -139,9 +137,6 @@ class PrivacyEngine:
         aggregation: StepAggregation | None = None,
         sharded: bool = False,
     ) -> None:
-        if backend is not None:
-            warnings.warn("PrivacyEngine(backend=...) is now strategy=...", DeprecationWarning, stacklevel=2)
-            strategy = backend
         if batch_size < 1 or sample_size < 1:
             raise ValueError(f"batch_size ({batch_size}) and sample_size ({sample_size}) must be positive")
         if batch_size > sample_size:

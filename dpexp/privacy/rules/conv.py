@@ -128,7 +128,7 @@ class Geometry(NamedTuple):
             axes = []
             for r, shifts in phases.items():
                 first = max(0, -((r - p) // s))  # the first position inside the input: r + s i >= p
-                end = min(n + max(shifts), -((r - p - length) // s))  # and the last: r + s i < p + length
+                end = min(n + max(shifts), -((r - p - length) // s))  # past the last: r + s i < p + length
                 axes.append(Axis(r + s * first - p, max(0, end - first), first, shifts))
             per_dim.append(axes)
         return list(itertools.product(*per_dim))

@@ -109,11 +109,12 @@ class Standardized(PerExampleGrad):
             total = torch.einsum("brt,bt->br", g, sums)
             proj = torch.einsum("brt,brt->br", g, projections)
         else:
-            chunks = [u.view(len(u), *self.w_hat.shape).to(dtype) for u in self.inner.per_example_chunks()]
-            scaled = torch.cat([torch.linalg.vector_norm(u, dim=-1).square() for u in chunks])
-            scaled = (scaled / s.pow(2)).sum(-1)
-            total = torch.cat([u.sum(-1) for u in chunks])
-            proj = torch.cat([torch.einsum("brp,rp->br", u, w_hat) for u in chunks])
+            stats = []  # per chunk: ||u_r||^2, sum(u_r), <w_hat_r, u_r>, each (b, C_out)
+            for u in self.inner.per_example_chunks():
+                u = u.view(len(u), *self.w_hat.shape).to(dtype)
+                stats.append((u.pow(2).sum(-1), u.sum(-1), torch.einsum("brp,rp->br", u, w_hat)))
+            squares, total, proj = (torch.cat(column) for column in zip(*stats, strict=True))
+            scaled = (squares / s.pow(2)).sum(-1)
         coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
         return scaled + (-total.pow(2) / self.p / s.pow(2) + proj.pow(2) * coeff).sum(-1)
 
