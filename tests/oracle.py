@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-SETTINGS = [  # (strategy, clipping, groups): every backend x clipping mode of the oracle tests
+SETTINGS = [  # (strategy, clipping, groups): every strategy x clipping mode of the oracle tests
     (strategy, clipping, groups)
     for strategy in ("bk", "ghost", "instantiate")
     for clipping, groups in (("flat", None), ("per_layer", None), ("groups", 2))

@@ -47,7 +47,7 @@ from tests.sensitivity_models import SensitivityCase
 Kind = Literal["remove", "huge", "zero", "scaled_input", "max_loss", "padding"]
 KINDS: tuple[Kind, ...] = ("remove", "huge", "zero", "scaled_input", "max_loss", "padding")
 ALLOCATIONS = ("global", "equal_budget", "weighted")
-BACKENDS = ("bk", "ghost", "instantiate")
+STRATEGIES = ("bk", "ghost", "instantiate")
 CLIPPINGS = (("flat", None), ("per_layer", None), ("groups", 2))
 
 HUGE = 1e6
@@ -124,9 +124,9 @@ class Release:
 
 @dataclass
 class Setting:
-    """Engine configuration of one test: backend, clipping, the groups and their thresholds C_k."""
+    """Engine configuration of one test: strategy, clipping, the groups and their thresholds C_k."""
 
-    backend: str
+    strategy: str
     clipping: str
     groups_arg: int | None
     groups: list[list[str]] = field(default_factory=list)
@@ -144,7 +144,7 @@ def _engine(model, setting: Setting, size: int, thresholds: list[float] | None =
         noise_multiplier=0.0,
         clipping=setting.clipping,
         groups=setting.groups_arg,
-        strategy=setting.backend,
+        strategy=setting.strategy,
         thresholds=thresholds,
         adaptive=None if automatic(setting) else {"target_quantile": QUANTILE, "quantile_lr": QUANTILE_LR},
         clip_function=setting.clip_function,
@@ -184,7 +184,7 @@ def release(case: SensitivityCase, setting: Setting, batch: Batch, micro_batches
 def configure(
     case: SensitivityCase,
     grads: list[dict[str, torch.Tensor]],
-    backend: str,
+    strategy: str,
     clipping: str,
     groups: int | None,
     clip_function: str = "standard",
@@ -192,7 +192,7 @@ def configure(
     """The engine's groups for this clipping, and thresholds C_k between the two middle per-example group
     norms of D (``grads``: the oracle's; about half the examples clipped in every group, none exactly at
     its threshold)."""
-    setting = Setting(backend, clipping, groups, clip_function=clip_function)
+    setting = Setting(strategy, clipping, groups, clip_function=clip_function)
     probe = _engine(copy.deepcopy(case.model), setting, case.size)
     setting.groups = [list(g) for g in probe.groups]
     params = probe.trainable_parameters()
@@ -324,7 +324,7 @@ def _attempt(case: SensitivityCase, outcome: Outcome, name: str, fn):
 
 def check_case(
     case: SensitivityCase,
-    backend: str,
+    strategy: str,
     clipping: str,
     groups: int | None = None,
     kinds: list[Kind] | None = None,
@@ -343,7 +343,7 @@ def check_case(
         case,
         outcome,
         "configuration",
-        lambda: configure(case, grads, backend, clipping, groups, clip_function),
+        lambda: configure(case, grads, strategy, clipping, groups, clip_function),
     )
     if setting is None:
         return outcome

@@ -1,4 +1,4 @@
-"""Automatic clipping (AUTO-S, Bu et al.): c_i = C_k / (||g_{i,k}|| + gamma) in every backend and clipping
+"""Automatic clipping (AUTO-S, Bu et al.): c_i = C_k / (||g_{i,k}|| + gamma) in every strategy and clipping
 mode, against the brute-force oracle, and one example moving the released sum by less than C_k per group."""
 
 from __future__ import annotations

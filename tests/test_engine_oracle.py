@@ -1,4 +1,4 @@
-"""Every backend x clipping mode equals the brute-force oracle (per-example gradients by a Python loop)."""
+"""Every strategy x clipping mode equals the brute-force oracle (per-example gradients by a Python loop)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dpexp.privacy.per_example import Outer, PerExampleGrad
 from tests.engine_models import CASES, make_case
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
 
-BACKENDS = ["bk", "ghost", "instantiate"]
+STRATEGIES = ["bk", "ghost", "instantiate"]
 CLIPPINGS = [("flat", None), ("per_layer", None), ("groups", 2)]
 
 
@@ -66,9 +66,9 @@ def _assert_matches(delta, expected, tolerance: float = 1e-5) -> None:
 
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("clipping,groups", CLIPPINGS)
-def test_update_matches_oracle(case, backend, clipping, groups):
+def test_update_matches_oracle(case, strategy, clipping, groups):
     model, loss_fn, batch = make_case(case)
     size = next(iter(batch.values())).shape[0]
     grads = per_example_grads(model, loss_fn, batch)
@@ -88,14 +88,14 @@ def test_update_matches_oracle(case, backend, clipping, groups):
         batch_size=size,
         clipping=clipping,
         groups=groups,
-        strategy=backend,
+        strategy=strategy,
         thresholds=thresholds,
         max_grad_norm=1.0,
     )
     for name, want in expected.items():
         got = delta[name]
         err = (got - want).norm() / want.norm().clamp_min(1e-12)
-        assert err < 1e-5, f"{case}/{backend}/{clipping}: {name} relative error {err:.2e}"
+        assert err < 1e-5, f"{case}/{strategy}/{clipping}: {name} relative error {err:.2e}"
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for name in frozen:
         assert torch.equal(delta[name], torch.zeros_like(delta[name])), f"frozen {name} changed"

@@ -77,15 +77,15 @@ def test_a_pattern_that_matches_nothing_and_an_empty_selection_are_refused():
         select_trained(_mlp(), ["0.*"], ["0.*"])
 
 
-@pytest.mark.parametrize("backend,clipping,groups", SETTINGS)
+@pytest.mark.parametrize("strategy,clipping,groups", SETTINGS)
 @pytest.mark.parametrize("name,frozen", [("mlp", "net.2.*"), ("roberta", "*word_embeddings*")])
-def test_frozen_parameters_leave_the_release_private_and_exact(name, frozen, backend, clipping, groups):
+def test_frozen_parameters_leave_the_release_private_and_exact(name, frozen, strategy, clipping, groups):
     """A frozen middle layer (its input gradient still flows) and a frozen input embedding: every released
     statistic equals the oracle's over the trained parameters and keeps its sensitivity."""
     case = make_sensitivity_case(name)
     select_trained(case.model, None, [frozen])
     kept = {n for n, p in case.model.named_parameters() if not p.requires_grad}
-    outcome = check_case(case, backend, clipping, groups)
+    outcome = check_case(case, strategy, clipping, groups)
     assert_refuses_or_private(outcome, case)
     assert not outcome.refusals
     assert kept and set(outcome.releases["D"].sums) == {n for n, _ in case.model.named_parameters()} - kept

@@ -1,5 +1,5 @@
 """Convolution rules beyond plain 1-D/2-D ones: grouped and depthwise, 3-D, transposed, padding modes and
-``padding="same"``; every backend x clipping mode against the brute-force oracle."""
+``padding="same"``; every strategy x clipping mode against the brute-force oracle."""
 
 from __future__ import annotations
 
@@ -89,9 +89,9 @@ CHUNKS = pytest.mark.parametrize("chunk", [32, 2], ids=["whole", "in_chunks"])
 
 @CHUNKS
 @pytest.mark.parametrize("name", list(_convs()))
-@pytest.mark.parametrize("backend", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_convolution_matches_oracle(name, backend, clipping, chunk, monkeypatch):
+def test_convolution_matches_oracle(name, strategy, clipping, chunk, monkeypatch):
     monkeypatch.setattr(conv_rules, "INSTANTIATE_CHUNK", chunk)
     torch.manual_seed(0)
     body, shape = _convs()[name]
@@ -112,7 +112,7 @@ def test_convolution_matches_oracle(name, backend, clipping, chunk, monkeypatch)
     thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-6).tolist()
     expected = clipped_mean(grads, groups, thresholds, batch_size=6)
     delta, _ = engine_update(
-        model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=backend, clipping=clipping,
+        model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy, clipping=clipping,
         thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
     for param, want in expected.items():
@@ -224,7 +224,7 @@ def _ghost_models() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
 @pytest.mark.parametrize("model_name", list(_ghost_models()))
 @pytest.mark.parametrize("strategy,clipping,groups", SETTINGS, ids=[f"{s}-{c}" for s, c, _ in SETTINGS])
 def test_ghost_forms_match_oracle(model_name, method, strategy, clipping, groups, monkeypatch):
-    """Every backend x clipping mode with every convolution's norm by one ghost form (where the cost model
+    """Every strategy x clipping mode with every convolution's norm by one ghost form (where the cost model
     is consulted: instantiation stays where it is forced or the factors are released)."""
     monkeypatch.setattr(conv_rules, "norm_costs", _costs_favouring(method))
     used = []
@@ -284,7 +284,7 @@ def _ws_stack(inplace: bool) -> nn.Module:
 @pytest.mark.parametrize("inplace", [False, True], ids=["kept", "overwritten"])
 @pytest.mark.parametrize("strategy,clipping,groups", SETTINGS, ids=[f"{s}-{c}" for s, c, _ in SETTINGS])
 def test_kept_outputs_in_training_match_oracle(inplace, strategy, clipping, groups, monkeypatch):
-    """Every backend x clipping mode with the weight-standardised convolutions' norms by the pixel ghost form
+    """Every strategy x clipping mode with the weight-standardised convolutions' norms by the pixel ghost form
     (so their outputs are kept from the forward pass): exact against the oracle. Where a ReLU overwrote an
     output in place the rule recomputes it; elsewhere it reads the kept one."""
     monkeypatch.setattr(conv_rules, "norm_costs", _costs_favouring("pixels"))

@@ -1,6 +1,6 @@
 """Rules for InstanceNorm (affine), PReLU, nn.Bilinear (called on positions and on pooled pairs), Hugging
 Face ViT's class and position tokens and CLIP's class embedding against the brute-force oracle, for every
-backend x flat/per-layer clipping; no fallback left on these models."""
+strategy x flat/per-layer clipping; no fallback left on these models."""
 
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ def _loss(model, batch):
 
 
 @pytest.mark.parametrize("name", list(_cases()))
-@pytest.mark.parametrize("backend", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_rule_matches_oracle(name, backend, clipping, recwarn):
+def test_rule_matches_oracle(name, strategy, clipping, recwarn):
     torch.manual_seed(0)
     model, batch = _cases()[name]()
     model = model.double().eval()
@@ -94,7 +94,7 @@ def test_rule_matches_oracle(name, backend, clipping, recwarn):
     thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-3).tolist()  # unused layers: 0
     expected = clipped_mean(grads, groups, thresholds, batch_size=6)
     delta, _ = engine_update(
-        model, _loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=backend, clipping=clipping,
+        model, _loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy, clipping=clipping,
         thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
     for param, want in expected.items():

@@ -71,9 +71,9 @@ def _norms():
 
 
 @pytest.mark.parametrize("name", ["llama", "olmo2", "gemma", "t5", "torch"])
-@pytest.mark.parametrize("backend", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_rms_norm_matches_oracle(name, backend, clipping):
+def test_rms_norm_matches_oracle(name, strategy, clipping):
     torch.manual_seed(0)
     norm = _norms()[name]
     assert rule_for(norm) is not None
@@ -95,7 +95,7 @@ def test_rms_norm_matches_oracle(name, backend, clipping):
     thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-3).tolist()
     expected = clipped_mean(grads, groups, thresholds, batch_size=6)
     delta, _ = engine_update(
-        model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=backend, clipping=clipping,
+        model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy, clipping=clipping,
         thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
     # OLMo-2 and Gemma compute in float32 whatever the model's dtype

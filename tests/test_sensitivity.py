@@ -1,12 +1,12 @@
 """The DP guarantee itself: one example moves each released statistic by at most its sensitivity.
 
 For every model (``tests/engine_models.CASES``, ``tests/sensitivity_models.NEW_CASES`` and ``SLOW_CASES``),
-backend and clipping mode, one logical step is released on a data set D, on D in two micro-batches, on D
+strategy and clipping mode, one logical step is released on a data set D, on D in two micro-batches, on D
 without example j and on D with j replaced by adversarial examples (huge reversed gradient, zero gradient,
 inputs scaled by 1e6, the label of largest loss, padding-only text); ``tests/sensitivity.py`` states the
 bounds.
 
-The default run covers every model but ``SLOW_CASES`` once, cycling through the 9 backend x clipping
+The default run covers every model but ``SLOW_CASES`` once, cycling through the 9 strategy x clipping
 settings (so each setting appears at least twice), with every neighbour kind the model admits; the full
 cross product is marked slow. Cases that were silent privacy violations before the engine verified its
 assumptions (time-major layers at T = B, shared tensors in the fallback, hand-tied and F.linear-only
@@ -25,9 +25,9 @@ import torch
 from dpexp.privacy import clipping as clipping_module
 from dpexp.privacy.clipping import Clipper
 from tests.sensitivity import (
-    BACKENDS,
     CLIPPINGS,
     KINDS,
+    STRATEGIES,
     Release,
     applicable_kinds,
     assert_refuses_or_private,
@@ -42,11 +42,11 @@ from tests.sensitivity_models import ALL_CASES, SLOW_CASES, make_sensitivity_cas
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
 
-SETTINGS = [(backend, clipping, groups) for backend in BACKENDS for clipping, groups in CLIPPINGS]
+SETTINGS = [(strategy, clipping, groups) for strategy in STRATEGIES for clipping, groups in CLIPPINGS]
 
 
-def _param(name: str, backend: str, clipping: str, groups: int | None, *marks) -> pytest.param:
-    return pytest.param(name, backend, clipping, groups, marks=marks, id=f"{name}-{backend}-{clipping}")
+def _param(name: str, strategy: str, clipping: str, groups: int | None, *marks) -> pytest.param:
+    return pytest.param(name, strategy, clipping, groups, marks=marks, id=f"{name}-{strategy}-{clipping}")
 
 
 DEFAULT_SLICE = [_param(name, *SETTINGS[i % len(SETTINGS)]) for i, name in enumerate(ALL_CASES)]
@@ -55,19 +55,19 @@ CROSS_PRODUCT = [
 ]
 
 
-def _check(name: str, backend: str, clipping: str, groups: int | None) -> None:
+def _check(name: str, strategy: str, clipping: str, groups: int | None) -> None:
     case = make_sensitivity_case(name)
-    assert_refuses_or_private(check_case(case, backend, clipping, groups), case)
+    assert_refuses_or_private(check_case(case, strategy, clipping, groups), case)
 
 
-@pytest.mark.parametrize("name,backend,clipping,groups", DEFAULT_SLICE)
-def test_released_statistics_have_their_sensitivity(name, backend, clipping, groups):
-    _check(name, backend, clipping, groups)
+@pytest.mark.parametrize("name,strategy,clipping,groups", DEFAULT_SLICE)
+def test_released_statistics_have_their_sensitivity(name, strategy, clipping, groups):
+    _check(name, strategy, clipping, groups)
 
 
-@pytest.mark.parametrize("name,backend,clipping,groups", CROSS_PRODUCT)
-def test_released_statistics_have_their_sensitivity_everywhere(name, backend, clipping, groups):
-    _check(name, backend, clipping, groups)
+@pytest.mark.parametrize("name,strategy,clipping,groups", CROSS_PRODUCT)
+def test_released_statistics_have_their_sensitivity_everywhere(name, strategy, clipping, groups):
+    _check(name, strategy, clipping, groups)
 
 
 AUTOMATIC_CASES = ["mlp", "gpt2", "wrn_block", "vit", "roberta"]
@@ -77,12 +77,12 @@ AUTOMATIC = [
 ]
 
 
-@pytest.mark.parametrize("name,backend,clipping,groups", AUTOMATIC)
-def test_automatic_clipping_has_its_sensitivity(name, backend, clipping, groups):
+@pytest.mark.parametrize("name,strategy,clipping,groups", AUTOMATIC)
+def test_automatic_clipping_has_its_sensitivity(name, strategy, clipping, groups):
     """AUTO-S (clip_k(g) = C_k g / (||g|| + gamma)): every example's contribution has norm below C_k, so the
     same bounds hold, and the released sums are the oracle's with the automatic factors."""
     case = make_sensitivity_case(name)
-    outcome = check_case(case, backend, clipping, groups, clip_function="automatic")
+    outcome = check_case(case, strategy, clipping, groups, clip_function="automatic")
     assert not outcome.refused
     assert_refuses_or_private(outcome, case)
 
@@ -91,16 +91,16 @@ CHUNKED_CASES = ["wrn_block", "convnext", "efficientnet_gn", "conv_transpose_gro
 CHUNKED = [_param(name, *setting) for name in CHUNKED_CASES for setting in SETTINGS if setting[0] == "bk"]
 
 
-@pytest.mark.parametrize("name,backend,clipping,groups", CHUNKED)
+@pytest.mark.parametrize("name,strategy,clipping,groups", CHUNKED)
 def test_convolutions_instantiated_in_chunks_have_their_sensitivity(
-    name, backend, clipping, groups, monkeypatch
+    name, strategy, clipping, groups, monkeypatch
 ):
     """Convolution models with per-example gradients instantiated two examples at a time: norms, kept
     clipped sums and dropped examples read the chunks (``PerExampleGrad.instantiate_chunks``)."""
     from dpexp.privacy.rules import conv
 
     monkeypatch.setattr(conv, "INSTANTIATE_CHUNK", 2)
-    _check(name, backend, clipping, groups)
+    _check(name, strategy, clipping, groups)
 
 
 PIXEL_CASES = ["wrn_block", "efficientnet_gn", "convnext", "sequence", "vit"]
@@ -109,9 +109,9 @@ PIXELS = [
 ]
 
 
-@pytest.mark.parametrize("name,backend,clipping,groups", PIXELS)
+@pytest.mark.parametrize("name,strategy,clipping,groups", PIXELS)
 def test_convolution_norms_by_pixel_grams_have_their_sensitivity(
-    name, backend, clipping, groups, monkeypatch
+    name, strategy, clipping, groups, monkeypatch
 ):
     """Every ungrouped convolution that takes a ghost norm takes it from pixel Grams
     (:func:`~dpexp.privacy.rules.conv.patch_gram_norm_sq`: strided, padded, 1-D and patch-embedding
@@ -123,12 +123,12 @@ def test_convolution_norms_by_pixel_grams_have_their_sensitivity(
     calls = []
     real = conv.patch_gram_norm_sq
     monkeypatch.setattr(conv, "patch_gram_norm_sq", lambda *a: calls.append(1) or real(*a))
-    _check(name, backend, clipping, groups)
+    _check(name, strategy, clipping, groups)
     assert calls  # the pixel form was exercised
 
 
 def test_default_slice_covers_every_setting_and_neighbour_kind():
-    """Every model once, every backend and clipping mode (each of the 9 settings) at least once, and every
+    """Every model once, every strategy and clipping mode (each of the 9 settings) at least once, and every
     kind of neighbour for some model."""
     assert [p.values[0] for p in DEFAULT_SLICE] == ALL_CASES
     assert {(p.values[1], p.values[2]) for p in DEFAULT_SLICE} == {(b, c) for b, c, _ in SETTINGS}
@@ -197,8 +197,8 @@ def test_harness_counts_a_non_finite_release_as_a_violation():
 
 
 # ------------------------------------------------------------------------------- found by this harness
-@pytest.mark.parametrize("backend", ["bk", "ghost", "instantiate"])
-def test_a_saturated_example_does_not_poison_the_release(backend):
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+def test_a_saturated_example_does_not_poison_the_release(strategy):
     """Example j with inputs x 1e300: tanh saturates, so its true gradient is finite (0 in the first layer,
     ``tests/oracle``). Adding it to D_{-j} must move the clipped sum by at most C; a non-finite release
     would tell D_x from D_{-j} with certainty."""
@@ -208,7 +208,7 @@ def test_a_saturated_example_does_not_poison_the_release(backend):
     saturated["x"][j] *= 1e300
     truth = oracle_grads(dataclasses.replace(case, batch=saturated))[j]
     assert all(torch.isfinite(t).all() for t in truth.values())
-    setting = configure(case, oracle_grads(case), backend, "flat", None)
+    setting = configure(case, oracle_grads(case), strategy, "flat", None)
     removed = release(case, setting, without(case.batch, j), [list(range(case.size - 1))])
     added = release(case, setting, saturated, [list(range(case.size))])
     violations = compare(removed, added, setting, "D-j vs D_x (saturated)", 1)
