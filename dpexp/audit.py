@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, Subset
 
 from dpexp.backends import TrainingBackend
 from dpexp.backends.engine import EngineBackend
-from dpexp.config import ConfigError  # importing dpexp.config registers the schema
+from dpexp.config import ConfigError, composition_refusals  # importing dpexp.config registers the schema
 from dpexp.privacy.audit import DiracCanaries, correct_guesses, epsilon_lower_bound
 from dpexp.runtime import debug_requested, is_project_error, one_line, write_json_atomic
 from dpexp.tasks.base import Task
@@ -238,4 +238,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with composition_refusals(exit_code=2):
+        main()

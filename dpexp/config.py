@@ -6,13 +6,17 @@ The structured top-level schema (:class:`Schema`, registered as ``dpexp_schema``
 checked after composition by :func:`check_config`: ``clip``, ``accountant``, ``noise`` and ``optim``
 against the dataclasses below (the values and their documentation live in the YAML files), ``task`` and
 ``model`` against the constructor of their ``_target_`` (the constructor is their schema).
+:func:`composition_refusals` turns Hydra's own refusals of a command line into the same one-line errors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import secrets
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import PurePath
@@ -20,7 +24,11 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+from dpexp.runtime import debug_requested, one_line
 
 # conf/config.yaml's run directories: a fresh one per run (or the run's own, resumed), Hydra's files in it.
 # The token is random per run (cached in the run's config; Hydra copies the cache to the jobs of a sweep),
@@ -342,3 +350,51 @@ def _check_target_keys(node: DictConfig, group: str) -> None:
             f"Unknown config key {keys} for {target.__name__}; valid keys of {group}: "
             f"{', '.join(sorted(accepted))}."
         )
+
+
+# ---------------------------------------------------------------------------- Hydra's refusals, in one line
+COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException)
+
+
+def composition_message(error: Exception) -> str:
+    """One line for Hydra's refusal of a command line while composing the config, naming the key and the
+    valid choices: an unknown key given without ``+`` (Hydra would suggest ``+key``, which
+    :func:`check_config` refuses in turn), an option a config group lacks, an override it cannot parse."""
+    cause = error.__cause__
+    unknown_key = isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and bool(cause.full_key)
+    if unknown_key and isinstance(cause.parent_node, DictConfig):
+        path, _, _ = cause.full_key.rpartition(".")
+        valid = [key for key in cause.parent_node if key not in ("hydra", "_target_")]
+        where = f"valid keys of {path}" if path else "valid top-level keys"
+        return f"Unknown config key {cause.full_key}; {where}: {', '.join(valid)}."
+    if isinstance(error, MissingConfigException) and error.options:
+        group, _, option = (error.missing_cfg_file or "").rpartition("/")
+        return f"{group}={option}: no such option; the options of {group}: {', '.join(error.options)}."
+    message = " ".join(str(error).split())
+    if isinstance(error, OverrideParseException):
+        message = f"cannot parse the override {error.override!r}: {message}"
+    if cause is not None and str(cause).strip():  # e.g. a wrong type: what the value should be
+        message += f": {str(cause).strip().splitlines()[0]}"
+    return message
+
+
+@contextlib.contextmanager
+def composition_refusals(exit_code: int) -> Iterator[None]:
+    """Run a ``@hydra.main`` entry point inside: a command line Hydra refuses while composing
+    (:data:`COMPOSITION_ERRORS`) exits with ``exit_code`` and :func:`composition_message`'s line, before any
+    run starts, where Hydra would print several lines; ``debug=true`` or DPEXP_DEBUG=1 shows Hydra's own
+    error and traceback. Other errors propagate with their traceback."""
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors instead of printing them and exiting
+    try:
+        yield
+    except COMPOSITION_ERRORS as error:
+        if debug_requested(any(arg.lower() == "debug=true" for arg in sys.argv[1:])):
+            raise
+        print(one_line(ConfigError(composition_message(error))), file=sys.stderr)
+        sys.exit(exit_code)
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous

@@ -1,8 +1,8 @@
 """Entry point: ``python -m dpexp.train [group=option ...] [key=value ...]`` (Hydra; ``-m`` for sweeps).
 
 Every key is checked against the schema of :mod:`dpexp.config` before training: an unknown key (appended
-with ``+`` too), a value of the wrong type or an invalid choice fails at start-up with the valid ones; Hydra
-itself lists the options of a config group (e.g. ``clip=foo``).
+with ``+`` or not), a value of the wrong type, an invalid choice or a config group's missing option
+(``clip=foo``) fails at start-up in one line with the valid ones.
 
 An error raised by the project's own checks (a ValueError, OSError, RuntimeError, ... raised in dpexp's code)
 prints its one-line message, which names the key to change (in a sweep the other jobs still run); other
@@ -30,7 +30,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dpexp.config import ConfigError
+from dpexp.config import ConfigError, composition_refusals
 from dpexp.privacy import accounting
 from dpexp.runtime import debug_requested, is_project_error, one_line, process_code_version
 from dpexp.training.loop import run_training
@@ -192,7 +192,8 @@ def cli() -> None:
     process_code_version()  # the code this process runs: the files as it starts, before any job
     previous = _handle_signals(_note_signal) if {"-m", "--multirun"} & set(sys.argv[1:]) else {}
     try:
-        main()
+        with composition_refusals(exit_code=1):
+            main()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

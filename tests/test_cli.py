@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import HydraException
 
+from dpexp.config import ConfigError
 from dpexp.train import cli
 from dpexp.training.loop import run_training
 from dpexp.training.signals import RunInterrupted
@@ -61,6 +64,31 @@ def test_misspelt_keys_are_refused_from_the_command_line(monkeypatch, capsys, tm
 
 
 @pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("clip.max_grad_nrom=5", "Unknown config key clip.max_grad_nrom; valid keys of clip: "),
+        ("clip.engine.strat=bk", "Unknown config key clip.engine.strat; valid keys of clip.engine: clipping"),
+        ("learning_rate=0.1", "Unknown config key learning_rate; valid top-level keys: task, model"),
+        ("clip=fancy", "clip=fancy: no such option; the options of clip: adaclip, "),
+        ("sampling=uniform", "sampling=uniform: Invalid value 'uniform', expected one of [poisson, shuffle]"),
+        ("batch_size=many", "batch_size=many: Value 'many' of type 'str' could not be converted to Integer"),
+        ("optim.lr=[1", "cannot parse the override 'optim.lr=[1'"),
+        ("~clip.foo", "'clip.foo' does not exist"),
+    ],
+)
+def test_hydras_refusals_print_one_line_naming_the_key(monkeypatch, capsys, tmp_path, override, message):
+    """Refused while Hydra composes the config (no ``+`` for an unknown key, a missing option, a wrong
+    type): one line, no run directory (no run began), and ``debug=true`` raises Hydra's own error."""
+    code, err = run_cli(monkeypatch, capsys, override, f"hydra.run.dir={tmp_path / 'run'}")
+    line = one_line(err)
+    assert code == 1 and line.startswith("ConfigError: ") and message in line, line
+    assert "+" not in line.split("(for the traceback")[0]  # no suggestion to append the key
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(HydraException):  # python -m dpexp.train prints its traceback and exits with 1
+        run_cli(monkeypatch, capsys, override, "debug=true", f"hydra.run.dir={tmp_path / 'run'}")
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (("optim.lr=-0.1",), "ConfigError: optim.lr must be a finite number >= 0, got -0.1"),
@@ -96,13 +124,13 @@ def test_invalid_values_print_one_line_naming_the_key(monkeypatch, capsys, tmp_p
 
 
 def test_debug_shows_the_traceback(monkeypatch, capsys, tmp_path):
-    code, err = run_cli(
-        monkeypatch, capsys, "+optim.lrr=0.1", "debug=true", f"hydra.run.dir={tmp_path / 'a'}"
-    )
-    assert code == 1 and "Traceback" in err and "dpexp/config.py" in err
+    """The error leaves the entry point, which Python reports with its traceback and exit code 1."""
+    with pytest.raises(ConfigError, match=r"optim\.lrr") as info:
+        run_cli(monkeypatch, capsys, "+optim.lrr=0.1", "debug=true", f"hydra.run.dir={tmp_path / 'a'}")
+    assert info.traceback[-1].path.name == "config.py"
     monkeypatch.setenv("DPEXP_DEBUG", "1")
-    code, err = run_cli(monkeypatch, capsys, "+optim.lrr=0.1", f"hydra.run.dir={tmp_path / 'b'}")
-    assert code == 1 and "Traceback" in err
+    with pytest.raises(ConfigError, match=r"optim\.lrr"):
+        run_cli(monkeypatch, capsys, "+optim.lrr=0.1", f"hydra.run.dir={tmp_path / 'b'}")
 
 
 def test_a_diverging_run_stops_at_the_first_non_finite_loss(monkeypatch, capsys, tmp_path):
@@ -158,3 +186,17 @@ def test_a_resumed_run_prints_the_record_it_continued(monkeypatch, capsys, tmp_p
     assert f"metrics: {run}/metrics.json" in capsys.readouterr().out
     assert strict_json(run / "metrics.json")["status"] == "completed"
     assert not (tmp_path / "logs" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "override", "code", "message"),
+    [
+        ("dpexp.audit", "audit.canary=3", 2, "Unknown config key audit.canary; valid keys of audit: "),
+        ("dpexp.bench", "bench_suite=nope", 1, "bench_suite=nope: no such option; the options of"),
+    ],
+)
+def test_the_other_entry_points_refuse_in_one_line(entry_point, override, code, message):
+    done = subprocess.run(
+        [sys.executable, "-m", entry_point, override, *QUIET], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == code and message in one_line(done.stderr), done.stderr

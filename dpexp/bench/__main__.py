@@ -8,6 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dpexp.bench.suite import run_suite
+from dpexp.config import composition_refusals
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/ (editable install)
 
@@ -18,4 +19,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with composition_refusals(exit_code=1):
+        main()

@@ -77,8 +77,7 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
         own = {
             f"{sub}.{attr}" if sub else attr: names[id(p)]
             for sub, part in parts.items()
-            for attr, p in part.named_parameters(recurse=False)
-            if id(p) in names and id(p) not in below[id(part)]
+            for attr, p in _own_trainable(part, below).items()
         }
         if not own:
             continue
@@ -136,6 +135,16 @@ def _registered_below(model: nn.Module) -> dict[int, set[int]]:
     return below
 
 
+def _own_trainable(module: nn.Module, below: Mapping[int, set[int]]) -> dict[str, nn.Parameter]:
+    """The trainable parameters ``module`` registers itself and no submodule registers again (``below``:
+    :func:`_registered_below`), by attribute name."""
+    return {
+        attr: p
+        for attr, p in module.named_parameters(recurse=False)
+        if p.requires_grad and id(p) not in below[id(module)]
+    }
+
+
 def parameter_layout(layers: Sequence[Layer], params: Mapping[str, nn.Parameter]) -> ParameterLayout:
     """What :func:`dpexp.privacy.grouping.partition` needs of :func:`discover_layers`' result: the trainable
     parameters in model order, their sizes and the layers that use each."""
@@ -154,11 +163,7 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
     }
     below = _registered_below(model)
     for module in model.modules():
-        own = [
-            name
-            for name, p in module.named_parameters(recurse=False)
-            if p.requires_grad and id(p) not in below[id(module)]
-        ]
+        own = list(_own_trainable(module, below))
         if own and rule_for(module) is None and id(module) not in claimed:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             found.setdefault(kind, set()).update(own)
