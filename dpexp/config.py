@@ -293,10 +293,10 @@ INSTANTIATED_GROUPS = ("task", "model")
 def check_config(cfg: DictConfig) -> None:
     """Refuse every key the entry points would not read: top-level keys outside :class:`Schema`, group keys
     outside their schemas, task and model keys their ``_target_`` does not take."""
-    known = {f.name for f in fields(Schema)}
-    unknown = sorted(set(cfg) - known)
+    known = [f.name for f in fields(Schema)]
+    unknown = sorted(set(cfg) - set(known))
     if unknown:
-        raise ConfigError(f"Unknown config keys {unknown}; valid top-level keys: {', '.join(sorted(known))}.")
+        raise ConfigError(unknown_keys(unknown, "", known))
     for group, schema in GROUP_SCHEMAS.items():
         _check_node(cfg[group], schema, group)
     for group in INSTANTIATED_GROUPS:
@@ -310,8 +310,7 @@ def _check_node(node: Any, schema: type, path: str) -> None:
     valid = [f.name for f in fields(schema)]
     unknown = sorted(set(node) - set(valid))
     if unknown:
-        keys = ", ".join(f"{path}.{key}" for key in unknown)
-        raise ConfigError(f"Unknown config key {keys}; valid keys of {path}: {', '.join(valid)}.")
+        raise ConfigError(unknown_keys([f"{path}.{key}" for key in unknown], path, valid))
     for key in node:
         nested = _dataclass_in(hints[key])
         if nested is not None:
@@ -345,11 +344,36 @@ def _check_target_keys(node: DictConfig, group: str) -> None:
         return
     unknown = sorted(set(node) - accepted - {"_target_"})
     if unknown:
-        keys = ", ".join(f"{group}.{key}" for key in unknown)
-        raise ConfigError(
-            f"Unknown config key {keys} for {target.__name__}; valid keys of {group}: "
-            f"{', '.join(sorted(accepted))}."
-        )
+        keys = [f"{group}.{key}" for key in unknown]
+        raise ConfigError(unknown_keys(keys, group, sorted(accepted), owner=target.__name__))
+
+
+def _valid_keys(path: str, node: DictConfig) -> tuple[list[str], str | None]:
+    """The keys :func:`check_config` accepts at ``path`` (``node`` is the config there), and the class whose
+    constructor decides them: a schema's fields, or the keyword arguments of a task's or model's
+    ``_target_``; the node's own keys where neither says."""
+    group, *rest = path.split(".") if path else [""]
+    schema: type | None = Schema if not path else GROUP_SCHEMAS.get(group)
+    for key in rest:
+        schema = _dataclass_in(get_type_hints(schema).get(key)) if schema is not None else None
+    if schema is not None:
+        return [f.name for f in fields(schema)], None
+    if group in INSTANTIATED_GROUPS and not rest and "_target_" in node:
+        target = hydra.utils.get_class(node._target_)
+        accepted = accepted_keys(target)
+        if accepted is not None:
+            return sorted(accepted), target.__name__
+    return [str(key) for key in node if key not in ("hydra", "_target_")], None
+
+
+def unknown_keys(keys: list[str], path: str, valid: list[str], owner: str | None = None) -> str:
+    """The one wording of every refusal of a key dpexp would not read (given with or without ``+``): the
+    full keys, and the valid keys of their parent ``path`` ("" for the top level) or of ``owner``'s
+    constructor."""
+    where = f"valid keys of {path}" if path else "valid top-level keys"
+    noun = "key" if len(keys) == 1 else "keys"
+    of = f" for {owner}" if owner else ""
+    return f"Unknown config {noun} {', '.join(keys)}{of}; {where}: {', '.join(valid)}."
 
 
 # ---------------------------------------------------------------------------- Hydra's refusals, in one line
@@ -364,9 +388,7 @@ def composition_message(error: Exception) -> str:
     unknown_key = isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and bool(cause.full_key)
     if unknown_key and isinstance(cause.parent_node, DictConfig):
         path, _, _ = cause.full_key.rpartition(".")
-        valid = [key for key in cause.parent_node if key not in ("hydra", "_target_")]
-        where = f"valid keys of {path}" if path else "valid top-level keys"
-        return f"Unknown config key {cause.full_key}; {where}: {', '.join(valid)}."
+        return unknown_keys([cause.full_key], path, *_valid_keys(path, cause.parent_node))
     if isinstance(error, MissingConfigException) and error.options:
         group, _, option = (error.missing_cfg_file or "").rpartition("/")
         return f"{group}={option}: no such option; the options of {group}: {', '.join(error.options)}."

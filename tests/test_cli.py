@@ -63,6 +63,18 @@ def test_misspelt_keys_are_refused_from_the_command_line(monkeypatch, capsys, tm
     assert record["status"] == "failed" and key in record["error"]
 
 
+@pytest.mark.parametrize("key", ["clip.max_grad_nrom", "clip.engine.strat", "learning_rate", "model.widht"])
+def test_an_unknown_key_has_one_wording_with_or_without_plus(monkeypatch, capsys, tmp_path, key):
+    """Hydra refuses ``key=1`` while it composes the config, dpexp's schema check refuses ``+key=1`` after:
+    the same line either way."""
+    lines = []
+    for run, override in enumerate((f"{key}=1", f"+{key}=1")):
+        code, err = run_cli(monkeypatch, capsys, override, f"hydra.run.dir={tmp_path / str(run)}")
+        assert code == 1
+        lines.append(one_line(err))
+    assert lines[0] == lines[1]
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -84,7 +84,14 @@ class Head(nn.Module):
 
 CHUNKS = pytest.mark.parametrize("chunk", [32, 2], ids=["whole", "in_chunks"])
 """Per-example gradients instantiated at once, or in chunks of 2 examples (3-example micro-batches: chunks of
-2 and 1), whose norms, kept sums and selections read the chunks (``PerExampleGrad.instantiate_chunks``)."""
+2 and 1), whose norms, kept sums and selections read the chunks (``PerExampleGrad.instantiate_chunks``); pixel
+Gram norms (:func:`~dpexp.privacy.rules.conv.patch_gram_norm_sq`) over the whole micro-batch, or one example
+at a time."""
+
+
+def _set_chunks(monkeypatch, chunk: int) -> None:
+    monkeypatch.setattr(conv_rules, "INSTANTIATE_CHUNK", chunk)
+    monkeypatch.setitem(conv_rules.GRAM_VALUES, "cpu", 2**30 if chunk == 32 else 1)
 
 
 @CHUNKS
@@ -92,7 +99,7 @@ CHUNKS = pytest.mark.parametrize("chunk", [32, 2], ids=["whole", "in_chunks"])
 @pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_convolution_matches_oracle(name, strategy, clipping, chunk, monkeypatch):
-    monkeypatch.setattr(conv_rules, "INSTANTIATE_CHUNK", chunk)
+    _set_chunks(monkeypatch, chunk)
     torch.manual_seed(0)
     body, shape = _convs()[name]
     assert all(rule_for(m) is not None for m in body if isinstance(m, nn.modules.conv._ConvNd))
@@ -125,7 +132,7 @@ def test_convolution_matches_oracle(name, strategy, clipping, chunk, monkeypatch
 def test_forced_norm_modes_on_convolutions(norm_mode, body, chunk, monkeypatch):
     """Forcing the ghost norm on a convolution without a ghost form instantiates instead; both are exact,
     also for weight-standardised convolutions (strided, reflect- and same-padded, dilated)."""
-    monkeypatch.setattr(conv_rules, "INSTANTIATE_CHUNK", chunk)
+    _set_chunks(monkeypatch, chunk)
     torch.manual_seed(0)
     if body == "grouped_and_ungrouped":
         body, shape = (
@@ -250,7 +257,8 @@ def test_ghost_forms_match_oracle(model_name, method, strategy, clipping, groups
 def test_weight_standardised_norm_reads_the_kept_output(name, method, monkeypatch):
     """The ghost forms of a weight-standardised convolution take ``<a_t, w_hat_r>`` from the layer's kept
     output (bias removed): the right output gives the instantiated norm, a wrong one a different norm (so
-    it is read, not recomputed); an output of another dtype (autocast) is recomputed instead."""
+    it is read, not recomputed); an output of another dtype (autocast) is recomputed instead. The norm drops
+    the output it read, and a second norm recomputes it."""
     module, shape = _geometries()[name]
     module = module.double()
     x = torch.randn(5, *shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -262,6 +270,8 @@ def test_weight_standardised_norm_reads_the_kept_output(name, method, monkeypatc
     for kept in (output, output.float() + 1.0):
         grads = rule.per_example_grads(module, x, dy, output=kept)["weight"]
         torch.testing.assert_close(grads.norm_sq(), want)
+        assert grads.output is None  # dropped once read: not held while the group waits for its sum
+        torch.testing.assert_close(grads.norm_sq(), want)  # a second norm recomputes it
     wrong = rule.per_example_grads(module, x, dy, output=output + 1.0)["weight"].norm_sq()
     assert not torch.allclose(wrong, want)
     assert rule.keep_output(module, x, output)  # kept where a ghost form is the cheapest ...

@@ -96,7 +96,8 @@ class Standardized(PerExampleGrad):
         and ``<w_hat_r, u_r>``, from the instantiated ``u`` (never forming ``J^T u``) or by the ghost form:
         the inner convolution's ghost norm with ``dy`` scaled by ``1 / s``, and ``sum_t dy_{t,r} <a_t, v>``
         for ``v = 1`` and ``v = w_hat_r`` (:meth:`_responses`: costed as ``T C_out p`` per example on top of
-        the ghost norm where the output was not kept)."""
+        the ghost norm where the output was not kept). The kept output is dropped here: in flat clipping the
+        gradients wait for the whole backward pass, and a second norm would recompute it."""
         dtype = torch.promote_types(self.w_hat.dtype, torch.float32)
         w_hat, s = self.w_hat.to(dtype), self.s.squeeze(1).to(dtype)
         dy = self.inner.dy
@@ -112,9 +113,11 @@ class Standardized(PerExampleGrad):
             stats = []  # per chunk: ||u_r||^2, sum(u_r), <w_hat_r, u_r>, each (b, C_out)
             for u in self.inner.per_example_chunks():
                 u = u.view(len(u), *self.w_hat.shape).to(dtype)
-                stats.append((u.pow(2).sum(-1), u.sum(-1), torch.einsum("brp,rp->br", u, w_hat)))
+                squares = torch.linalg.vector_norm(u, dim=-1).square()  # fused: no squared temporary
+                stats.append((squares, u.sum(-1), torch.einsum("brp,rp->br", u, w_hat)))
             squares, total, proj = (torch.cat(column) for column in zip(*stats, strict=True))
             scaled = (squares / s.pow(2)).sum(-1)
+        self.output = None  # read by the norm only: not held while the group waits for its clipped sum
         coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
         return scaled + (-total.pow(2) / self.p / s.pow(2) + proj.pow(2) * coeff).sum(-1)
 
