@@ -317,3 +317,23 @@ def test_kept_outputs_in_training_match_oracle(inplace, strategy, clipping, grou
     if strategy == "ghost" or (strategy, clipping) == ("bk", "per_layer"):
         assert read and any(read)  # the second convolution's output is always kept and read
         assert all(read) != inplace  # the overwritten one is recomputed
+
+
+def test_convolution_norm_method_by_cost():
+    """The cost model's choices on WRN-16-4's 3 x 3 layers at B = 64 (``scripts/conv_norm_bench.py`` and a
+    training step): a stage-2 layer (128 channels at 16 x 16) takes the pixel Gram, also when its clipped
+    sum follows at once (fused per-layer clipping: the weight-gradient convolution is cheaper than writing
+    and keeping its 9.4M per-example values); a stage-1 layer (64 at 32 x 32) is instantiated and a stage-3
+    one (256 at 8 x 8) takes the pixel Gram either way."""
+
+    def method(channels: int, size: int, fused: bool) -> str:
+        conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        x = torch.zeros(64, channels, size, size)
+        grads = ConvWeightGrads(conv, x, torch.zeros_like(x))
+        if fused:
+            grads.retain()
+        return grads.norm_method("auto")
+
+    assert [method(128, 16, fused) for fused in (False, True)] == ["pixels", "pixels"]
+    assert [method(64, 32, fused) for fused in (False, True)] == ["instantiate", "instantiate"]
+    assert [method(256, 8, fused) for fused in (False, True)] == ["pixels", "pixels"]

@@ -32,7 +32,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from dpexp.privacy.per_example import Dense, NormMode, Outer, PerExampleGrad, accurate, joined
+from dpexp.privacy.per_example import (
+    CACHED_VALUES,
+    WRITE_COST,
+    Dense,
+    NormMode,
+    Outer,
+    PerExampleGrad,
+    accurate,
+    joined,
+)
 from dpexp.privacy.rules import register_rule
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -226,6 +235,14 @@ INSTANTIATE_CHUNK = 32
 stage-2 layer (128 channels, 16 x 16) took 125-134 ms at batch 64 in one call and 83-105 ms in two of 32,
 a strided 64 -> 128 layer 44-55 against 35-42 ms (``scripts/conv_norm_bench.py`` shapes)."""
 
+WEIGHT_GRAD_RATE = 0.75
+"""The batch weight-gradient convolution's cost per multiply-add in :func:`norm_costs`' units (those of the
+instantiation): on CPU at one thread it formed a WRN stage-2 layer's gradient (2.4 G multiply-adds at
+B = 64) in 28 ms, where the instantiation took 44.5 ms for its modelled 2.8 G
+(``scripts/conv_norm_bench.py``). With it and the instantiation's write cost, fused per-layer clipping takes
+the pixel Gram and the convolution for those layers: 162-163 ms a WRN-16-4 training step for the three of
+them, against 201-203 ms for instantiating and keeping their gradients."""
+
 ELEMENT_COST = 15
 """Multiply-adds that one elementwise pass over one value costs (memory-bound: a shifted block's add, an
 unfolded patch's copy)."""
@@ -241,10 +258,14 @@ def norm_costs(
     """Time per example of each way to the norm of an ungrouped convolution with output size ``out`` and
     input size ``size``, in multiply-adds of a matmul (measured on CPU at one thread,
     ``scripts/conv_norm_bench.py``), with T output positions and K kernel offsets: instantiation
-    ``K C_in C_out max(T, INSTANTIATE_MIN_POSITIONS)``; unfolded patches ``T^2 (K C_in + C_out)`` plus the
-    unfolding; pixels ``sum_r N_r^2 C_in + T^2 C_out`` for the N_r pixels of component r inside the input,
-    plus the shifted blocks' adds (:func:`patch_gram_norm_sq`)."""
+    ``K C_in C_out max(T, INSTANTIATE_MIN_POSITIONS)``, plus :data:`~dpexp.privacy.per_example.WRITE_COST`
+    a value where a chunk of :data:`INSTANTIATE_CHUNK` gradients outgrows the cache (``CACHED_VALUES``);
+    unfolded patches ``T^2 (K C_in + C_out)`` plus the unfolding; pixels ``sum_r N_r^2 C_in + T^2 C_out``
+    for the N_r pixels of component r inside the input, plus the shifted blocks' adds
+    (:func:`patch_gram_norm_sq`)."""
     t, k = out[0] * out[1], geo.kernel[0] * geo.kernel[1]
+    values = k * c_in * c_out
+    written = WRITE_COST * values if INSTANTIATE_CHUNK * values > CACHED_VALUES else 0
     grad_gram = t * t * c_out
     blocks = sum(
         (rows.pixels * cols.pixels) ** 2 * c_in
@@ -252,7 +273,7 @@ def norm_costs(
         for rows, cols in geo.components(out, size)
     )
     return {
-        "instantiate": k * c_in * c_out * max(t, INSTANTIATE_MIN_POSITIONS),
+        "instantiate": values * max(t, INSTANTIATE_MIN_POSITIONS) + written,
         "unfold": t * t * k * c_in + grad_gram + ELEMENT_COST * t * k * c_in,
         "pixels": blocks + grad_gram + ELEMENT_COST * t * t,
     }
@@ -282,12 +303,13 @@ class ConvWeightGrads(PerExampleGrad):
     def norm_costs(self) -> dict[NormMethod, float]:
         """:func:`norm_costs` of this layer; where the instantiation is kept for a fused clipped sum
         (:meth:`retain` without release), the ghost forms also pay for that sum (a weight-gradient
-        convolution, ``T K C_in C_out``), the kept gradients' ``tensordot`` costing next to nothing."""
+        convolution, ``T K C_in C_out`` at :data:`WEIGHT_GRAD_RATE`), the kept gradients' ``tensordot``
+        costing next to nothing."""
         x, geo = as_image(self.module, self.x[:1])
         costs = norm_costs(geo, self.shape[1], self.shape[0], self._out_size(), tuple(x.shape[2:]))
         if self._retain and not self._release:
-            t, values = self.dy[0, 0].numel(), self.shape.numel()
-            costs = {m: c + (t * values if m != "instantiate" else 0) for m, c in costs.items()}
+            total = WEIGHT_GRAD_RATE * self.dy[0, 0].numel() * self.shape.numel()
+            costs = {m: c + (total if m != "instantiate" else 0) for m, c in costs.items()}
         return costs
 
     def _out_size(self) -> tuple[int, int]:
