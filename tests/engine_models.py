@@ -227,6 +227,83 @@ class ScaledInput(nn.Module):
         return self.fc(torch.tanh(x * self.scale))
 
 
+class Scale(nn.Module):
+    """``x * s``: a module without a rule (the torch.func fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class InPlaceResidual(nn.Module):
+    """A rule-less module whose output the parent then changes in place, as Falcon adds its residual
+    (``mlp_output += attention_output``): the output kept from the call no longer records it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaled = Scale()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.scaled(x)
+        h += x
+        return self.fc(torch.tanh(h))
+
+
+def falcon() -> nn.Module:
+    """Tiny random Hugging Face Falcon: ``FalconLinear`` layers (``x @ W.T``), parallel attention and MLP,
+    and the MLP's output changed in place by the residual."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=1,
+    )
+    return FalconForCausalLM(config).double().eval()
+
+
+def _decoder(config_cls, model_cls, **kwargs) -> nn.Module:
+    config = config_cls(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=16,
+        attention_dropout=0.0,
+        pad_token_id=1,
+        **kwargs,
+    )
+    return model_cls(config).double().eval()
+
+
+def gemma2() -> nn.Module:
+    """Tiny random Gemma-2: ``Gemma2TextScaledWordEmbedding`` (a copy of Gemma's scaled embedding, whose rule
+    it takes) tied to the head, RMSNorm scaling by ``1 + w`` in float32, soft-capped logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _decoder(Gemma2Config, Gemma2ForCausalLM)
+
+
+def glm() -> nn.Module:
+    """Tiny random GLM: ``GlmRMSNorm``, a copy of Llama's RMSNorm (its rule by
+    :mod:`dpexp.privacy.rules.copies`), partial rotary embeddings, a fused gate-up projection."""
+    from transformers import GlmConfig, GlmForCausalLM
+
+    return _decoder(GlmConfig, GlmForCausalLM)
+
+
 def vit(distilled: bool = False, **kwargs) -> nn.Module:
     """timm's VisionTransformer: cls_token/pos_embed owned by the model itself (the token rule), timm
     LayerNorm. Dropout before the tap is harmless, but the oracle's loop needs a deterministic forward.
@@ -268,6 +345,12 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
             "y": torch.randint(0, 3, (batch_size,), generator=gen),
         }
         return ScaledInput().double(), classification_loss, batch
+    if name == "fallback_inplace":
+        batch = {
+            "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
+            "y": torch.randint(0, 3, (batch_size,), generator=gen),
+        }
+        return InPlaceResidual().double(), classification_loss, batch
     if name in ("vit", "vit_registers", "deit_distilled"):
         batch = {
             "x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
@@ -297,6 +380,9 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         return FlattenedMLPNet().double(), sequence_loss, {"ids": ids}
     if name == "opt":
         return opt(), lm_loss, _padded_text(batch_size, 10, 40, gen)
+    if name in ("falcon", "gemma2", "glm"):
+        model = {"falcon": falcon, "gemma2": gemma2, "glm": glm}[name]()
+        return model, lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("gpt2", "gpt2_lora"):
         return gpt2(lora=name == "gpt2_lora"), lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("roberta", "bert"):
@@ -322,11 +408,15 @@ CASES = [
     "bert",
     "gpt2_lora",
     "fallback",
+    "fallback_inplace",
     "vit",
     "vit_registers",
     "deit_distilled",
     "flattened",
     "opt",
+    "falcon",
+    "gemma2",
+    "glm",
     "roberta_infilling",
     "bert_infilling",
 ]

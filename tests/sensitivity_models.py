@@ -423,6 +423,7 @@ LM_PADDING = {"input_ids": 1, "attention_mask": 0, "labels": -100}  # labels -10
 _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "mlp": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "fallback": {"float_inputs": ("x",), "class_label": ("y", 3)},
+    "fallback_inplace": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "vit": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "vit_registers": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "deit_distilled": {"float_inputs": ("x",), "class_label": ("y", 3)},
@@ -432,6 +433,9 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "gpt2_lora": {"padding": LM_PADDING},
     "flattened": {"padding": {"ids": 0}},
     "opt": {"padding": LM_PADDING},
+    "falcon": {"padding": LM_PADDING},
+    "gemma2": {"padding": LM_PADDING},
+    "glm": {"padding": LM_PADDING},
     "roberta": {"class_label": ("labels", 3), "padding": {"input_ids": 1, "attention_mask": 0}},
     "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
     "roberta_infilling": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},

@@ -109,6 +109,15 @@ def test_forced_norm_modes_match_oracle(case, norm_mode):
     _assert_matches(*_per_layer_update_and_oracle(case, [[0, 1, 2, 3]], norm_mode=norm_mode))
 
 
+def test_falcon_linear_layers_have_the_linear_rule():
+    """Falcon's ``FalconLinear`` (``x @ W.T + b``) takes the linear rule by name: nothing of the model is left
+    to the torch.func fallback, whose exactness on it (its output changed in place) the case above checks."""
+    from dpexp.privacy.capture import unsupported_modules
+    from tests.engine_models import falcon
+
+    assert unsupported_modules(falcon()) == {}
+
+
 @pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 def test_expected_batch_size_divides_the_sum():
     """A Poisson batch smaller than B is still divided by the expected B, never by its realized size."""

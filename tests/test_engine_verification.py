@@ -140,6 +140,35 @@ def test_flattened_input_of_a_layer_that_is_not_position_wise_is_refused():
         _step(FlatConv(), _cross_entropy, batch)
 
 
+class KeywordPositions(nn.Module):
+    """BioGPT's position embedding: an Embedding subclass called on the (B, T) attention mask that looks up
+    the (1, T) position ids it gets by keyword, its output broadcast over the batch."""
+
+    class Positions(nn.Embedding):
+        def forward(self, mask, position_ids=None):
+            return super().forward(position_ids)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = self.Positions(8, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):  # x: (B, T, 3)
+        mask = torch.ones(x.shape[:2], dtype=torch.long)
+        positions = self.positions(mask, position_ids=torch.arange(x.shape[1])[None])
+        return self.head(torch.tanh(x + positions).mean(1))
+
+
+def test_a_layer_whose_output_does_not_follow_its_batch_first_input_is_refused_naming_the_cause():
+    """The input has the batch size, the output gradient leading size 1: the refusal says the output is
+    computed from something else and broadcast, not that the input is flattened or time-major."""
+    batch = {"x": torch.randn(4, 5, 3), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(
+        VerificationError, match=r"'positions' \(Positions\).*does not follow the input's rows"
+    ):
+        _step(KeywordPositions(), _cross_entropy, batch)
+
+
 @pytest.mark.parametrize("length", [4, 6])
 def test_fallback_on_a_tensor_shared_by_all_examples_is_refused(length):
     with pytest.raises(VerificationError, match=r"layer 'scale' \(Scale\)"):

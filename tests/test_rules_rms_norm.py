@@ -34,7 +34,7 @@ def _forward_source(cls: type) -> str:
 
 @pytest.mark.parametrize(
     "form",
-    [rms_norm.LLAMA_FORM, rms_norm.FLOAT_PRODUCT_FORM[1:], rms_norm.T5_FORM],
+    [rms_norm.LLAMA_FORM, rms_norm.GEMMA_FORM, rms_norm.T5_FORM],
     ids=["llama", "gemma", "t5"],
 )
 def test_registered_classes_share_their_forms_forward(form):
@@ -52,25 +52,39 @@ class Normed(nn.Module):
             self.norm.weight.normal_(1.0, 0.3)
 
     def forward(self, x):
-        return self.out(torch.tanh(self.norm(self.inp(x)))).sum(1)
+        shape = self.norm.weight.shape  # (6,), or (2, 3) for a norm of each head's rows
+        h = self.norm(self.inp(x).unflatten(-1, shape)).flatten(-len(shape))
+        return self.out(torch.tanh(h)).sum(1)
 
 
 def _norms():
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.glm.modeling_glm import GlmRMSNorm
+    from transformers.models.helium.modeling_helium import HeliumRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
     from transformers.models.t5.modeling_t5 import T5LayerNorm
 
     return {
         "llama": LlamaRMSNorm(6, eps=1e-5),
+        "glm": GlmRMSNorm(6, eps=1e-5),  # a copy of Llama's (dpexp.privacy.rules.copies)
         "olmo2": Olmo2RMSNorm(6, eps=1e-5),
+        "helium": HeliumRMSNorm(6, eps=1e-5),
         "gemma": GemmaRMSNorm(6, eps=1e-5),
         "t5": T5LayerNorm(6, eps=1e-5),
         "torch": nn.RMSNorm(6, eps=1e-5),
+        "cohere": CohereLayerNorm(6, eps=1e-5),  # centred, no bias
+        "cohere_heads": CohereLayerNorm((2, 3), eps=1e-5),  # one row per head (its query/key norms)
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "olmo2", "gemma", "t5", "torch"])
+FLOAT32 = ("olmo2", "helium", "gemma", "cohere", "cohere_heads")  # compute in float32 whatever the dtype
+
+
+@pytest.mark.parametrize(
+    "name", ["llama", "glm", "olmo2", "helium", "gemma", "t5", "torch", "cohere", "cohere_heads"]
+)
 @pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_rms_norm_matches_oracle(name, strategy, clipping):
@@ -98,8 +112,7 @@ def test_rms_norm_matches_oracle(name, strategy, clipping):
         model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy, clipping=clipping,
         thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
-    # OLMo-2 and Gemma compute in float32 whatever the model's dtype
-    rtol = 1e-5 if name in ("olmo2", "gemma") else 1e-7
+    rtol = 1e-5 if name in FLOAT32 else 1e-7
     for param, want in expected.items():
         torch.testing.assert_close(delta[param], want, rtol=rtol, atol=1e-10)
 

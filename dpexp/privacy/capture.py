@@ -511,11 +511,14 @@ class Capture:
                     f"gradient for its trainable parameters {sorted(missing)}; fix or replace the rule."
                 )
             return grads
-        fallback = shared_per_example_grads if layer.shared else functional_per_example_grads
         self._recomputing = True
         try:
-            return fallback(
-                layer.module, list(layer.params), use.args, use.kwargs, dy, use.output, layer.name
+            if layer.shared:
+                return shared_per_example_grads(
+                    layer.module, list(layer.params), use.args, use.kwargs, dy, use.output, layer.name
+                )
+            return functional_per_example_grads(
+                layer.module, list(layer.params), use.args, use.kwargs, dy, use.kept_output(), layer.name
             )
         finally:
             self._recomputing = False

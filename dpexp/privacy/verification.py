@@ -311,7 +311,15 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
     if position_wise and rows > batch_size and rows % batch_size == 0 and dy.dim() and dy.shape[0] == rows:
         return rows // batch_size
     shape = f"{layer.name!r} ({type(layer.module).__name__}) got an input of shape {tuple(x.shape)}"
-    if rows == 1:
+    if rows == batch_size:
+        cause = (
+            "its input is batch-first but its output does not follow the input's rows: the layer computed "
+            "it from something else, e.g. position ids of batch size 1 passed by keyword (BioGPT's "
+            "embed_positions), and it is broadcast over the batch later. Declare a layer whose output is "
+            "shared by all examples and meets the batch later with dpexp.privacy.shared.register_shared, "
+            "make its output batch-first, or freeze its parameters."
+        )
+    elif rows == 1:
         cause = (
             "its input is broadcast over the batch (leading size 1). Expand it to the batch before the "
             "layer, or freeze its parameters."

@@ -8,11 +8,15 @@ terms of shared parameters and clipped sums are then the same code for every lay
 Lookup is by exact type: a subclass that changes ``forward`` (such as a weight-standardised convolution)
 must never silently inherit its parent's rule. Users register rules for their own layers with
 :func:`register_rule`. Third-party layer types (transformers' ``Conv1D``, timm's ``LayerNorm``) are
-registered by their qualified name, so that importing dpexp does not import those libraries.
+registered by their qualified name, so that importing dpexp does not import those libraries. A rule
+registered with ``copies=True`` also covers the classes that are copies of its types (the same bases and
+class body but for ``__init__``, :mod:`dpexp.privacy.rules.copies`), as Hugging Face copies one RMSNorm into
+140 model files.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +25,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import PerExampleGrad
+from dpexp.privacy.rules.copies import is_copy
 
 GradFn = Callable[..., dict[str, PerExampleGrad]]  # (module, x, dy) -> grads; ``output=`` if it keeps one
 CheckFn = Callable[[nn.Module], None]
@@ -83,6 +88,8 @@ class LayerRule:
 
 
 _RULES: dict[str, LayerRule] = {}
+_ORIGINALS: list[str] = []  # registered types whose copies take their rule (``copies=True``)
+_RULES_OF_COPIES: dict[type, LayerRule | None] = {}  # a class without a rule of its own -> its original's
 
 
 def refuse(module: nn.Module, rule: str, kind: str, reason: str | None, fix: str) -> None:
@@ -109,9 +116,12 @@ def register_rule(
     claims: tuple[str, ...] = (),
     numbered_tap: bool = False,
     keep_output: KeepFn | None = None,
+    copies: bool = False,
 ) -> Callable[[GradFn], GradFn]:
     """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
-    qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`."""
+    qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`.
+    ``copies``: classes that are copies of these types (:func:`dpexp.privacy.rules.copies.is_copy`) take
+    the rule too."""
 
     if keep_output is not None and (tap or call or position_wise):
         raise ValueError("keep_output is for rules of a module's own input and output (no tap, call, fold)")
@@ -122,14 +132,41 @@ def register_rule(
             _RULES[key] = LayerRule(
                 fn, check, expand_broadcast_input, tap, position_wise, call, claims, numbered_tap, keep_output
             )
+            if copies:
+                _ORIGINALS.append(key)
+        _RULES_OF_COPIES.clear()
         return fn
 
     return decorate
 
 
 def rule_for(module: nn.Module) -> LayerRule | None:
-    """The rule registered for exactly ``type(module)``, or None."""
-    return _RULES.get(_qualified_name(type(module)))
+    """The rule registered for exactly ``type(module)``, or for a type registered with ``copies=True`` that
+    ``type(module)`` is a copy of, or None."""
+    cls = type(module)
+    rule = _RULES.get(_qualified_name(cls))
+    if rule is None:
+        if cls not in _RULES_OF_COPIES:
+            _RULES_OF_COPIES[cls] = _rule_of_original(cls)
+        rule = _RULES_OF_COPIES[cls]
+    return rule
+
+
+def _rule_of_original(cls: type) -> LayerRule | None:
+    """The rule of the first original ``cls`` is a copy of; originals are looked up in ``cls``'s own library
+    only (its modules are imported already or cheaply), never imported from another."""
+    library = cls.__module__.split(".")[0]
+    for key in _ORIGINALS:
+        module_name, _, name = key.rpartition(".")
+        if module_name.split(".")[0] != library:
+            continue
+        try:
+            original = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):  # not in this version of the library
+            continue
+        if is_copy(cls, original):
+            return _RULES[key]
+    return None
 
 
 def supported_types() -> list[str]:

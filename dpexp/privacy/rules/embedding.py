@@ -4,6 +4,10 @@ Its squared norm is ``sum_{t,s} [idx_t = idx_s] <dy_t, dy_s>`` (ghost norm with 
 (V, d) per-example gradient is never formed. Positions equal to ``padding_idx`` receive no gradient.
 Inputs of batch size 1 (position ids broadcast over the batch by Hugging Face models) are expanded to the
 batch in the forward pass, so that each example's output gradient stays its own.
+
+Hugging Face's scaled word embeddings (Gemma, BART, M2M100, XGLM, ...; Vaswani et al. 2017, sec. 3.4:
+embeddings multiplied by sqrt(d_model)) return ``E[idx] * s``, so their per-example gradient is the table's
+for the output gradient ``s * dy``.
 """
 
 from __future__ import annotations
@@ -30,3 +34,23 @@ def embedding_grads(module: nn.Embedding, idx: torch.Tensor, dy: torch.Tensor) -
     if module.padding_idx is not None:
         g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
     return {"weight": Outer(idx, g, module.weight.shape, module.num_embeddings)}
+
+
+_HF = "transformers.models"
+
+
+@register_rule(
+    # forward: `super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)` (a 0-dim buffer)
+    f"{_HF}.gemma.modeling_gemma.GemmaTextScaledWordEmbedding",
+    # forward: `super().forward(input_ids) * self.embed_scale` (a float)
+    f"{_HF}.m2m_100.modeling_m2m_100.M2M100ScaledWordEmbedding",
+    check=_check,
+    expand_broadcast_input=True,
+    position_wise=True,
+    copies=True,
+)
+def scaled_embedding_grads(
+    module: nn.Embedding, idx: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    scale = module.embed_scale
+    return embedding_grads(module, idx, dy * (scale.to(dy.dtype) if torch.is_tensor(scale) else scale))

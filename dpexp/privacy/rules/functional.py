@@ -11,7 +11,10 @@ Which arguments carry the example index is established, not guessed from their s
 dim 0 has the batch size *can* be batched, and a choice of batched arguments is accepted only if the
 vmapped forward reproduces the output the module actually produced in the forward pass (a tensor shared by
 all examples whose first dimension happens to equal the batch size, vmapped as if it were per-example,
-changes the output). No reproducing choice, or several that disagree: the module is refused.
+changes the output). No reproducing choice, or several that disagree: the module is refused. An output that
+the model modified in place after the call (Falcon adds its residual with ``mlp_output += attention_output``)
+is no record of the call any more; the module's forward is then recomputed on the whole micro-batch, from the
+same inputs (unchanged: the engine checks their versions) and parameters, as the reference.
 """
 
 from __future__ import annotations
@@ -59,12 +62,12 @@ def functional_per_example_grads(
     args: tuple,
     kwargs: dict[str, Any],
     dy: torch.Tensor,
-    output: torch.Tensor,
+    output: torch.Tensor | None,
     name: str,
 ) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``module``'s own parameters ``attrs`` for one call (``args``, ``kwargs``,
-    recorded ``output``, output gradient ``dy`` of shape (B, ...)); ``name`` is the module's name in the
-    model, for errors."""
+    recorded ``output``, None if it was modified in place since; output gradient ``dy`` of shape (B, ...));
+    ``name`` is the module's name in the model, for errors."""
     size = dy.shape[0]
     keys = [*range(len(args)), *kwargs]
     values = [*args, *kwargs.values()]
@@ -78,6 +81,9 @@ def functional_per_example_grads(
             "which of them carry the example index. Register a rule for it or freeze its parameters."
         )
     params = {attr: getattr(module, attr).detach() for attr in attrs}
+    if output is None:
+        with torch.no_grad():
+            output = functional_call(module, params, args, kwargs)
     found: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
     for choice in product((0, None), repeat=len(candidates)):  # all batched first
         batched = {i for i, d in zip(candidates, choice, strict=True) if d == 0}

@@ -1,5 +1,6 @@
-"""``nn.Linear`` (and timm's ``Linear``, the same ``F.linear`` outside TorchScript; MobileNetV3's head) and
-Hugging Face's GPT-2 ``Conv1D`` (a linear layer with a transposed weight).
+"""``nn.Linear`` (and timm's ``Linear``, the same ``F.linear`` outside TorchScript; MobileNetV3's head; and
+Falcon's ``FalconLinear``, ``x @ W.T + b``) and Hugging Face's GPT-2 ``Conv1D`` (a linear layer with a
+transposed weight).
 
 For ``y_t = W x_t + b`` (W of shape (d, p)) the per-example gradients are
 ``dW_i = sum_t dy_{i,t} (x) x_{i,t}`` and ``db_i = sum_t dy_{i,t}`` (Bu et al. 2023, eq. 2).
@@ -14,7 +15,12 @@ from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
 from dpexp.privacy.rules import as_sequence, register_rule
 
 
-@register_rule(nn.Linear, "timm.layers.linear.Linear", position_wise=True)
+@register_rule(
+    nn.Linear,
+    "timm.layers.linear.Linear",
+    "transformers.models.falcon.modeling_falcon.FalconLinear",
+    position_wise=True,
+)
 def linear_grads(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     a, g = as_sequence(x), as_sequence(dy)
     grads: dict[str, PerExampleGrad] = {"weight": Outer(g, a, module.weight.shape, g.shape[-1])}

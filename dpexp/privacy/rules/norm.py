@@ -1,5 +1,6 @@
-"""``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d/2d/3d`` and timm's ``LayerNorm`` and
-``LayerNorm2d`` (ConvNeXt): ``y = x_hat * w + b`` with ``x_hat`` the normalised input.
+"""``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d/2d/3d``, timm's ``LayerNorm`` and ``LayerNorm2d``
+(ConvNeXt) and Cohere's bias-free float32 LayerNorm: ``y = x_hat * w + b`` with ``x_hat`` the normalised
+input.
 
 The per-example gradients ``dw_i = sum (dy_i * x_hat_i)`` and ``db_i = sum dy_i`` (summed over all axes
 that the affine parameters are broadcast along) are small, so they are held explicitly. ``x_hat`` is
@@ -42,6 +43,17 @@ def layer_norm_2d_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor)
     position (``F.layer_norm`` on the channels-last view), so ``dw_i = sum_hw dy_i * x_hat_i``."""
     x_hat = F.layer_norm(x.permute(0, 2, 3, 1), module.normalized_shape, eps=module.eps).permute(0, 3, 1, 2)
     return _affine_grads(module, x_hat, dy, (2, 3))
+
+
+@register_rule("transformers.models.cohere.modeling_cohere.CohereLayerNorm", position_wise=True, copies=True)
+def float32_layer_norm_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Cohere's LayerNorm: centred and normalised over the last axis in float32, scaled by ``w`` (one row, or
+    one per head for its query/key norms, ``w`` of shape (heads, d)), no bias, cast back after."""
+    x_hat = F.layer_norm(x.float(), x.shape[-1:], eps=module.variance_epsilon)
+    reduce = tuple(range(1, x.dim() - module.weight.dim()))
+    return {"weight": Dense((dy.float() * x_hat).sum(reduce))}
 
 
 @register_rule(nn.GroupNorm)

@@ -8,7 +8,9 @@ only in where they change precision, which the rule reproduces (the verification
 :mod:`dpexp.privacy.capture` checks it against autograd): Llama casts ``x_hat`` back to the input dtype
 before scaling, OLMo-2 and Gemma scale in float32 and cast after, T5 keeps the input dtype unless the weight
 is in half precision. Without the rule these layers run on the ``torch.func`` fallback, which made a small
-Llama's private step cost 2.1x a non-private one on CPU.
+Llama's private step cost 2.1x a non-private one on CPU. The classes named below are the originals; their
+copies in other models' files (GLM, Helium, Qwen2-MoE, DeepSeek, ...: the same class body,
+:mod:`dpexp.privacy.rules.copies`) take the same rule.
 """
 
 from __future__ import annotations
@@ -36,12 +38,17 @@ LLAMA_FORM = [
         ("mamba", "Mamba"),
     ]
 ]
-# forward: `(scale * x_hat_float32).to(x.dtype)` with scale = w (OLMo-2) or 1 + w (Gemma)
-FLOAT_PRODUCT_FORM = [
-    f"{_HF}.olmo2.modeling_olmo2.Olmo2RMSNorm",
+# forward: `(scale * x_hat_float32).to(x.dtype)` with scale = 1 + w (Gemma, identical source in each), or w
+# (OLMo-2; Helium casts w to float32 first: the same product)
+GEMMA_FORM = [
     f"{_HF}.gemma.modeling_gemma.GemmaRMSNorm",
     f"{_HF}.gemma2.modeling_gemma2.Gemma2RMSNorm",
     f"{_HF}.gemma3.modeling_gemma3.Gemma3RMSNorm",
+]
+FLOAT_PRODUCT_FORM = [
+    f"{_HF}.olmo2.modeling_olmo2.Olmo2RMSNorm",
+    f"{_HF}.helium.modeling_helium.HeliumRMSNorm",
+    *GEMMA_FORM,
 ]
 T5_FORM = [f"{_HF}.t5.modeling_t5.T5LayerNorm", f"{_HF}.mt5.modeling_mt5.MT5LayerNorm"]
 
@@ -60,19 +67,19 @@ def _scale_grad(dy: torch.Tensor, x_hat: torch.Tensor) -> dict[str, PerExampleGr
     return {"weight": Dense(as_sequence(dy * x_hat).sum(1))}
 
 
-@register_rule(*LLAMA_FORM, position_wise=True)
+@register_rule(*LLAMA_FORM, position_wise=True, copies=True)
 def llama_rms_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     return _scale_grad(dy, _normalised_float32(x, _eps(module)).to(x.dtype))
 
 
-@register_rule(*FLOAT_PRODUCT_FORM, position_wise=True)
+@register_rule(*FLOAT_PRODUCT_FORM, position_wise=True, copies=True)
 def float_product_rms_norm_grads(
     module: nn.Module, x: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
     return _scale_grad(dy.float(), _normalised_float32(x, _eps(module)))
 
 
-@register_rule(*T5_FORM, position_wise=True)
+@register_rule(*T5_FORM, position_wise=True, copies=True)
 def t5_layer_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     x_hat = x * torch.rsqrt(variance + module.variance_epsilon)

@@ -1,0 +1,108 @@
+"""Copies of a layer class take its rule (dpexp.privacy.rules.copies): the same bases and class body but for
+``__init__``, as Hugging Face copies Llama's RMSNorm and Gemma's scaled embedding into other models' files;
+any difference in code, constants, defaults, the globals the code reads, or bases leaves the class on the
+fallback. The models that depend on it are exact in every strategy x clipping mode (test_engine_oracle's
+``gemma2`` and ``glm`` cases, and their sensitivity cases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpexp.privacy.capture import unsupported_modules
+from dpexp.privacy.rules import rule_for
+from dpexp.privacy.rules.copies import is_copy
+from tests.engine_models import gemma2, glm
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.func fallback")
+
+SOURCE = """
+class Norm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x, scale=1.0):
+        return self.weight * helper(x, self.eps) * scale
+"""
+
+
+def _define(source: str = SOURCE, helper=None, **names) -> type:
+    """The class of ``source`` defined in a namespace of its own (as in a model file of its own)."""
+    namespace = {"nn": nn, "torch": torch, "helper": helper or _normalise, **names}
+    exec(source, namespace)
+    return namespace["Norm"]
+
+
+def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_a_class_defined_again_from_the_same_source_is_a_copy():
+    assert is_copy(_define(), _define())
+
+
+def test_a_different_init_is_still_a_copy():
+    other_init = SOURCE.replace("self.eps = eps", "self.eps = 2 * eps")
+    assert is_copy(_define(other_init), _define())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("* scale", "* scale * 2"),  # code
+        ("scale=1.0", "scale=2.0"),  # a default
+        ("self.eps) * scale", "self.eps + 1e-3) * scale"),  # a constant
+        ("        return self.weight", "        y = 1\n        return self.weight"),  # extra code
+        ("(nn.Module)", "(nn.Linear)"),  # the bases
+    ],
+)
+def test_a_changed_class_body_is_no_copy(change):
+    assert not is_copy(_define(SOURCE.replace(*change)), _define())
+
+
+def test_an_extra_method_makes_no_copy():
+    extra = SOURCE + "\n    def extra_repr(self):\n        return 'x'\n"
+    assert not is_copy(_define(extra), _define())
+
+
+def test_the_same_code_reading_another_helper_is_no_copy():
+    """Two module-level helpers of the same name are different objects, whatever their source."""
+
+    def another(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return x
+
+    assert not is_copy(_define(helper=another), _define())
+
+
+def test_a_subclass_is_no_copy():
+    original = _define()
+    subclass = type("Norm", (original,), {})
+    assert not is_copy(subclass, original)
+
+
+def test_hugging_face_copies_take_the_rule_of_their_original():
+    from transformers.models.glm.modeling_glm import GlmRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.xglm.modeling_xglm import XGLMScaledWordEmbedding
+
+    assert rule_for(GlmRMSNorm(4)) is rule_for(LlamaRMSNorm(4))
+    embedding = XGLMScaledWordEmbedding(10, 4, padding_idx=0, embed_scale=2.0)
+    assert rule_for(embedding).per_example_grads.__name__ == "scaled_embedding_grads"
+
+
+def test_copies_are_looked_up_in_their_own_library_only():
+    """A class outside transformers with the body of Llama's RMSNorm takes no rule from it."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    body = {k: v for k, v in vars(LlamaRMSNorm).items() if k not in ("__dict__", "__weakref__", "__init__")}
+    outside = type("LlamaRMSNorm", LlamaRMSNorm.__bases__, {**body, "__module__": "user_models"})
+    assert is_copy(outside, LlamaRMSNorm)
+    assert rule_for(outside()) is None
+
+
+@pytest.mark.parametrize("factory", [gemma2, glm])
+def test_models_built_of_copies_need_no_fallback(factory):
+    assert unsupported_modules(factory()) == {}
