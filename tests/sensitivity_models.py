@@ -322,6 +322,60 @@ def t5(layers: int = 1) -> nn.Module:
     return T5ForConditionalGeneration(config).double().eval()
 
 
+def longt5(attention: str) -> nn.Module:
+    """Tiny random LongT5 with ``local`` or ``transient-global`` encoder attention: its relative attention
+    bias (and the transient-global side bias) is an Embedding on buckets shared by all examples, as T5's."""
+    from transformers import LongT5Config, LongT5ForConditionalGeneration
+
+    config = LongT5Config(
+        vocab_size=32,
+        d_model=8,
+        d_kv=4,
+        d_ff=16,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        encoder_attention_type=attention,
+        local_radius=2,
+        global_block_size=2,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        use_cache=False,
+    )
+    return LongT5ForConditionalGeneration(config).double().eval()
+
+
+def bart() -> nn.Module:
+    """Tiny random BART: the decoder's learned positions looked up for ``arange(T)`` (batch size 1), added to
+    every example (declared shared), the encoder's expanded to the batch; scaled word embeddings."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=32,
+        d_model=8,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        scale_embedding=True,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        use_cache=False,
+    )
+    return BartForConditionalGeneration(config).double().eval()
+
+
 def deberta_v2(
     share_att_key: bool, norm_rel_ebd: str = "layer_norm", pos_att_type=("p2c", "c2p")
 ) -> nn.Module:
@@ -465,6 +519,9 @@ NEW_CASES = [
     "bert_mean_pool",  # masked mean over tokens: padded positions must not reach the logits
     "t5_len_eq_batch",
     "t5_len_ne_batch",
+    "longt5_local",  # relative attention bias of local attention blocks, shared by all examples
+    "longt5_transient_global",  # and the transient-global side bias
+    "bart",  # the decoder's learned positions for arange(T), shared by all examples
     "time_major_len_eq_batch",
     "time_major_len_ne_batch",
     "flat_time_major_len_eq_batch",
@@ -521,7 +578,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
         model = distilbert() if name == "distilbert" else bert_mean_pool()
         return model, engine_models.seq_classification_loss, batch, info
-    if name.startswith("t5"):
+    if name.startswith(("t5", "longt5", "bart")):
         source = engine_models._padded_text(size, length, 32, gen)
         source["input_ids"] = source["input_ids"].masked_fill(source["attention_mask"] == 0, 0)
         target = torch.randint(2, 32, (size, length), generator=gen)
@@ -531,7 +588,12 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "attention_mask": source["attention_mask"],
             "labels": target,
         }
-        return t5(), seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
+        if name == "bart":
+            source_pad = {"input_ids": 1, "attention_mask": 0}
+            batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 1)
+            return bart(), seq2seq_loss, batch, {"padding": source_pad}
+        model = longt5(name.removeprefix("longt5_").replace("_", "-")) if name.startswith("longt5") else t5()
+        return model, seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
     if name.startswith("deberta_v2"):
         batch = engine_models._padded_text(size, 6, 32, gen)
         batch["labels"] = _labels(gen, size, 2)

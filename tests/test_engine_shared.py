@@ -1,6 +1,7 @@
-"""Shared tensors that meet the batch later (dpexp.privacy.shared): T5's relative attention bias and
-DeBERTa-v2's relative embeddings (a shared graph through LayerNorm and the attention projections) against the
-brute-force oracle, and the refusals where the mechanism does not apply."""
+"""Shared tensors that meet the batch later (dpexp.privacy.shared): T5's and LongT5's relative attention bias,
+the learned positions of BART's decoder and of BioGPT, and DeBERTa-v2's relative embeddings (a shared graph
+through LayerNorm and the attention projections) against the brute-force oracle, and the refusals where the
+mechanism does not apply."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dpexp.privacy import PrivacyEngine, VerificationError
 from dpexp.privacy.shared import register_shared, register_shared_weight
 from tests import engine_models
 from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, per_example_grads
-from tests.sensitivity_models import deberta_v2, seq2seq_loss, t5
+from tests.sensitivity_models import bart, deberta_v2, longt5, seq2seq_loss, t5
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
@@ -142,6 +143,54 @@ def _bias_step(combine: str, length: int):
     expected = clipped_mean(grads, [list(grads[0])], [0.05], batch_size=4)
     delta, _ = engine_update(model, loss, batch, [[0, 1, 2, 3]], batch_size=4, max_grad_norm=0.05)
     return delta, expected
+
+
+def biogpt() -> nn.Module:
+    """Tiny random BioGPT: learned positions for position ids of batch size 1 passed by keyword (declared
+    shared), scaled word embeddings."""
+    from transformers import BioGptConfig, BioGptForCausalLM
+
+    config = BioGptConfig(
+        vocab_size=40,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        scale_embedding=True,
+        pad_token_id=1,
+    )
+    return BioGptForCausalLM(config).double().eval()
+
+
+def _seq2seq_batch(gen: torch.Generator, pad: int) -> dict[str, torch.Tensor]:
+    source = engine_models._padded_text(4, 6, 32, gen)
+    target = torch.randint(3, 32, (4, 5), generator=gen)
+    target[:, -1] = -100  # a padded target position
+    ids = source["input_ids"].masked_fill(source["attention_mask"] == 0, pad)
+    return {"input_ids": ids, "attention_mask": source["attention_mask"], "labels": target}
+
+
+SHARED_POSITIONS = {  # model, per-example loss, batch
+    "longt5_local": lambda gen: (longt5("local"), seq2seq_loss, _seq2seq_batch(gen, 0)),
+    "longt5_transient_global": lambda gen: (longt5("transient-global"), seq2seq_loss, _seq2seq_batch(gen, 0)),
+    "bart": lambda gen: (bart(), seq2seq_loss, _seq2seq_batch(gen, 1)),
+    "biogpt": lambda gen: (biogpt(), engine_models.lm_loss, engine_models._padded_text(4, 7, 40, gen)),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED_POSITIONS))
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("clipping,groups", [("flat", None), ("per_layer", None), ("groups", 2)])
+def test_shared_positions_of_hugging_face_models_match_oracle(name, strategy, clipping, groups, recwarn):
+    """Refused before their owners were declared shared (the positions' output gradient has batch size 1)."""
+    torch.manual_seed(0)
+    model, loss, batch = SHARED_POSITIONS[name](torch.Generator().manual_seed(0))
+    check_clipped_step(
+        model, loss, batch, [[0, 1], [2, 3]], strategy, clipping, groups, rel=1e-7, floor=1e-12
+    )
 
 
 def test_declared_shared_table_added_to_the_batch_matches_oracle():

@@ -1,9 +1,12 @@
 """Tensors shared by all examples that meet the batch later.
 
-T5's ``relative_attention_bias`` is an ``nn.Embedding`` called on a (q, k) tensor of relative-position
-buckets: its output S, shape (q, k, heads), has no example dimension. It becomes the bias (1, heads, q, k)
-that every attention layer of the stack adds to its (B, heads, q, k) scores, so the gradient reaching S is
-already summed over the examples, and clipping it would clip the batch, not an example.
+T5's (and mT5's, UMT5's, LongT5's) ``relative_attention_bias`` is an ``nn.Embedding`` called on a (q, k)
+tensor of relative-position buckets: its output S, shape (q, k, heads), has no example dimension. It becomes
+the bias (1, heads, q, k) that every attention layer of the stack adds to its (B, heads, q, k) scores, so the
+gradient reaching S is already summed over the examples, and clipping it would clip the batch, not an
+example. The learned positions of BART's, mBART's and PLBART's decoders and of BioGPT are the same kind:
+looked up for position ids of batch size 1 (``arange(T)``, passed by keyword) and added to every example's
+token embeddings.
 
 The per-example gradient of S is taken where S meets the batch. Let X = f(S) be the tensor that a
 broadcasting operation combines with per-example tensors (``scores + bias``, ``torch.where(mask, bias, m)``,
@@ -102,6 +105,12 @@ def register_shared_weight(owner_type: type[nn.Module] | str, *attrs: str) -> No
 register_shared("transformers.models.t5.modeling_t5.T5Attention", "relative_attention_bias")
 register_shared("transformers.models.mt5.modeling_mt5.MT5Attention", "relative_attention_bias")
 register_shared("transformers.models.umt5.modeling_umt5.UMT5Attention", "relative_attention_bias")
+for _attention in ("LongT5Attention", "LongT5LocalAttention", "LongT5TransientGlobalAttention"):
+    register_shared(f"transformers.models.longt5.modeling_longt5.{_attention}", "relative_attention_bias")
+# learned positions looked up for position ids of batch size 1 (arange(T)), added to every example
+for _family, _owner in (("bart", "BartDecoder"), ("mbart", "MBartDecoder"), ("plbart", "PLBartDecoder")):
+    register_shared(f"transformers.models.{_family}.modeling_{_family}.{_owner}", "embed_positions")
+register_shared("transformers.models.biogpt.modeling_biogpt.BioGptModel", "embed_positions")
 register_shared("transformers.models.beit.modeling_beit.BeitLayer", "relative_position_bias")
 register_shared("transformers.models.beit.modeling_beit.BeitModel", "shared_position_bias")
 _DATA2VEC = "transformers.models.data2vec.modeling_data2vec_vision"

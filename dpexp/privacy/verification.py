@@ -326,9 +326,12 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
         )
     elif rows and rows % batch_size == 0 and not position_wise:
         cause = (
-            f"its leading size is {rows // batch_size} x the batch size, as for an input flattened to "
-            "(B*T, ...), but its rule acts on whole examples (or it has none), so the rows cannot be "
-            "folded back per example. Keep its input batch-first, or freeze its parameters."
+            f"its leading size is {rows // batch_size} x the batch size, which the sizes alone cannot "
+            "explain: an input flattened to (B*T, ...) cannot be folded back per example by a rule that "
+            "acts on whole examples (or by the fallback), and a tensor without an example dimension "
+            "(positions arange(T), broadcast over the batch later) needs its layer declared shared. Keep "
+            "its input batch-first, declare a layer whose output is shared by all examples and meets the "
+            "batch later with dpexp.privacy.shared.register_shared, or freeze its parameters."
         )
     else:
         cause = (
@@ -713,7 +716,9 @@ class Verifier:
                 "gradient depends on other examples' losses, so dim 0 of its input and output is not the "
                 "example index (a time-major or flattened tensor whose leading size happens to equal the "
                 "batch size, a tensor shared by all examples, or examples mixed after this layer). Make the "
-                "layer's input batch-first and per-example, or freeze its parameters."
+                "layer's input batch-first and per-example, declare a layer whose output is shared by all "
+                "examples and meets the batch later with dpexp.privacy.shared.register_shared, or freeze "
+                "its parameters."
             )
 
     def add_engine_sums(self, use: Use, grads: Mapping[str, PerExampleGrad]) -> None:
