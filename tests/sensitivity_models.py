@@ -376,6 +376,27 @@ def bart() -> nn.Module:
     return BartForConditionalGeneration(config).double().eval()
 
 
+def mpnet() -> nn.Module:
+    """Tiny random MPNet classifier: one relative attention bias for all layers, expanded to the batch
+    (``expand((bsz, -1, q, k))``) and added to each layer's scores in place (``scores += bias``)."""
+    from transformers import MPNetConfig, MPNetForSequenceClassification
+
+    config = MPNetConfig(
+        vocab_size=40,
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=24,
+        relative_attention_num_buckets=32,  # the encoder buckets into 32 whatever the config says
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=1,
+        num_labels=2,
+    )
+    return MPNetForSequenceClassification(config).double().eval()
+
+
 def deberta_v2(
     share_att_key: bool, norm_rel_ebd: str = "layer_norm", pos_att_type=("p2c", "c2p")
 ) -> nn.Module:
@@ -522,6 +543,7 @@ NEW_CASES = [
     "longt5_local",  # relative attention bias of local attention blocks, shared by all examples
     "longt5_transient_global",  # and the transient-global side bias
     "bart",  # the decoder's learned positions for arange(T), shared by all examples
+    "mpnet",  # one relative attention bias, expanded to the batch, added to the scores in place
     "time_major_len_eq_batch",
     "time_major_len_ne_batch",
     "flat_time_major_len_eq_batch",
@@ -594,6 +616,11 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             return bart(), seq2seq_loss, batch, {"padding": source_pad}
         model = longt5(name.removeprefix("longt5_").replace("_", "-")) if name.startswith("longt5") else t5()
         return model, seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
+    if name == "mpnet":
+        batch = engine_models._padded_text(size, 6, 32, gen)
+        batch["labels"] = _labels(gen, size, 2)
+        info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
+        return mpnet(), engine_models.seq_classification_loss, batch, info
     if name.startswith("deberta_v2"):
         batch = engine_models._padded_text(size, 6, 32, gen)
         batch["labels"] = _labels(gen, size, 2)

@@ -14,7 +14,7 @@ from dpexp.privacy import PrivacyEngine, VerificationError
 from dpexp.privacy.shared import register_shared, register_shared_weight
 from tests import engine_models
 from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, per_example_grads
-from tests.sensitivity_models import bart, deberta_v2, longt5, seq2seq_loss, t5
+from tests.sensitivity_models import bart, deberta_v2, longt5, mpnet, seq2seq_loss, t5
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
@@ -113,8 +113,10 @@ class _SharedBias(nn.Module):
             h = h + table
         elif self.combine == "einsum":
             h = h * torch.einsum("btd,td->bt", h, table)[..., None]
-        elif self.combine == "add_and_cat":
+        elif self.combine == "add_and_einsum":
             h = h + table
+            h = h * torch.einsum("btd,td->bt", h, table)[..., None]
+        elif self.combine == "expand_and_cat":  # expanded to the batch (split there), then concatenated
             h = torch.cat([h, table.expand(h.shape[0], -1, -1)], 1)
         elif self.combine == "two_sizes":  # also meets a (1, T, d) batch mean: expanded to 1 there
             h = h + table
@@ -165,6 +167,12 @@ def biogpt() -> nn.Module:
     return BioGptForCausalLM(config).double().eval()
 
 
+def _classified_text(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    batch = engine_models._padded_text(4, 7, 40, gen)
+    batch["labels"] = torch.randint(0, 2, (4,), generator=gen)
+    return batch
+
+
 def _seq2seq_batch(gen: torch.Generator, pad: int) -> dict[str, torch.Tensor]:
     source = engine_models._padded_text(4, 6, 32, gen)
     target = torch.randint(3, 32, (4, 5), generator=gen)
@@ -178,6 +186,7 @@ SHARED_POSITIONS = {  # model, per-example loss, batch
     "longt5_transient_global": lambda gen: (longt5("transient-global"), seq2seq_loss, _seq2seq_batch(gen, 0)),
     "bart": lambda gen: (bart(), seq2seq_loss, _seq2seq_batch(gen, 1)),
     "biogpt": lambda gen: (biogpt(), engine_models.lm_loss, engine_models._padded_text(4, 7, 40, gen)),
+    "mpnet": lambda gen: (mpnet(), engine_models.seq_classification_loss, _classified_text(gen)),
 }
 
 
@@ -185,12 +194,22 @@ SHARED_POSITIONS = {  # model, per-example loss, batch
 @pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping,groups", [("flat", None), ("per_layer", None), ("groups", 2)])
 def test_shared_positions_of_hugging_face_models_match_oracle(name, strategy, clipping, groups, recwarn):
-    """Refused before their owners were declared shared (the positions' output gradient has batch size 1)."""
+    """Refused before their owners were declared shared (the positions' output gradient has batch size 1;
+    MPNet's bias, expanded to the batch and added in place, never met it in an operation that was split)."""
     torch.manual_seed(0)
     model, loss, batch = SHARED_POSITIONS[name](torch.Generator().manual_seed(0))
     check_clipped_step(
         model, loss, batch, [[0, 1], [2, 3]], strategy, clipping, groups, rel=1e-7, floor=1e-12
     )
+
+
+@pytest.mark.parametrize("name", ["mpnet", "bart"])
+def test_shared_positions_in_micro_batches_of_one_match_oracle(name, recwarn):
+    """With one example a micro-batch, MPNet's expansion to the batch is no expansion: its bias meets the
+    batch in the in-place addition instead."""
+    torch.manual_seed(0)
+    model, loss, batch = SHARED_POSITIONS[name](torch.Generator().manual_seed(0))
+    check_clipped_step(model, loss, batch, [[0], [1], [2], [3]], "bk", "per_layer", rel=1e-7, floor=1e-12)
 
 
 def test_declared_shared_table_added_to_the_batch_matches_oracle():
@@ -205,9 +224,18 @@ def test_shared_tensor_never_meeting_the_batch_in_a_split_operation_is_refused()
 
 
 def test_shared_tensor_with_a_use_that_is_not_split_is_refused():
-    """Added (split) and concatenated with the batch (not split): the parts miss the concatenated use."""
-    with pytest.raises(VerificationError, match=r"layer 'bias' .* does not split .*cat"):
-        _bias_step("add_and_cat", 5)
+    """Added (split) and contracted with the batch in an einsum (not split): the parts miss that use."""
+    with pytest.raises(VerificationError, match=r"layer 'bias' .* does not split .*einsum"):
+        _bias_step("add_and_einsum", 5)
+
+
+@pytest.mark.parametrize("length", [4, 5])  # 4 = the batch size
+def test_shared_tensor_expanded_to_the_batch_matches_oracle(length):
+    """``table.expand(B, ...)`` is where it meets the batch: row i of the expansion is example i's, whatever
+    uses it afterwards (here a concatenation with the features)."""
+    delta, expected = _bias_step("expand_and_cat", length)
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-9, atol=1e-12)
 
 
 def test_shared_tensor_meeting_the_batch_with_two_sizes_is_refused():

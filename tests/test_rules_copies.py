@@ -106,3 +106,27 @@ def test_copies_are_looked_up_in_their_own_library_only():
 @pytest.mark.parametrize("factory", [gemma2, glm])
 def test_models_built_of_copies_need_no_fallback(factory):
     assert unsupported_modules(factory()) == {}
+
+
+def _wrapped_forward(cls: type) -> type:
+    """A decorator putting one wrapper function around each class's own forward (as transformers'
+    ``use_experts_implementation`` does): the wrappers share their code and differ in their closures."""
+    original = cls.forward
+
+    def forward(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    cls.forward = forward
+    return cls
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_wrappers_compare_the_functions_they_close_over(same):
+    other = SOURCE if same else SOURCE.replace("* scale", "* scale * 2")
+    assert is_copy(_wrapped_forward(_define(other)), _wrapped_forward(_define())) is same
+
+
+def test_zero_argument_super_reads_each_class_itself():
+    """``super()`` closes over ``__class__``, a different class in each copy: the same call all the same."""
+    source = SOURCE.replace("return self.weight", "return super().forward(x) if False else self.weight")
+    assert is_copy(_define(source), _define(source))

@@ -46,20 +46,21 @@ to one of its submodules, the argument becomes a shared tensor whose gradient is
 P`` exactly, for a table without ``padding_idx``); a frozen table's weight is only followed
 (:func:`follow`), so that the trainable layers it reaches still know their input is shared.
 
-How S and its batch-free descendants are followed: the output is returned as a :class:`SharedTensor`
-(a tensor subclass whose ``__torch_function__`` wraps the results of operations on it), for the training
-forwards the engine records only. S meets the batch at a broadcasting operation where X (its shape padded
-with leading 1s) has size 1 in dim 0 and the result does not, or another operand is an activation (needs a
-gradient and is no ``nn.Parameter``; with a micro-batch of one the expansion is to size 1), and at
-``X.repeat(r, 1, ..., 1)`` (a repetition along dim 0 only: DeBERTa-v2's ``query_layer.size(0) // heads``
-copies, expanded to (r, *X.shape) and flattened); other operations on X alone, with parameters (a Linear
-inside a shared layer) or with constants (a causal mask), keep it a SharedTensor. The batch size is never
-compared with anything here: whether dim 0 of the expanded tensors is the example index is established by
-the engine's verification: the size check of every use, the probe (row i of every output gradient scales by
-its example's weight ``v_i``) and check 2 (``sum_i v_i g_i`` of every parameter against autograd). On every
-backward, the per-example parts must also add up to the gradient autograd delivers to every node, so a use
-of a shared tensor that this module did not see (an operation it does not split) is refused, naming the
-operations.
+How S and its batch-free descendants are followed: the output is returned as a :class:`SharedTensor` (a tensor
+subclass whose ``__torch_function__`` wraps the results of operations on it), for the training forwards the
+engine records only. S meets the batch at a broadcasting operation where X (its shape padded with leading 1s)
+has size 1 in dim 0 and the result does not, or another operand is an activation (needs a gradient and is no
+``nn.Parameter``; with a micro-batch of one the expansion is to size 1), and at ``X.repeat(r, 1, ..., 1)`` (a
+repetition along dim 0 only: DeBERTa-v2's ``query_layer.size(0) // heads`` copies, expanded to (r, *X.shape)
+and flattened) and ``X.expand(b, ...)`` from size 1 in dim 0 (MPNet's one relative attention bias for all
+layers, expanded to the batch and then added to the scores in place; an in-place update of an activation by X
+is a meeting too); other operations on X alone, with parameters (a Linear inside a shared layer) or with
+constants (a causal mask), keep it a SharedTensor. The batch size is never compared with anything here:
+whether dim 0 of the expanded tensors is the example index is established by the engine's verification: the
+size check of every use, the probe (row i of every output gradient scales by its example's weight ``v_i``) and
+check 2 (``sum_i v_i g_i`` of every parameter against autograd). On every backward, the per-example parts must
+also add up to the gradient autograd delivers to every node, so a use of a shared tensor that this module did
+not see (an operation it does not split) is refused, naming the operations.
 
 Which layers produce shared outputs is declared by the type of the module that owns them
 (:func:`register_shared`, :func:`register_shared_weight`).
@@ -111,6 +112,8 @@ for _attention in ("LongT5Attention", "LongT5LocalAttention", "LongT5TransientGl
 for _family, _owner in (("bart", "BartDecoder"), ("mbart", "MBartDecoder"), ("plbart", "PLBartDecoder")):
     register_shared(f"transformers.models.{_family}.modeling_{_family}.{_owner}", "embed_positions")
 register_shared("transformers.models.biogpt.modeling_biogpt.BioGptModel", "embed_positions")
+# one relative attention bias for all layers, expanded to the batch and added to the scores in place
+register_shared("transformers.models.mpnet.modeling_mpnet.MPNetEncoder", "relative_attention_bias")
 register_shared("transformers.models.beit.modeling_beit.BeitLayer", "relative_position_bias")
 register_shared("transformers.models.beit.modeling_beit.BeitModel", "shared_position_bias")
 _DATA2VEC = "transformers.models.data2vec.modeling_data2vec_vision"
@@ -173,6 +176,16 @@ _ELEMENTWISE = {
     torch.Tensor.__truediv__,
     torch.Tensor.__rtruediv__,
 }
+_IN_PLACE = {  # an activation updated in place by a shared operand (MPNet's ``scores += position_bias``)
+    torch.Tensor.add_,
+    torch.Tensor.sub_,
+    torch.Tensor.mul_,
+    torch.Tensor.div_,
+    torch.Tensor.__iadd__,
+    torch.Tensor.__isub__,
+    torch.Tensor.__imul__,
+    torch.Tensor.__itruediv__,
+}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
 
 
@@ -194,7 +207,7 @@ def _target_shape(func: Callable, args: tuple, kwargs: dict[str, Any]) -> torch.
     """The shape a broadcasting operation gives its result (dims a shared operand may be expanded to), or
     None for an operation that is not split here."""
     tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
-    if func in _ELEMENTWISE:
+    if func in _ELEMENTWISE or func in _IN_PLACE:
         return torch.broadcast_shapes(*(t.shape for t in tensors))
     if func in _MATMUL and len(tensors) == 2 and min(t.dim() for t in tensors) >= 2:
         a, b = tensors
@@ -214,6 +227,18 @@ def _repeats(func: Callable, args: tuple, kwargs: dict[str, Any]) -> int | None:
     if len(counts) != args[0].dim() or any(int(c) != 1 for c in counts[1:]):
         return None
     return int(counts[0])
+
+
+def _expansion(func: Callable, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The sizes of ``X.expand(*sizes)`` where it expands dim 0 (of X's shape padded with leading 1s) from 1
+    to more (MPNet's ``bias.expand((bsz, -1, q, k))``), else None."""
+    if func is not torch.Tensor.expand or kwargs or len(args) < 2:
+        return None
+    sizes = tuple(args[1]) if len(args) == 2 and not isinstance(args[1], int) else tuple(args[1:])
+    x = args[0]
+    if len(sizes) < x.dim() or (len(sizes) == x.dim() and x.shape[0] != 1) or int(sizes[0]) in (-1, 1):
+        return None
+    return tuple(int(size) for size in sizes)
 
 
 class SharedOutput:
@@ -256,8 +281,9 @@ class SharedOutput:
         if parts is None:
             raise _refusal(
                 f"the output of layer {self.name!r} is shared by all examples but never met the batch in an "
-                f"operation the engine splits per example (elementwise arithmetic, torch.where, matmul, "
-                f"scaled_dot_product_attention with a bias broadcast over dim 0, repeat along dim 0)"
+                f"operation the engine splits per example (elementwise arithmetic, in place on an activation "
+                f"too, torch.where, matmul, scaled_dot_product_attention with a bias broadcast over dim 0, "
+                f"repeat or expand along dim 0)"
                 + (
                     f"; it was combined with per-example tensors in {sorted(set(self.unsplit))}"
                     * bool(self.unsplit)
@@ -370,6 +396,13 @@ def _met(lineage: Lineage, func: Callable, flat: list, shared: set[int], others:
     if repeats is not None and 0 in shared:
         x = args[0]
         return _meet(lineage, x.unsqueeze(0), repeats, "repeat").flatten(0, 1)
+    sizes = _expansion(func, args, kwargs)
+    if sizes is not None and 0 in shared:
+        x = args[0]
+        padded = x.reshape((1,) * (len(sizes) - x.dim()) + tuple(x.shape))
+        return _meet(lineage, padded, sizes[0], "expand").expand(sizes)
+    if func in _IN_PLACE and 0 in shared:
+        return None  # the shared tensor itself updated: no meeting
     target = _target_shape(func, args, kwargs)
     if target is None or len(target) == 0:
         return None

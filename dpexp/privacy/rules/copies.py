@@ -7,8 +7,11 @@ A class that is a *copy* of a registered one takes its rule: the same base class
 inherited method resolve to the same code) and, member by member, the same class body except ``__init__``:
 
 * every function defined in the class has the same bytecode, constants (nested code objects compared the
-  same way), names, arguments and defaults, and every global it reads is the same object in both modules
-  (``torch`` is; two module-level helpers of the same name are not, whatever their source);
+  same way), names, arguments and defaults, every global it reads is the same object in both modules
+  (``torch`` is; two module-level helpers of the same name are not, whatever their source), and every
+  variable it closes over is the same member (a decorator's wrapper, such as the ``forward`` that
+  transformers' ``use_experts_implementation`` puts on every experts class, is one code object whose
+  closure holds each class's own original ``forward``);
 * every other class attribute is equal.
 
 ``__init__`` may differ (the attributes it sets are read by the same code, under the same names, in both
@@ -36,6 +39,9 @@ _METADATA = {
     "__orig_bases__",
     "__parameters__",
 }
+
+
+_EMPTY = object()
 
 
 def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
@@ -73,7 +79,10 @@ def _globals_read(code: types.CodeType) -> set[str]:
     return names
 
 
-def _same_function(f: types.FunctionType, g: types.FunctionType) -> bool:
+Owners = tuple[type, type]  # the two classes compared: a ``__class__`` cell of each must hold its own
+
+
+def _same_function(f: types.FunctionType, g: types.FunctionType, owners: Owners) -> bool:
     if not _same_code(f.__code__, g.__code__):
         return False
     if f.__defaults__ != g.__defaults__ or f.__kwdefaults__ != g.__kwdefaults__:
@@ -84,18 +93,37 @@ def _same_function(f: types.FunctionType, g: types.FunctionType) -> bool:
         y = g.__globals__.get(name, getattr(builtins, name, missing))
         if x is not y:
             return False
-    return True
+    cells = zip(f.__code__.co_freevars, f.__closure__ or (), g.__closure__ or (), strict=True)
+    return all(_same_cell(name, a, b, owners) for name, a, b in cells)
 
 
-def _same_member(x: Any, y: Any) -> bool:
+def _same_cell(name: str, a: types.CellType, b: types.CellType, owners: Owners) -> bool:
+    """Two closure cells hold the same member (an empty cell only matches an empty one); the ``__class__``
+    cell of zero-argument ``super()`` holds each function's own class (their bases are the same)."""
+    try:
+        x = a.cell_contents
+    except ValueError:  # empty cell
+        x = _EMPTY
+    try:
+        y = b.cell_contents
+    except ValueError:
+        y = _EMPTY
+    if name == "__class__":
+        return x is owners[0] and y is owners[1]
+    return x is y or (x is not _EMPTY and y is not _EMPTY and _same_member(x, y, owners))
+
+
+def _same_member(x: Any, y: Any, owners: Owners) -> bool:
     if isinstance(x, (staticmethod, classmethod)) and type(x) is type(y):
         x, y = x.__func__, y.__func__
     if isinstance(x, property) and isinstance(y, property):
         pairs = [(x.fget, y.fget), (x.fset, y.fset), (x.fdel, y.fdel)]
-        return all(a is b or _same_member(a, b) for a, b in pairs)
+        return all(a is b or _same_member(a, b, owners) for a, b in pairs)
     if isinstance(x, types.FunctionType) or isinstance(y, types.FunctionType):
         return (
-            isinstance(x, types.FunctionType) and isinstance(y, types.FunctionType) and _same_function(x, y)
+            isinstance(x, types.FunctionType)
+            and isinstance(y, types.FunctionType)
+            and _same_function(x, y, owners)
         )
     try:
         return type(x) is type(y) and bool(x == y)
@@ -111,4 +139,5 @@ def is_copy(cls: type, reference: type) -> bool:
         return False
     own = {k: v for k, v in vars(cls).items() if k not in _METADATA}
     theirs = {k: v for k, v in vars(reference).items() if k not in _METADATA}
-    return own.keys() == theirs.keys() and all(_same_member(own[k], theirs[k]) for k in own)
+    owners = (cls, reference)
+    return own.keys() == theirs.keys() and all(_same_member(own[k], theirs[k], owners) for k in own)
