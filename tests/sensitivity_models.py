@@ -560,6 +560,8 @@ NEW_CASES = [
     "convnext",
     "convnextv2",
     "efficientnet_gn",
+    "nf_resnet",  # timm ScaledStdConv2d: scaled weight standardisation with a learnable gain
+    "bit",  # timm StdConv2d: weight standardisation
     "embedding_bag_rows_weighted",
     "embedding_bag_offsets_mean_padding",
     "layer_scale_dinov2",
@@ -652,7 +654,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "functional_linear":
         batch = {"x": _floats(gen, size, 6), "y": _labels(gen, size, 3)}
         return FunctionalLinearNet().double(), engine_models.classification_loss, batch, float_info
-    if name in ("convnext", "convnextv2", "efficientnet_gn"):  # timm CNNs: layer scale, GRN, LayerNorm2d...
+    if name in ("convnext", "convnextv2", "efficientnet_gn", "nf_resnet", "bit"):  # timm CNNs
         builder = timm_cnn_models.BUILDERS["efficientnet" if name == "efficientnet_gn" else name]
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return builder(), engine_models.classification_loss, batch, float_info

@@ -1,6 +1,6 @@
-"""timm CNN rules (LayerNorm2d, ConvNeXt layer scale, GroupNormAct) against the brute-force oracle: every
-strategy x clipping mode on tiny ConvNeXt and EfficientNet models (slow), one representative in the fast
-suite, and no module of these models on the torch.func fallback."""
+"""timm CNN rules (LayerNorm2d, ConvNeXt layer scale, GroupNormAct, StdConv2d, ScaledStdConv2d) against the
+brute-force oracle: every strategy x clipping mode on tiny ConvNeXt, EfficientNet, NF-ResNet and BiT models
+(slow), representatives in the fast suite, and no module of these models on the torch.func fallback."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ FAST = {
     ("convnext_conv_mlp", "instantiate", "groups"),
     ("convnextv2", "ghost", "per_layer"),
     ("convnextv2_conv_mlp", "bk", "flat"),
+    ("nf_resnet", "bk", "flat"),
+    ("nf_resnet", "ghost", "per_layer"),
+    ("nf_resnet", "instantiate", "groups"),
+    ("bit", "bk", "per_layer"),
+    ("bit", "ghost", "flat"),
 }
 
 
@@ -56,6 +61,29 @@ def test_timm_cnn_matches_oracle(name, strategy, clipping, groups):
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_every_module_has_a_rule(name):
     assert unsupported_modules(BUILDERS[name]()) == {}
+
+
+@pytest.mark.parametrize("norm_mode", ["ghost", "instantiate"])
+@pytest.mark.parametrize("name", ["nf_resnet", "bit"])
+def test_standardised_convolutions_match_oracle_in_both_norm_forms(name, norm_mode):
+    """The gain's gradient and the weight's norm share the recomputed responses (ghost form) or not
+    (instantiated): both exact, per-layer clipping at the median norms."""
+    model, loss_fn, batch = make_timm_case(name, batch_size=4)
+    grads = per_example_grads(model, loss_fn, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        groups = PrivacyEngine(
+            make_timm_case(name)[0], batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0,
+            clipping="per_layer",
+        ).groups  # fmt: skip
+    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=4)
+    delta, _ = engine_update(
+        model, loss_fn, batch, [[0, 1], [2, 3]], batch_size=4, clipping="per_layer", thresholds=thresholds,
+        max_grad_norm=1.0, norm_mode=norm_mode,
+    )  # fmt: skip
+    for param, want in expected.items():
+        torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-12)
 
 
 def test_group_norm_act_rule_covers_the_activation():
@@ -101,4 +129,15 @@ def test_group_norm_act_refuses_a_random_drop_layer():
 
     model = nn.Sequential(nn.Conv2d(2, 4, 3), GroupNormAct(4, num_groups=2, drop_layer=nn.Dropout))
     with pytest.raises(ValueError, match=r"GroupNormAct.*drop layer Dropout"):
+        PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_a_timm_standardised_convolution_with_another_padding_mode_is_refused():
+    """timm's StdConv2d calls F.conv2d, which pads with zeros whatever padding_mode says."""
+    from timm.layers import StdConv2d
+
+    conv = StdConv2d(3, 4, 3, padding=1)
+    conv.padding_mode = "reflect"  # not an argument of its constructor, but an attribute nn.Conv2d reads
+    model = nn.Sequential(conv, nn.Flatten(), nn.Linear(64, 2))
+    with pytest.raises(ValueError, match="pads with zeros whatever padding_mode says"):
         PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)

@@ -1,6 +1,7 @@
-"""Tiny float64 timm CNNs (ConvNeXt, ConvNeXt-V2, EfficientNet with GroupNorm) for the oracle and sensitivity
-tests: every module they hold has a per-example gradient rule (timm LayerNorm2d, ConvNeXt layer scale, Global
-Response Normalization, GroupNormAct, depthwise and squeeze-excite convolutions)."""
+"""Tiny float64 timm CNNs (ConvNeXt, ConvNeXt-V2, EfficientNet with GroupNorm, an NF-ResNet, a BiT ResNet-V2)
+for the oracle and sensitivity tests: every module they hold has a per-example gradient rule (timm
+LayerNorm2d, ConvNeXt layer scale, Global Response Normalization, GroupNormAct, depthwise and squeeze-excite
+convolutions, scaled and plain weight-standardised convolutions)."""
 
 from __future__ import annotations
 
@@ -63,12 +64,62 @@ def efficientnet() -> nn.Module:
     return model.double().eval()
 
 
+def _perturbed(model: nn.Module, seed: int) -> nn.Module:
+    """Gains, biases and the head drawn away from their constant or zero start (which would hide a wrong
+    rule), in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() <= 1 or name.endswith("gain") or "head" in name or "fc." in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.double().eval()
+
+
+def nf_resnet() -> nn.Module:
+    """A two-stage NF-ResNet (Brock et al. 2021; timm's NormFreeNet): ScaledStdConv2d everywhere (a learnable
+    gain per output channel, grouped 3x3 convolutions), squeeze-excite, no normalisation layer."""
+    from timm.models.nfnet import NfCfg, NormFreeNet
+
+    cfg = NfCfg(
+        depths=(1, 1),
+        channels=(8, 16),
+        stem_chs=8,
+        stem_type="",
+        group_size=4,
+        bottle_ratio=0.5,
+        attn_layer="se",
+        attn_kwargs={"rd_ratio": 0.5},
+        act_layer="silu",
+        num_features=16,
+    )
+    return _perturbed(NormFreeNet(cfg, num_classes=3, in_chans=3), 3)
+
+
+def bit() -> nn.Module:
+    """A two-stage BiT ResNet-V2 (Kolesnikov et al. 2020): timm's StdConv2d (weight standardisation) with
+    GroupNorm and activation."""
+    from timm.layers import GroupNormAct, StdConv2d
+    from timm.models.resnetv2 import ResNetV2
+
+    model = ResNetV2(
+        layers=(1, 1),
+        channels=(8, 16),
+        num_classes=3,
+        stem_chs=8,
+        conv_layer=partial(StdConv2d, eps=1e-8),
+        norm_layer=partial(GroupNormAct, num_groups=2),
+    )
+    return _perturbed(model, 4)
+
+
 BUILDERS = {
     "convnext": convnext,
     "convnext_conv_mlp": partial(convnext, conv_mlp=True),
     "convnextv2": partial(convnext, grn=True),
     "convnextv2_conv_mlp": partial(convnext, conv_mlp=True, grn=True),
     "efficientnet": efficientnet,
+    "nf_resnet": nf_resnet,
+    "bit": bit,
 }
 
 

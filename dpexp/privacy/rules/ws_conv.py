@@ -1,4 +1,6 @@
-"""Weight-standardised convolution (``dpexp.layers.WSConv2d``; De et al. 2022, used by He et al. A.1).
+"""Weight-standardised convolutions: ``dpexp.layers.WSConv2d`` (De et al. 2022, used by He et al. A.1), timm's
+``StdConv2d`` (BiT, Kolesnikov et al. 2020) and timm's ``ScaledStdConv2d`` (NF-ResNets and NFNets, Brock et
+al. 2021, sec. 3: scaled weight standardisation with a learnable gain per output channel).
 
 The convolution uses ``w_hat = (w - mean(w)) / s`` per output channel, ``s = sqrt(var(w) + eps)``, so the
 per-example gradient of the raw weight is ``J^T g_hat_i`` with ``g_hat_i`` the plain convolution's
@@ -17,6 +19,12 @@ where ``<a_t, w_hat_r>`` is the layer's own bias-free output and ``sum(a_t) = <a
 input's channel sum with a kernel of ones. The output is kept from the forward pass where a ghost form may be
 the cheapest (:func:`keeps_output`); where it was not kept, or was modified in place since, it is recomputed
 (one bias-free convolution of the input with ``w_hat``, costed as such).
+
+Scaled weight standardisation convolves with ``gamma_r w_hat_r``, ``gamma_r = gain_r * scale`` (``scale =
+gamma / sqrt(p)``): the per-example gradient with respect to ``w_hat_r`` is ``gamma_r`` times the plain
+convolution's, i.e. that of output gradients ``gamma_r dy_r``, and the gain's is
+``scale <w_hat_r, g'_{i,r}> = scale sum_t dy_{i,t,r} <a_{i,t}, w_hat_r>``, from the same responses
+``<a_t, w_hat_r>`` (recomputed once: the layer's output holds ``gamma_r`` times them).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dpexp.layers import WSConv2d, weight_standardization
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad, joined
@@ -36,9 +45,16 @@ class Standardized(PerExampleGrad):
     """``g_i = J^T g_hat_i`` with ``g_hat_i`` the plain convolution's per-example gradients."""
 
     def __init__(
-        self, inner: ConvWeightGrads, weight: torch.Tensor, eps: float, output: torch.Tensor | None = None
+        self,
+        inner: ConvWeightGrads,
+        weight: torch.Tensor,
+        eps: float,
+        output: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> None:
-        self.inner, self.shape, self.output = inner, weight.shape, output  # the layer's (B, C_out, *out)
+        """``output`` (B, C_out, *out), if known: ``<a_t, w_hat_r> + bias_r`` at every output position (the
+        layer's own output, or its responses and no ``bias``)."""
+        self.inner, self.shape, self.output, self.bias = inner, weight.shape, output, bias
         self.w_hat, self.s = weight_standardization(weight.detach(), eps)  # (C_out, p), (C_out, 1)
         self.p = self.w_hat.shape[1]
 
@@ -69,7 +85,7 @@ class Standardized(PerExampleGrad):
     def _select(self, keep: torch.Tensor) -> Standardized:
         module = self.inner.module
         output = None if self.output is None else self.output[keep]
-        return Standardized(self.inner.select(keep), module.weight, module.eps, output)
+        return Standardized(self.inner.select(keep), module.weight, module.eps, output, self.bias)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
@@ -85,8 +101,8 @@ class Standardized(PerExampleGrad):
         sums = conv(x.sum(1, keepdim=True), ones).flatten(1)
         if self.output is not None and self.output.dtype == dtype:
             projections = self.output.flatten(2)
-            if module.bias is not None:
-                projections = projections - module.bias.detach().to(dtype).unsqueeze(-1)
+            if self.bias is not None:
+                projections = projections - self.bias.detach().to(dtype).unsqueeze(-1)
         else:
             projections = conv(x, self.w_hat.to(dtype).view(self.shape)).flatten(2)
         return projections, sums
@@ -128,6 +144,15 @@ class Standardized(PerExampleGrad):
         return positions * (projections + kernel) + self.inner.x[0].numel()
 
 
+def responses(module: nn.Conv2d, x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
+    """``<a_t, w_hat_r>`` at every output position, (B, C_out, *out): the bias-free convolution of ``x`` with
+    the standardised weight (C_out, p)."""
+    x, padding = explicitly_padded(module, x)
+    return F.conv2d(
+        x, w_hat.view(module.weight.shape), None, module.stride, padding, module.dilation, module.groups
+    )
+
+
 def keeps_output(module: WSConv2d, x: torch.Tensor, output: torch.Tensor) -> bool:
     """Whether a ghost form may be this call's cheapest norm (the output has the output gradient's shape)
     and the output has the precision the norm is computed in (not under autocast): only then is it worth
@@ -138,12 +163,44 @@ def keeps_output(module: WSConv2d, x: torch.Tensor, output: torch.Tensor) -> boo
     return probe.has_ghost_form and probe.norm_method("auto") != "instantiate"
 
 
+def check_functional_conv(module: nn.Conv2d) -> None:
+    """timm's standardised convolutions call ``F.conv2d`` with the module's padding, whatever its
+    ``padding_mode``: only zero padding is the same computation as the rule's."""
+    check_conv(module)
+    if module.padding_mode != "zeros":
+        raise ValueError(
+            f"{type(module).__name__}: its forward pads with zeros whatever padding_mode says "
+            f"({module.padding_mode!r}); set padding_mode='zeros' to train it privately."
+        )
+
+
 @register_rule(WSConv2d, check=check_conv, keep_output=keeps_output)
+@register_rule("timm.layers.std_conv.StdConv2d", check=check_functional_conv, keep_output=keeps_output)
 def ws_conv_grads(
-    module: WSConv2d, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
+    module: nn.Conv2d, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
 ) -> dict[str, PerExampleGrad]:
+    weight = Standardized(ConvWeightGrads(module, x, dy), module.weight, module.eps, output, module.bias)
+    grads: dict[str, PerExampleGrad] = {"weight": weight}
+    if module.bias is not None:
+        grads["bias"] = Dense(dy.flatten(2).sum(2))
+    return grads
+
+
+@register_rule("timm.layers.std_conv.ScaledStdConv2d", check=check_functional_conv)
+def scaled_ws_conv_grads(module: nn.Conv2d, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """Scaled weight standardisation (module docstring): the weight's gradients are those of
+    :class:`Standardized` for output gradients ``gamma_r dy_r``, the gain's
+    ``scale sum_t dy_t <a_t, w_hat_r>``, both from the responses, computed once."""
+    dtype = torch.promote_types(module.weight.dtype, torch.float32)
+    w_hat, _ = weight_standardization(module.weight.detach(), module.eps)
+    response = responses(module, x.to(dtype), w_hat.to(dtype))  # (B, C_out, *out)
+    channels = (1, -1, *[1] * (dy.dim() - 2))
+    gamma = (module.gain.detach().flatten() * module.scale).to(dy.dtype).view(channels)
+    inner = ConvWeightGrads(module, x, dy * gamma)
+    gain = module.scale * torch.einsum("brt,brt->br", dy.to(dtype).flatten(2), response.flatten(2))
     grads: dict[str, PerExampleGrad] = {
-        "weight": Standardized(ConvWeightGrads(module, x, dy), module.weight, module.eps, output)
+        "weight": Standardized(inner, module.weight, module.eps, response),
+        "gain": Dense(gain.view(-1, *module.gain.shape)),
     }
     if module.bias is not None:
         grads["bias"] = Dense(dy.flatten(2).sum(2))
