@@ -34,6 +34,8 @@ FAST = {
     ("nf_resnet", "instantiate", "groups"),
     ("bit", "bk", "per_layer"),
     ("bit", "ghost", "flat"),
+    ("std_conv_same", "bk", "per_layer"),
+    ("std_conv_same", "instantiate", "flat"),
 }
 
 

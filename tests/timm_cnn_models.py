@@ -112,6 +112,24 @@ def bit() -> nn.Module:
     return _perturbed(model, 4)
 
 
+class SameConvs(nn.Module):
+    """timm's ``*Same`` standardised convolutions (TensorFlow SAME padding, uneven at stride 2 with an even
+    kernel), scaled ones grouped; for 9x9 images, whatever the case's size."""
+
+    def __init__(self) -> None:
+        from timm.layers import ScaledStdConv2dSame, StdConv2dSame
+
+        super().__init__()
+        self.a = ScaledStdConv2dSame(3, 4, 3, stride=2)
+        self.b = StdConv2dSame(4, 6, 4, stride=2, bias=True)
+        self.c = ScaledStdConv2dSame(6, 6, 2, groups=2)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.interpolate(x, size=(9, 9))
+        return self.head(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))).mean((2, 3)))
+
+
 BUILDERS = {
     "convnext": convnext,
     "convnext_conv_mlp": partial(convnext, conv_mlp=True),
@@ -120,6 +138,7 @@ BUILDERS = {
     "efficientnet": efficientnet,
     "nf_resnet": nf_resnet,
     "bit": bit,
+    "std_conv_same": lambda: _perturbed(SameConvs(), 5),
 }
 
 

@@ -1,6 +1,7 @@
 """Weight-standardised convolutions: ``dpexp.layers.WSConv2d`` (De et al. 2022, used by He et al. A.1), timm's
 ``StdConv2d`` (BiT, Kolesnikov et al. 2020) and timm's ``ScaledStdConv2d`` (NF-ResNets and NFNets, Brock et
-al. 2021, sec. 3: scaled weight standardisation with a learnable gain per output channel).
+al. 2021, sec. 3: scaled weight standardisation with a learnable gain per output channel), each also in
+timm's ``*Same`` form (TensorFlow's SAME padding, applied to the input first as the module does).
 
 The convolution uses ``w_hat = (w - mean(w)) / s`` per output channel, ``s = sqrt(var(w) + eps)``, so the
 per-example gradient of the raw weight is ``J^T g_hat_i`` with ``g_hat_i`` the plain convolution's
@@ -174,11 +175,27 @@ def check_functional_conv(module: nn.Conv2d) -> None:
         )
 
 
+def same_padded(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """The input as timm's ``*Same`` convolutions pad it in their forward (TensorFlow's SAME: the padding
+    depends on the input's size, the extra pixel at the end), by timm's own ``pad_same``; else ``x``."""
+    if not getattr(module, "same_pad", False):
+        return x
+    from timm.layers.padding import pad_same
+
+    return pad_same(x, module.kernel_size, module.stride, module.dilation)
+
+
+_TIMM = "timm.layers.std_conv"
+
+
 @register_rule(WSConv2d, check=check_conv, keep_output=keeps_output)
-@register_rule("timm.layers.std_conv.StdConv2d", check=check_functional_conv, keep_output=keeps_output)
+@register_rule(
+    f"{_TIMM}.StdConv2d", f"{_TIMM}.StdConv2dSame", check=check_functional_conv, keep_output=keeps_output
+)
 def ws_conv_grads(
     module: nn.Conv2d, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
 ) -> dict[str, PerExampleGrad]:
+    x = same_padded(module, x)
     weight = Standardized(ConvWeightGrads(module, x, dy), module.weight, module.eps, output, module.bias)
     grads: dict[str, PerExampleGrad] = {"weight": weight}
     if module.bias is not None:
@@ -186,11 +203,12 @@ def ws_conv_grads(
     return grads
 
 
-@register_rule("timm.layers.std_conv.ScaledStdConv2d", check=check_functional_conv)
+@register_rule(f"{_TIMM}.ScaledStdConv2d", f"{_TIMM}.ScaledStdConv2dSame", check=check_functional_conv)
 def scaled_ws_conv_grads(module: nn.Conv2d, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Scaled weight standardisation (module docstring): the weight's gradients are those of
     :class:`Standardized` for output gradients ``gamma_r dy_r``, the gain's
     ``scale sum_t dy_t <a_t, w_hat_r>``, both from the responses, computed once."""
+    x = same_padded(module, x)
     dtype = torch.promote_types(module.weight.dtype, torch.float32)
     w_hat, _ = weight_standardization(module.weight.detach(), module.eps)
     response = responses(module, x.to(dtype), w_hat.to(dtype))  # (B, C_out, *out)
