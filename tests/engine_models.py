@@ -253,6 +253,29 @@ class InPlaceResidual(nn.Module):
         return self.fc(torch.tanh(h))
 
 
+class ScalarGain(nn.Module):
+    """A residual branch scaled by a 0-dim gain it owns (ReZero, NFNet's ``skipinit_gain``): no rule, the
+    fallback; called twice, so the gain's two uses meet in a cross term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.gain = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gain * torch.tanh(self.fc(x))
+
+
+class ScalarGainNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = ScalarGain()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.block(x)))
+
+
 def falcon() -> nn.Module:
     """Tiny random Hugging Face Falcon: ``FalconLinear`` layers (``x @ W.T``), parallel attention and MLP,
     and the MLP's output changed in place by the residual."""
@@ -304,6 +327,43 @@ def glm() -> nn.Module:
     return _decoder(GlmConfig, GlmForCausalLM)
 
 
+def _routed(model: nn.Module) -> nn.Module:
+    """``model`` with its experts on the eager forward (grouped_mm has no float64 kernel on the CPU) and its
+    routers' weights drawn at scale 0.5, so that the routing (and its gradient) differs visibly by token."""
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.weight.normal_(0.0, 0.5)
+    return model
+
+
+def mixtral() -> nn.Module:
+    """Tiny random Mixtral: sparse MoE blocks that flatten (B, T, d) to B*T rows, a router (softmax in
+    float32, top 2 of 4 experts, renormalised) and experts with 3-D weights (dpexp.privacy.rules.moe)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _routed(_decoder(MixtralConfig, MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2))
+
+
+def qwen2_moe() -> nn.Module:
+    """Tiny random Qwen2-MoE: its router's top 2 of 4 experts not renormalised (``norm_topk_prob=False``),
+    the experts a copy of Mixtral's (dpexp.privacy.rules.copies), a gated shared expert (plain Linear layers
+    on the flattened rows)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return _routed(
+        _decoder(
+            Qwen2MoeConfig,
+            Qwen2MoeForCausalLM,
+            moe_intermediate_size=12,
+            shared_expert_intermediate_size=20,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
+
+
 def vit(distilled: bool = False, **kwargs) -> nn.Module:
     """timm's VisionTransformer: cls_token/pos_embed owned by the model itself (the token rule), timm
     LayerNorm. Dropout before the tap is harmless, but the oracle's loop needs a deterministic forward.
@@ -345,6 +405,12 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
             "y": torch.randint(0, 3, (batch_size,), generator=gen),
         }
         return ScaledInput().double(), classification_loss, batch
+    if name == "scalar_gain":
+        batch = {
+            "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
+            "y": torch.randint(0, 3, (batch_size,), generator=gen),
+        }
+        return ScalarGainNet().double(), classification_loss, batch
     if name == "fallback_inplace":
         batch = {
             "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
@@ -409,6 +475,7 @@ CASES = [
     "gpt2_lora",
     "fallback",
     "fallback_inplace",
+    "scalar_gain",
     "vit",
     "vit_registers",
     "deit_distilled",

@@ -499,6 +499,7 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "mlp": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "fallback": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "fallback_inplace": {"float_inputs": ("x",), "class_label": ("y", 3)},
+    "scalar_gain": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "vit": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "vit_registers": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "deit_distilled": {"float_inputs": ("x",), "class_label": ("y", 3)},
@@ -578,6 +579,8 @@ NEW_CASES = [
     "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
     "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
     "beit_relative_shared",  # HF BEiT's relative position table read whole, one for all layers
+    "mixtral",  # MoE routers and 3-D expert weights on (B*T) flattened rows, folded with their routing
+    "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -588,6 +591,10 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     """Model, unweighted loss, batch and neighbour information of one of ``NEW_CASES``."""
     # sequence lengths: equal to the micro-batch size b where the case is about T == b, else b + 2
     length = size if name.endswith("len_eq_batch") else size + 2
+    if name in ("mixtral", "qwen2_moe"):
+        model = engine_models.mixtral() if name == "mixtral" else engine_models.qwen2_moe()
+        batch = engine_models._padded_text(size, 8, 40, gen)
+        return model, engine_models.lm_loss, batch, {"padding": LM_PADDING}
     if name.startswith("llama"):
         model = llama(tied=name == "llama_tied")
         return (

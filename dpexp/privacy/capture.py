@@ -499,9 +499,14 @@ class Capture:
         layer = use.layer
         if layer.rule is not None:
             x = use.args if layer.rule.call is not None or layer.rule.numbered_tap else use.args[0]
-            if fold > 1:  # of a call layout's tuple, entry 0 (the main input) is the one folded
+            if fold > 1:  # of a call layout's tuple, the main input and the entries of its rows are folded
                 unfold = partial(torch.Tensor.unflatten, dim=0, sizes=(dy.shape[0], fold))
-                x = (unfold(x[0]), *x[1:]) if isinstance(x, tuple) else unfold(x)
+                rows = layer.rule.call.rows if layer.rule.call is not None else (0,)
+                x = (
+                    tuple(unfold(t) if i in rows else t for i, t in enumerate(x))
+                    if isinstance(x, tuple)
+                    else unfold(x)
+                )
             kept = {} if layer.rule.keep_output is None else {"output": use.kept_output()}
             grads = layer.rule.per_example_grads(layer.module, x, dy, **kept)
             missing = set(layer.params) - set(grads)

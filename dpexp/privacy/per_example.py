@@ -25,7 +25,10 @@ or O(B L R) for one layer at a time, and both forms are exact.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -138,7 +141,7 @@ class PerExampleGrad(ABC):
         """``||g_i||^2`` for each example, shape (B,) (a fused reduction per chunk: no squared temporary)."""
         return torch.cat(
             [
-                torch.linalg.vector_norm(accurate(chunk).flatten(1), dim=1).square()
+                torch.linalg.vector_norm(accurate(chunk).reshape(len(chunk), -1), dim=1).square()
                 for chunk in self.per_example_chunks()
             ]
         )
@@ -146,7 +149,7 @@ class PerExampleGrad(ABC):
     def dot(self, other: PerExampleGrad) -> torch.Tensor:
         """``<g_i, g'_i>`` for each example, shape (B,): the cross term of a parameter used twice."""
         a, b = accurate(self.instantiate()), accurate(other.instantiate())
-        return (a.flatten(1) * b.flatten(1)).sum(1)
+        return (a.reshape(len(a), -1) * b.reshape(len(b), -1)).sum(1)  # (B,): a scalar parameter's too
 
 
 class Dense(PerExampleGrad):
@@ -299,6 +302,198 @@ class Outer(PerExampleGrad):
         """``sum_{t,s} <l_t, l'_s> <r_t, r'_s>`` per example (Li et al. 2022, eq. 2, with two factors)."""
         right_gram = torch.bmm(accurate(self.right), accurate(other.right).transpose(1, 2))
         return (_left_gram(self, other, right_gram.dtype) * right_gram).sum((1, 2))
+
+
+@dataclass
+class _Pairs:
+    """:class:`Routed`'s rows grouped by (example, expert) pair, pairs largest first."""
+
+    sizes: list[int]  # rows of each pair (on the host: chunk sizes and padding)
+    example: torch.Tensor  # (P,) each pair's example
+    expert: torch.Tensor  # (P,) each pair's expert
+    row_rank: torch.Tensor  # (n,) the rank of each row's pair
+    position: torch.Tensor  # (n,) each row's position within its pair
+    order: torch.Tensor  # (n,) the rows in pair order
+
+
+class Routed(PerExampleGrad):
+    """A mixture-of-experts weight W (E, L, R): ``G_i[e] = sum_r left_r (x) right_r`` over the rows r of
+    example i routed to expert e, one row per (token, slot) of top-k routing (Shazeer et al. 2017; Outer's
+    factorisation, Bu et al. 2023, eq. 2, expert by expert).
+
+    ``left`` (n, L) and ``right`` (n, R) are the rows' factors, ``expert`` and ``example`` (n,) their expert
+    and example; rows are kept sorted by (expert, example). The norm groups the rows by *pair* (example,
+    expert): pair p's block of the gradient is ``L_p^T R_p``, its squared norm the ghost norm
+    ``<L_p L_p^T, R_p R_p^T>`` (``m^2 (L + R)`` for m rows) or ``||L_p^T R_p||^2`` instantiated (``m L R``),
+    whichever is cheaper (:func:`ghost_is_cheaper` at m), i.e. the masked Gram
+    ``sum_{r,r'} [e_r = e_r'] <l_r, l_r'> <x_r, x_r'>`` without the E-fold waste of masking. Pairs are
+    padded to the longest of their chunk (sorted by size, so the padding stays small) and processed in
+    chunks that hold at most the factors' own ``n (L + R)`` values (or one pair); no dense one-hot (E L)
+    factor is formed. The clipped sum is one matmul per expert over its rows scaled by their examples'
+    factors, ``n L R``: what the non-private weight gradient costs. Nothing is retained (no
+    :meth:`held_extra_values`): the sum is formed from the factors.
+    """
+
+    def __init__(
+        self,
+        left: torch.Tensor,
+        right: torch.Tensor,
+        expert: torch.Tensor,
+        example: torch.Tensor,
+        batch_size: int,
+        shape: torch.Size | tuple[int, ...],
+    ) -> None:
+        self.shape, self._batch_size = torch.Size(shape), batch_size
+        key = expert * batch_size + example
+        self._order: torch.Tensor | None = None  # the permutation that sorted the rows given, if any
+        if key.numel() > 1 and not bool((key[1:] >= key[:-1]).all()):
+            self._order = order = torch.argsort(key, stable=True)
+            left, right, expert, example, key = (
+                left[order],
+                right[order],
+                expert[order],
+                example[order],
+                key[order],
+            )
+        self.left, self.right, self.expert, self.example = left, right, expert, example
+        self.counts = torch.bincount(key, minlength=self.shape[0] * batch_size)  # rows per (expert, example)
+        self._routing: dict[str, _Pairs] = {}  # the pairs, once computed; shared with siblings
+
+    def sibling(self, left: torch.Tensor, right: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> Routed:
+        """Another weight's gradient in the same call (``down_proj`` beside ``gate_up_proj``): rows in the
+        order given to this one's constructor, the same routing, whose pairs are then grouped once."""
+        if self._order is not None:
+            left, right = left[self._order], right[self._order]
+        other = copy.copy(self)
+        other.left, other.right, other.shape = left, right, torch.Size(shape)
+        return other
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    def _pairs(self) -> _Pairs:
+        """The (example, expert) pairs that have rows, largest first (computed once)."""
+        if "pairs" not in self._routing:
+            keys = self.counts.nonzero().squeeze(1)
+            sizes = self.counts[keys]
+            device = sizes.device
+            row_pair = torch.repeat_interleave(torch.arange(len(keys), device=device), sizes)
+            position = torch.arange(len(row_pair), device=device) - (sizes.cumsum(0) - sizes)[row_pair]
+            by_size = torch.argsort(sizes, descending=True, stable=True)
+            rank = torch.empty_like(by_size)
+            rank[by_size] = torch.arange(len(by_size), device=device)
+            row_rank = rank[row_pair]
+            keys = keys[by_size]
+            self._routing["pairs"] = _Pairs(
+                sizes[by_size].tolist(),
+                keys % self.batch_size,
+                keys // self.batch_size,
+                row_rank,
+                position,
+                torch.argsort(row_rank, stable=True),
+            )
+        return self._routing["pairs"]
+
+    def _pair_blocks(self, mode: NormMode) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, bool]]:
+        """Chunks of pairs (a slice of the largest-first order) with their rows padded to the chunk's
+        longest, ``(pairs, m, L)`` and ``(pairs, m, R)``, and whether the chunk takes the ghost norm."""
+        pairs = self._pairs()
+        sizes, row_rank, position, order = pairs.sizes, pairs.row_rank, pairs.position, pairs.order
+        left_size, right_size = self.left.shape[1], self.right.shape[1]
+        budget = len(order) * (left_size + right_size)
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        first = 0
+        while first < len(sizes):
+            m = sizes[first]
+            ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(m, left_size, right_size))
+            per_pair = m * (left_size + right_size) + (2 * m * m if ghost else left_size * right_size)
+            last = min(len(sizes), first + max(1, budget // per_pair))
+            rows = order[starts[first] : starts[last]]
+            at = (row_rank[rows] - first, position[rows])
+            padded = []
+            for factor in (self.left, self.right):
+                block = factor.new_zeros(last - first, m, factor.shape[1])
+                block[at] = factor[rows]
+                padded.append(block)
+            yield slice(first, last), padded[0], padded[1], ghost
+            first = last
+
+    def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
+        """``||G_i||^2 = sum_e ||G_i[e]||^2``, pair by pair (ghost or instantiated, see the class)."""
+        example = self._pairs().example
+        out = None
+        for chunk, left, right, ghost in self._pair_blocks(mode):
+            left, right = accurate(left), accurate(right)
+            if ghost:
+                grams = torch.bmm(left, left.transpose(1, 2)) * torch.bmm(right, right.transpose(1, 2))
+                value = grams.sum((1, 2))
+            else:
+                blocks = torch.bmm(left.transpose(1, 2), right)
+                value = torch.linalg.vector_norm(blocks.flatten(1), dim=1).square()
+            if out is None:
+                out = value.new_zeros(self.batch_size)
+            out.index_add_(0, example[chunk], value)
+        return accurate(self.left.new_zeros(self.batch_size)) if out is None else out
+
+    def instantiate(self) -> torch.Tensor:
+        pairs = self._pairs()
+        low = _same_precision(self.left[:0], self.right[:0])[0]  # the dtype the products are formed in
+        out = low.new_zeros(self.batch_size, *self.shape)
+        for chunk, block_left, block_right, _ in self._pair_blocks("instantiate"):
+            block_left, block_right = _same_precision(block_left, block_right)
+            out[pairs.example[chunk], pairs.expert[chunk]] = torch.bmm(
+                block_left.transpose(1, 2), block_right
+            )
+        return out
+
+    def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
+        """``sum_i c_i G_i``: per expert, its rows (contiguous) scaled by their examples' ``c_i``."""
+        left, right = _same_precision(self.left, self.right)
+        scale = coef.to(left.dtype)[self.example][:, None]
+        if left.shape[1] < right.shape[1]:  # scale the narrower factor
+            left = left * scale
+        else:
+            right = right * scale
+        out = left.new_zeros(self.shape)
+        per_expert = self.counts.view(self.shape[0], self.batch_size).sum(1).tolist()
+        for e, (rows_left, rows_right) in enumerate(
+            zip(left.split(per_expert), right.split(per_expert), strict=True)
+        ):
+            if len(rows_left):
+                out[e] = rows_left.T @ rows_right
+        return out
+
+    def _select(self, keep: torch.Tensor) -> Routed:
+        rows = keep[self.example]
+        renumbered = keep.long().cumsum(0) - 1
+        return Routed(
+            self.left[rows],
+            self.right[rows],
+            self.expert[rows],
+            renumbered[self.example[rows]],
+            int(keep.sum()),
+            self.shape,
+        )
+
+    def dot(self, other: PerExampleGrad) -> torch.Tensor:
+        """``<G_i, G'_i> = (||G_i + G'_i||^2 - ||G_i||^2 - ||G'_i||^2) / 2`` for another use of the same
+        weight (a layer called twice), the sum's rows being both uses' rows: no instantiation."""
+        if not (
+            isinstance(other, Routed) and other.shape == self.shape and other.batch_size == self.batch_size
+        ):
+            return super().dot(other)
+        both = Routed(
+            *(torch.cat(pair) for pair in zip(self._factors(), other._factors(), strict=True)),
+            self.batch_size,
+            self.shape,
+        )
+        return (both.norm_sq() - self.norm_sq() - other.norm_sq()) / 2
+
+    def _factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.left, self.right, self.expert, self.example
 
 
 CACHED_VALUES = 2**20

@@ -47,10 +47,17 @@ class CallLayout:
     tensor (B, N), the ``dy`` the engine checks and the rule receives. ``grads`` follows the outputs
     flattened in order (nested tuples unpacked): a tensor output that does not reach the loss has gradient
     zero, an output that is not a tensor (``attn_weights=None``) None.
+
+    ``rows``: the entries of that tuple whose dim 0 is the main input's rows, row for row (a mixture of
+    experts' ``top_k_index`` and ``top_k_weights`` go with its flattened tokens). For a ``position_wise``
+    rule whose main input arrives flattened to (b*T, ...), the engine folds these entries to (b, T, ...)
+    with it, on the strength of the same probe (:class:`LayerRule`); the layout refuses a call whose
+    entries do not share the main input's leading size.
     """
 
     inputs: Callable[[nn.Module, tuple, dict[str, Any]], tuple]
     output_grad: Callable[[nn.Module, list[torch.Tensor | None]], torch.Tensor]
+    rows: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     grn,
     layer_scale,
     linear,
+    moe,
     norm,
     norm_act,
     recurrent,

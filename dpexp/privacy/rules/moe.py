@@ -1,0 +1,305 @@
+"""Mixture-of-experts layers of Hugging Face transformers 5.x: the top-k routers (``MixtralTopKRouter``,
+``Qwen2MoeTopKRouter`` and their copies: MiniMax; Qwen3-MoE, OLMoE, FlexOlmo, Qwen3-Next, ...) and the
+experts (``MixtralExperts`` and its copies in some 60 model files: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, ...),
+whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I).
+
+A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
+``z_t = W x_t`` (E,), probabilities ``softmax(z_t)`` in float32 and their top k, the scores ``s_t``
+(renormalised to sum 1 where the module does) with their experts ``e_{t,1..k}`` (Shazeer et al. 2017; Jiang
+et al. 2024).
+The experts return ``y_t = sum_j s_{t,j} D_e (act(G_e x_t) * U_e x_t)`` with ``e = e_{t,j}``,
+``[G_e; U_e] = gate_up_proj[e]`` and ``D_e = down_proj[e]``. Both act on each row alone: the engine folds the
+N rows to (B, T) once its probe establishes that rows [i*T, (i+1)*T) are example i's, and folds the routing
+inputs ``top_k_index``, ``top_k_weights`` (N, k) with them (:attr:`CallLayout.rows`).
+
+Experts: for every (token, slot) row r = (t, j) routed to expert e, with ``g_r, u_r`` the halves of
+``gate_up_proj[e] x_t`` and ``h_r = act(g_r) * u_r``,
+
+    d down_proj[e] = sum_r (s_r dy_t) (x) h_r,
+    d gate_up_proj[e] = sum_r [act'(g_r) * u_r * dh_r ; act(g_r) * dh_r] (x) x_t,   dh_r = D_e^T (s_r dy_t),
+
+example i's gradient the sum over its rows (:class:`~dpexp.privacy.per_example.Routed`). The rule recomputes
+each expert's projections of its rows from the captured inputs (one matmul per expert, as the eager forward)
+and the gated activation's backward by autograd through the module's own ``act_fn``, whatever kernel the
+module dispatches to (``config._experts_implementation``: eager, or grouped_mm / batched_mm, which compute
+the same function in another order; rows routed to the expert-parallel sentinel E are skipped, as eager
+skips them).
+
+Router: ``dW_i = sum_t dz_t (x) x_t`` (an :class:`~dpexp.privacy.per_example.Outer`), ``dz_t`` the captured
+gradient of the logits plus that of the scores taken back through the softmax, top-k and renormalisation,
+recomputed from the logits as the module computes them (the same shapes and precision, so the same
+routing; under autocast the matmuls in autocast's dtype, recorded at the call) and differentiated by
+autograd.
+
+Refused at the call, with the fix: router jitter noise in training (the experts read it from their config),
+an activation not known to act elementwise, parameters other than the weights (biases), another experts
+implementation, or grouped_mm / batched_mm on a non-default layout (transposed, interleaved, biased,
+post-expert norm, expert parallel), inputs other than (N, d) rows with (N, k) routing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy.per_example import Outer, PerExampleGrad, Routed
+from dpexp.privacy.rules import CallLayout, refuse, register_rule
+
+MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
+QWEN2_MOE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
+
+ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
+    f"transformers.activations.{name}"
+    for name in (
+        "SiLUActivation",
+        "GELUActivation",
+        "GELUTanh",
+        "NewGELUActivation",
+        "FastGELUActivation",
+        "QuickGELUActivation",
+        "AccurateGELUActivation",
+        "ClippedGELUActivation",
+        "ReLUSquaredActivation",
+        "LaplaceActivation",
+        "LinearActivation",
+        "MishActivation",
+        "SqrtSoftplusActivation",
+    )
+} | {
+    f"torch.nn.modules.activation.{name}"
+    for name in ("SiLU", "GELU", "ReLU", "ReLU6", "LeakyReLU", "Tanh", "Sigmoid", "Hardswish", "Mish")
+}
+IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")  # None: the module's own (eager) forward
+DEFAULT_LAYOUT = {  # what grouped_mm / batched_mm assume to compute the eager forward's function
+    "has_gate": True,
+    "has_bias": False,
+    "is_transposed": False,
+    "is_concatenated": True,
+    "has_post_expert_norm": False,
+    "_is_expert_parallel": False,
+}
+
+
+def _qualified(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _extra_parameters(module: nn.Module, own: tuple[str, ...]) -> str | None:
+    extra = sorted(name for name, _ in module.named_parameters() if name not in own)
+    return None if not extra else f"it has parameters {extra} besides {list(own)}"
+
+
+# ---------------------------------------------------------------------------------------------- experts
+def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
+    """(reason, fix) if the experts rule cannot reproduce ``module``'s forward, else None."""
+    extra = _extra_parameters(module, ("gate_up_proj", "down_proj"))
+    if extra is not None:
+        return extra, "Freeze the experts or remove the extra parameters (biases)."
+    act = module.act_fn
+    if _qualified(act) not in ELEMENTWISE or any(True for _ in act.parameters()):
+        return (
+            f"its activation {type(act).__name__} is not one it knows to act elementwise",
+            f"Use one of {sorted(name.rsplit('.', 1)[1] for name in ELEMENTWISE)}, or freeze the experts.",
+        )
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_experts_implementation", None)
+    if implementation not in IMPLEMENTATIONS:
+        return (
+            f"experts implementation {implementation!r} may compute another function than the eager forward",
+            "Set model.set_experts_implementation('eager') (or 'grouped_mm', 'batched_mm').",
+        )
+    if implementation not in (None, "eager"):
+        from transformers.integrations.moe import _default_apply_gate
+
+        changed = {k: getattr(module, k, v) for k, v in DEFAULT_LAYOUT.items() if getattr(module, k, v) != v}
+        if changed or getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+            return (
+                f"under {implementation!r} its layout {changed or 'custom _apply_gate'} departs from the "
+                "eager forward the rule recomputes",
+                "Set model.set_experts_implementation('eager'), or freeze the experts.",
+            )
+    if module.training and getattr(config, "router_jitter_noise", 0.0):
+        return (
+            f"router jitter noise ({config.router_jitter_noise}) rescales the block's input at random, in "
+            "place, in training, a forward the rule is not tested on",
+            "Set router_jitter_noise = 0 before building the model, or freeze the router and the experts.",
+        )
+    return None
+
+
+def _check_experts(module: nn.Module) -> None:
+    refusal = _experts_refusal(module)
+    refuse(module, "mixture-of-experts", "experts module", *(refusal or (None, "")))
+
+
+def experts_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(hidden_states (N, d), top_k_index (N, k), top_k_weights (N, k), compute dtype)`` of one call."""
+    refusal = _experts_refusal(module)
+    if refusal is not None:
+        raise ValueError(
+            f"the privacy engine's mixture-of-experts rule cannot handle it: {refusal[0]}. {refusal[1]}"
+        )
+    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    call.apply_defaults()
+    x, index, weights = list(call.arguments.values())[1:]
+    shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in (x, index, weights)]
+    if not (
+        torch.is_tensor(x)
+        and torch.is_tensor(index)
+        and torch.is_tensor(weights)
+        and x.dim() == 2
+        and index.dim() == 2
+        and weights.shape == index.shape
+        and index.shape[0] == x.shape[0]
+        and not index.is_floating_point()
+        and weights.is_floating_point()
+    ):
+        raise ValueError(
+            f"got hidden_states, top_k_index, top_k_weights of shapes {shapes}; the privacy engine's "
+            "mixture-of-experts rule needs (N, d) rows with (N, k) routing. Call the experts as the sparse "
+            "MoE block does."
+        )
+    return x, index, weights, _compute_dtype(x)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the call's matmuls run in: autocast's where it is on (the rules run in the backward pass,
+    outside it, and recompute in this dtype explicitly), else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _first_output(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    return grads[0]
+
+
+def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """``gate_up_proj`` and ``down_proj`` of one call, see the module docstring. ``x`` is
+    :func:`experts_inputs`' tuple, its tensors (b, T, ...) folded or (b, ...) with one row per example, ``dy``
+    likewise; the recomputation runs in the call's compute dtype."""
+    hidden, index, weights, dtype = x
+    batch, width = hidden.shape[0], hidden.shape[-1]
+    rows = hidden.detach().reshape(-1, width).to(dtype)  # (N, d), N = b*T in example-major order
+    length = rows.shape[0] // batch
+    index = index.reshape(rows.shape[0], -1)
+    slots = index.shape[1]
+    flat = index.reshape(-1)
+    routed = (flat < module.num_experts).nonzero().squeeze(1)  # the sentinel expert E is skipped
+    expert, order = torch.sort(flat[routed], stable=True)  # by expert, tokens in order within each
+    slot = routed[order]
+    token = slot // slots
+    sizes = torch.bincount(expert, minlength=module.num_experts).tolist()
+    inputs = rows[token]  # (n, d)
+    gate_up, down = module.gate_up_proj.detach().to(dtype), module.down_proj.detach().to(dtype)
+    projected = inputs.new_empty(len(token), gate_up.shape[1])
+    for e, (a, out) in enumerate(zip(inputs.split(sizes), projected.split(sizes), strict=True)):
+        torch.mm(a, gate_up[e].T, out=out)  # F.linear(x, gate_up_proj[e]) on the expert's rows
+    # s_r dy_t, in the precision in which the eager forward multiplies the expert's output by its weight
+    scaled = (dy.reshape(-1, width)[token] * weights.reshape(-1)[slot, None]).to(dtype)
+    with torch.enable_grad():
+        leaf = projected.requires_grad_()
+        gate, up = leaf.chunk(2, dim=-1)
+        activated = module.act_fn(gate) * up
+    hidden_grad = scaled.new_empty(activated.shape)
+    for e, (g, out) in enumerate(zip(scaled.split(sizes), hidden_grad.split(sizes), strict=True)):
+        torch.mm(g, down[e], out=out)  # the down projection's backward to its input
+    (projected_grad,) = torch.autograd.grad(activated, leaf, hidden_grad)
+    gate_up_grad = Routed(projected_grad, inputs, expert, token // length, batch, module.gate_up_proj.shape)
+    return {
+        "gate_up_proj": gate_up_grad,
+        "down_proj": gate_up_grad.sibling(scaled, activated.detach(), module.down_proj.shape),
+    }
+
+
+register_rule(
+    f"{MIXTRAL}.MixtralExperts",
+    check=_check_experts,
+    position_wise=True,
+    call=CallLayout(experts_inputs, _first_output, rows=(0, 1, 2)),
+    copies=True,
+)(experts_grads)
+
+
+# ---------------------------------------------------------------------------------------------- routers
+def mixtral_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``MixtralTopKRouter``'s scores from its logits (N, E): softmax in float32, top k, renormalised."""
+    probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+    top, _ = torch.topk(probs, module.top_k, dim=-1)
+    top /= top.sum(dim=-1, keepdim=True)
+    return top
+
+
+def qwen2_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``Qwen2MoeTopKRouter``'s scores: softmax in float32, top k, renormalised if ``norm_topk_prob``, cast
+    back to the logits' dtype."""
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    top, _ = torch.topk(probs, module.top_k, dim=-1)
+    if module.norm_topk_prob:
+        top /= top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype)
+
+
+def _check_router(module: nn.Module) -> None:
+    refuse(
+        module,
+        "mixture-of-experts",
+        "router",
+        _extra_parameters(module, ("weight",)),
+        "Freeze the router or remove the extra parameters (biases).",
+    )
+
+
+def router_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(hidden_states, compute dtype)``, the states as the (N, d) rows the router computes on (it flattens
+    them itself)."""
+    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    call.apply_defaults()
+    (hidden,) = list(call.arguments.values())[1:]
+    return hidden.reshape(-1, module.hidden_dim), _compute_dtype(hidden)
+
+
+def router_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """The gradients of ``(router_logits (N, E), router_scores (N, k))`` as one (N, E + k) tensor, in the
+    wider of their dtypes (so that each converts back exactly)."""
+    logits, scores = grads[0], grads[1]
+    dtype = torch.promote_types(logits.dtype, scores.dtype)
+    return torch.cat([logits.to(dtype), scores.to(dtype)], dim=-1)
+
+
+def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> Callable:
+    """The router rule for a module whose scores come from its logits by ``scores_of``."""
+
+    def router_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+        hidden, dtype = x
+        batch, width = hidden.shape[0], hidden.shape[-1]
+        rows = hidden.detach().reshape(-1, width)  # the module's (N, d)
+        experts = module.weight.shape[0]
+        dy = dy.reshape(rows.shape[0], -1)
+        with torch.enable_grad():
+            logits = F.linear(rows.to(dtype), module.weight.detach().to(dtype)).requires_grad_()
+            scores = scores_of(module, logits)
+        (through_scores,) = torch.autograd.grad(scores, logits, dy[:, experts:].to(scores.dtype))
+        logits_grad = dy[:, :experts].to(logits.dtype) + through_scores
+        left = logits_grad.view(batch, -1, experts)
+        return {"weight": Outer(left, rows.view(batch, -1, width), module.weight.shape, experts)}
+
+    return router_grads
+
+
+ROUTERS = {
+    f"{MIXTRAL}.MixtralTopKRouter": mixtral_scores,
+    f"{QWEN2_MOE}.Qwen2MoeTopKRouter": qwen2_moe_scores,
+}
+for _name, _scores in ROUTERS.items():
+    register_rule(
+        _name,
+        check=_check_router,
+        position_wise=True,
+        call=CallLayout(router_inputs, router_output_grad),
+        copies=True,
+    )(router_rule(_scores))

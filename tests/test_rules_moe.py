@@ -1,0 +1,203 @@
+"""Mixture-of-experts layers (dpexp.privacy.rules.moe): the per-example form of 3-D expert weights
+(``Routed``) against instantiation, tiny Mixtral and Qwen2-MoE against the brute-force oracle in every
+strategy x clipping mode (float64, eager experts; float32 under the grouped_mm and batched_mm kernels), the
+routers' recomputation against the modules, the copies that take the rules, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.capture import unsupported_modules
+from dpexp.privacy.per_example import Routed
+from dpexp.privacy.rules import moe, rule_for
+from tests.engine_models import _padded_text, lm_loss, mixtral, qwen2_moe
+from tests.oracle import SETTINGS, check_clipped_step
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+
+MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
+
+
+# ---------------------------------------------------------------------------------------------- Routed
+def _routed(seed: int = 0, batch: int = 5, experts: int = 4, rows: int = 40, shape=(6, 7)) -> tuple:
+    """A ``Routed`` of random rows (example ``batch - 1`` has none; rows in random order, one pair much
+    longer than the others so that norms take several chunks) and its instantiation by a loop."""
+    gen = torch.Generator().manual_seed(seed)
+    left = torch.randn(rows, shape[0], generator=gen, dtype=torch.float64)
+    right = torch.randn(rows, shape[1], generator=gen, dtype=torch.float64)
+    expert = torch.randint(0, experts, (rows,), generator=gen)
+    example = torch.randint(0, batch - 1, (rows,), generator=gen)
+    expert[:12], example[:12] = 2, 1  # one long pair
+    dense = torch.zeros(batch, experts, *shape, dtype=torch.float64)
+    for r in range(rows):
+        dense[example[r], expert[r]] += torch.outer(left[r], right[r])
+    return Routed(left, right, expert, example, batch, (experts, *shape)), dense
+
+
+def test_routed_instantiates_each_examples_expert_blocks():
+    grad, dense = _routed()
+    torch.testing.assert_close(grad.instantiate(), dense, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "instantiate", "auto"])
+def test_routed_norms_both_ways_equal_instantiation(mode):
+    grad, dense = _routed()
+    assert len(list(grad._pair_blocks(mode))) > 1  # padded chunks of pairs, largest first
+    torch.testing.assert_close(grad.norm_sq(mode), dense.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
+
+
+def test_routed_weighted_sum_select_sibling_and_cross_term():
+    grad, dense = _routed()
+    coef = torch.rand(5, dtype=torch.float64)
+    torch.testing.assert_close(grad.weighted_sum(coef), torch.einsum("b,b...->...", coef, dense))
+    keep = torch.tensor([True, False, True, True, True])
+    torch.testing.assert_close(grad.select(keep).instantiate(), dense[keep])
+    other, other_dense = _routed(seed=1)
+    torch.testing.assert_close(grad.dot(other), (dense * other_dense).flatten(1).sum(1))
+    # a sibling takes rows in the order given to the first one's constructor, and its routing
+    gen = torch.Generator().manual_seed(0)
+    left, right = (
+        torch.randn(40, 3, generator=gen, dtype=torch.float64),
+        torch.randn(40, 2, dtype=torch.float64),
+    )
+    expert, example = torch.randint(0, 4, (40,), generator=gen), torch.randint(0, 5, (40,), generator=gen)
+    first = Routed(left, right, expert, example, 5, (4, 3, 2))
+    assert first._order is not None  # the rows were sorted
+    sibling = first.sibling(2 * left, right, (4, 3, 2))
+    torch.testing.assert_close(sibling.instantiate(), 2 * first.instantiate())
+
+
+# ---------------------------------------------------------------------------------------------- models
+def _routing_spreads(model: nn.Module, batch: dict) -> None:
+    """Some expert gets rows of several examples and some example reaches several experts (first block)."""
+    seen = {}
+
+    def record(module, args, output):
+        seen["index"] = output[2]
+
+    handle = model.model.layers[0].mlp.gate.register_forward_hook(record)
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    handle.remove()
+    index = seen["index"].view(len(batch["input_ids"]), -1)
+    examples_per_expert = [len({int(i) for i in (index == e).nonzero()[:, 0]}) for e in range(4)]
+    assert max(examples_per_expert) > 1 and min(len(set(row.tolist())) for row in index) > 1
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("strategy,clipping,groups", SETTINGS)
+def test_moe_models_match_oracle(name, strategy, clipping, groups):
+    """Float64, eager experts; padded text, two micro-batches, thresholds at the median group norm."""
+    model = MODELS[name]()
+    batch = _padded_text(6, 8, 40, torch.Generator().manual_seed(0))
+    _routing_spreads(model, batch)
+    check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, groups, rel=1e-8)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_moe_models_match_oracle_under_kernels(name, implementation):
+    """The kernels have no float64 on the CPU (grouped_mm): float32, where the rules' eager recomputation
+    and the kernels' order of operations agree to float32 rounding."""
+    model = MODELS[name]().float()
+    model.set_experts_implementation(implementation)
+    batch = _padded_text(6, 8, 40, torch.Generator().manual_seed(0))
+    check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], "bk", "per_layer", rel=2e-3, floor=1e-6)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_no_module_is_left_to_the_fallback(name):
+    assert unsupported_modules(MODELS[name]()) == {}
+
+
+def test_copies_of_the_mixtral_and_qwen2_moe_classes_take_their_rules():
+    from transformers import OlmoeConfig, Qwen3MoeConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeExperts, OlmoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
+
+    small = {"hidden_size": 8, "intermediate_size": 8, "num_experts": 4, "num_experts_per_tok": 2}
+    olmoe, qwen3 = OlmoeConfig(**small), Qwen3MoeConfig(**small, moe_intermediate_size=8)
+    experts_rule = rule_for(mixtral().model.layers[0].mlp.experts)
+    for experts in (OlmoeExperts(olmoe), Qwen3MoeExperts(qwen3)):
+        assert rule_for(experts) is experts_rule
+    qwen2_router = rule_for(qwen2_moe().model.layers[0].mlp.gate)
+    for router in (OlmoeTopKRouter(olmoe), Qwen3MoeTopKRouter(qwen3)):
+        assert rule_for(router) is qwen2_router
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("qualified", list(moe.ROUTERS))
+def test_router_scores_are_the_modules(qualified, norm_topk_prob):
+    """The rule's recomputation from the logits gives the module's scores exactly (float64 model: its
+    softmax in float32)."""
+    import importlib
+
+    module_name, _, name = qualified.rpartition(".")
+    config = type("Config", (), {"num_experts_per_tok": 2, "num_local_experts": 5, "num_experts": 5})()
+    config.hidden_size, config.norm_topk_prob = 6, norm_topk_prob
+    router = getattr(importlib.import_module(module_name), name)(config).double()
+    with torch.no_grad():
+        router.weight.normal_()
+        x = torch.randn(11, 6, dtype=torch.float64)
+        _, scores, _ = router(x)
+        assert torch.equal(moe.ROUTERS[qualified](router, F.linear(x, router.weight)), scores)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def _engine(model: nn.Module) -> PrivacyEngine:
+    return PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0)
+
+
+class Softmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.softmax(-1)
+
+
+def _biased(model: nn.Module) -> None:
+    experts = model.model.layers[0].mlp.experts
+    experts.down_proj_bias = nn.Parameter(torch.zeros(4, 16, dtype=torch.float64))
+
+
+def _jitter_in_training(model: nn.Module) -> None:
+    model.config.router_jitter_noise = 0.1
+    model.train()
+
+
+def _transposed_grouped(model: nn.Module) -> None:
+    model.set_experts_implementation("grouped_mm")
+    model.model.layers[0].mlp.experts.is_transposed = True
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda m: setattr(m.model.layers[0].mlp.experts, "act_fn", Softmax()), "activation Softmax"),
+        (_biased, "down_proj_bias"),
+        (_jitter_in_training, "jitter"),
+        (_transposed_grouped, "is_transposed"),
+    ],
+    ids=["activation", "bias", "jitter", "transposed"],
+)
+def test_what_the_rules_cannot_reproduce_is_refused_at_construction(change, message):
+    model = mixtral()
+    change(model)
+    with pytest.raises(ValueError, match=f"MixtralExperts.*{message}"):
+        _engine(model)
+
+
+def test_another_experts_implementation_is_refused_at_the_call(monkeypatch):
+    from transformers.integrations.moe import ExpertsInterface, batched_mm_experts_forward
+
+    monkeypatch.setitem(ExpertsInterface._global_mapping, "custom", batched_mm_experts_forward)
+    model = mixtral()
+    _engine(model)
+    model.config._experts_implementation = "custom"  # registered by a user, set after the engine was built
+    batch = _padded_text(2, 6, 40, torch.Generator().manual_seed(0))
+    with pytest.raises(
+        ValueError, match=r"layer .model\.layers\.0\.mlp\.experts. .*.custom.*set_experts_impl"
+    ):
+        lm_loss(model, batch)
