@@ -393,30 +393,18 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
     """(model, loss_fn, batch) for the named architecture."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    if name == "mlp":
+    on_vectors = {  # models of 6 features and 3 classes
+        "mlp": MLP,
+        "fallback": ScaledInput,
+        "scalar_gain": ScalarGainNet,
+        "fallback_inplace": InPlaceResidual,
+    }
+    if name in on_vectors:
         batch = {
             "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
             "y": torch.randint(0, 3, (batch_size,), generator=gen),
         }
-        return MLP().double(), classification_loss, batch
-    if name == "fallback":
-        batch = {
-            "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
-            "y": torch.randint(0, 3, (batch_size,), generator=gen),
-        }
-        return ScaledInput().double(), classification_loss, batch
-    if name == "scalar_gain":
-        batch = {
-            "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
-            "y": torch.randint(0, 3, (batch_size,), generator=gen),
-        }
-        return ScalarGainNet().double(), classification_loss, batch
-    if name == "fallback_inplace":
-        batch = {
-            "x": torch.randn(batch_size, 6, generator=gen, dtype=torch.float64),
-            "y": torch.randint(0, 3, (batch_size,), generator=gen),
-        }
-        return InPlaceResidual().double(), classification_loss, batch
+        return on_vectors[name]().double(), classification_loss, batch
     if name in ("vit", "vit_registers", "deit_distilled"):
         batch = {
             "x": torch.randn(batch_size, 3, 8, 8, generator=gen, dtype=torch.float64),
