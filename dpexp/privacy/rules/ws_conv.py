@@ -55,7 +55,7 @@ class Standardized(PerExampleGrad):
     ) -> None:
         """``output`` (B, C_out, *out), if known: ``<a_t, w_hat_r> + bias_r`` at every output position (the
         layer's own output, or its responses and no ``bias``)."""
-        self.inner, self.shape, self.output, self.bias = inner, weight.shape, output, bias
+        self.inner, self.shape, self.output, self.bias, self.eps = inner, weight.shape, output, bias, eps
         self.w_hat, self.s = weight_standardization(weight.detach(), eps)  # (C_out, p), (C_out, 1)
         self.p = self.w_hat.shape[1]
 
@@ -64,9 +64,12 @@ class Standardized(PerExampleGrad):
         return self.inner.batch_size
 
     def _vjp(self, u: torch.Tensor) -> torch.Tensor:
-        """``J^T u`` for u of shape (..., C_out, p)."""
-        proj = torch.einsum("...rp,rp->...r", u, self.w_hat).unsqueeze(-1) / self.p
-        return (u - u.mean(-1, keepdim=True) - self.w_hat * proj) / self.s
+        """``J^T u`` for u of shape (..., C_out, p): row r is ``u_r / s_r`` plus ``w_hat_r`` and a constant,
+        each times a per-row factor (two fused passes writing the result, not five)."""
+        proj = torch.einsum("...rp,rp->...r", u, self.w_hat).unsqueeze(-1)
+        inv_s = 1 / self.s
+        out = torch.addcmul(u.mean(-1, keepdim=True) * -inv_s, u, inv_s)
+        return out.addcmul_(self.w_hat, proj * (-inv_s / self.p))
 
     def instantiate(self) -> torch.Tensor:
         return joined(self.instantiate_chunks())
@@ -135,7 +138,8 @@ class Standardized(PerExampleGrad):
             squares, total, proj = (torch.cat(column) for column in zip(*stats, strict=True))
             scaled = (squares / s.pow(2)).sum(-1)
         self.output = None  # read by the norm only: not held while the group waits for its clipped sum
-        coeff = (w_hat.pow(2).sum(-1) / self.p**2 - 2 / self.p) / s.pow(2)
+        # ||w_hat_r||^2 = p var_r / s_r^2 = p (s_r^2 - eps) / s_r^2: (||w_hat_r||^2 / p^2 - 2 / p) / s_r^2 is
+        coeff = -(s.pow(2) + self.eps) / (self.p * s.pow(4))
         return scaled + (-total.pow(2) / self.p / s.pow(2) + proj.pow(2) * coeff).sum(-1)
 
     def _ghost_extra(self, dtype: torch.dtype) -> int:
@@ -210,16 +214,12 @@ def scaled_ws_conv_grads(module: nn.Conv2d, x: torch.Tensor, dy: torch.Tensor) -
     ``scale sum_t dy_t <a_t, w_hat_r>``, both from the responses, computed once."""
     x = same_padded(module, x)
     dtype = torch.promote_types(module.weight.dtype, torch.float32)
-    w_hat, _ = weight_standardization(module.weight.detach(), module.eps)
-    response = responses(module, x.to(dtype), w_hat.to(dtype))  # (B, C_out, *out)
     channels = (1, -1, *[1] * (dy.dim() - 2))
     gamma = (module.gain.detach().flatten() * module.scale).to(dy.dtype).view(channels)
-    inner = ConvWeightGrads(module, x, dy * gamma)
-    gain = module.scale * torch.einsum("brt,brt->br", dy.to(dtype).flatten(2), response.flatten(2))
-    grads: dict[str, PerExampleGrad] = {
-        "weight": Standardized(inner, module.weight, module.eps, response),
-        "gain": Dense(gain.view(-1, *module.gain.shape)),
-    }
+    weight = Standardized(ConvWeightGrads(module, x, dy * gamma), module.weight, module.eps)
+    weight.output = responses(module, x.to(dtype), weight.w_hat.to(dtype))  # (B, C_out, *out), no bias
+    gain = torch.einsum("brt,brt->br", dy.to(dtype).flatten(2), weight.output.flatten(2)) * module.scale
+    grads: dict[str, PerExampleGrad] = {"weight": weight, "gain": Dense(gain.view(-1, *module.gain.shape))}
     if module.bias is not None:
         grads["bias"] = Dense(dy.flatten(2).sum(2))
     return grads
