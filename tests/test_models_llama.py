@@ -114,13 +114,15 @@ def test_llama_refuses_classification_tasks() -> None:
         tiny_llama().build(TaskInfo("sst2", "classification", num_labels=2, vocab_size=100))
 
 
-def test_private_run_of_llama_tiny(tmp_path: Path, compose_config, without_meteor) -> None:
-    """model=llama_tiny as composed by python -m dpexp.train (narrowed): one private step on E2E-format
-    files, every layer on a rule (no torch.func fallback), the tokenizer in the run record."""
+@pytest.mark.parametrize("option", ["llama_tiny", "mixtral_tiny"])
+def test_private_run_of_llama_tiny(tmp_path: Path, compose_config, without_meteor, option: str) -> None:
+    """model=llama_tiny (and its mixture-of-experts form, mixtral_tiny) as composed by python -m dpexp.train
+    (narrowed): one private step on E2E-format files, every layer on a rule (no torch.func fallback), the
+    tokenizer in the run record."""
     write_e2e_csv(tmp_path / "data" / "e2e" / "devset.csv")
     write_e2e_csv(tmp_path / "data" / "e2e" / "testset_w_refs.csv", E2E_ROWS[::-1])
     overrides = [
-        "task=e2e", "model=llama_tiny", f"data.root={tmp_path / 'data'}", "clip=bk", "optim=adam", "steps=1",
+        "task=e2e", f"model={option}", f"data.root={tmp_path / 'data'}", "clip=bk", "optim=adam", "steps=1",
         "batch_size=4", "physical_batch_size=2", "progress=false", "eval_every=null", "task.max_new_tokens=4",
         "task.eval_max_inputs=2", "task.num_beams=2", "model.config.num_hidden_layers=1",
         "model.config.hidden_size=16", "model.config.intermediate_size=24",
@@ -128,11 +130,9 @@ def test_private_run_of_llama_tiny(tmp_path: Path, compose_config, without_meteo
     ]  # fmt: skip
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")
-        record = run_training(
-            compose_config(overrides), tmp_path / "run", {"task": "e2e", "model": "llama_tiny"}
-        )
+        record = run_training(compose_config(overrides), tmp_path / "run", {"task": "e2e", "model": option})
     assert record["status"] == "completed" and record["steps_done"] == 1 and math.isfinite(record["nll"])
-    assert record["model"] == "llama_tiny"
+    assert record["model"] == option
     assert record["tokenizer"]["name"] == MINILM and record["tokenizer"]["fixed_without_training_data"]
 
 

@@ -93,6 +93,8 @@ DIGITS_INFO = TaskInfo("digits", "classification", num_labels=10, input_shape=(1
         ({"model_name": "efficientnet_b0", "norm_layer": "group_norm"}, CIFAR_INFO),
         ({"model_name": "efficientnet_b0", "norm_layer": "group_norm"}, DIGITS_INFO),
         ({"model_name": "mobilenetv2_050", "norm_layer": "group_norm"}, CIFAR_INFO),
+        ({"model_name": "nf_resnet26"}, CIFAR_INFO),  # conf/model/nf_resnet26.yaml
+        ({"model_name": "resnetv2_50x1_bit"}, CIFAR_INFO),  # conf/model/bit_resnet50.yaml
     ],
     ids=[
         "convnext-cifar10",
@@ -101,6 +103,8 @@ DIGITS_INFO = TaskInfo("digits", "classification", num_labels=10, input_shape=(1
         "efficientnet-cifar10",
         "efficientnet-digits",
         "mnv2",
+        "nf-resnet-cifar10",
+        "bit-cifar10",
     ],
 )
 def test_timm_cnns_build_without_batchnorm_and_every_module_ruled(kwargs, info) -> None:
