@@ -368,6 +368,7 @@ def test_fallback_suite_models_have_exactly_the_named_rule_less_modules() -> Non
         "nf_resnet": set(),  # ScaledStdConv2d has a rule now (stop 44)
         "gemma": set(),  # GemmaTextScaledWordEmbedding has a rule now (stop 44)
         "mixtral": set(),  # MixtralTopKRouter and MixtralExperts have rules now (stop 44)
+        "dm_nfnet": {"NormFreeBlock"},  # its skipinit_gain: the fallback
     }
     cfg = _compose("bench_suite=fallbacks")
     assert set(cfg.bench_suite.models) == set(expected)
