@@ -275,6 +275,13 @@ def differentiable_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, d
     return tuple(alias(a) for a in args), {k: alias(v) for k, v in kwargs.items()}, probed
 
 
+# the fix for a layer whose output has no example dimension, in every refusal that names it
+DECLARE_SHARED = (
+    "declare a layer whose output is shared by all examples and meets the batch later with "
+    "dpexp.privacy.shared.register_shared"
+)
+
+
 def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
     """The captured input is unchanged since the call, and dim 0 of input and output gradient has the batch
     size b, or b*T for a position-wise rule (a flattened (B*T, ..., F) input, e.g. OPT's MLP); returns the
@@ -315,9 +322,8 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
         cause = (
             "its input is batch-first but its output does not follow the input's rows: the layer computed "
             "it from something else, e.g. position ids of batch size 1 passed by keyword (BioGPT's "
-            "embed_positions), and it is broadcast over the batch later. Declare a layer whose output is "
-            "shared by all examples and meets the batch later with dpexp.privacy.shared.register_shared, "
-            "make its output batch-first, or freeze its parameters."
+            f"embed_positions), and it is broadcast over the batch later. Make its output batch-first, "
+            f"{DECLARE_SHARED}, or freeze its parameters."
         )
     elif rows == 1:
         cause = (
@@ -330,8 +336,7 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
             "explain: an input flattened to (B*T, ...) cannot be folded back per example by a rule that "
             "acts on whole examples (or by the fallback), and a tensor without an example dimension "
             "(positions arange(T), broadcast over the batch later) needs its layer declared shared. Keep "
-            "its input batch-first, declare a layer whose output is shared by all examples and meets the "
-            "batch later with dpexp.privacy.shared.register_shared, or freeze its parameters."
+            f"its input batch-first, {DECLARE_SHARED}, or freeze its parameters."
         )
     else:
         cause = (
@@ -716,9 +721,7 @@ class Verifier:
                 "gradient depends on other examples' losses, so dim 0 of its input and output is not the "
                 "example index (a time-major or flattened tensor whose leading size happens to equal the "
                 "batch size, a tensor shared by all examples, or examples mixed after this layer). Make the "
-                "layer's input batch-first and per-example, declare a layer whose output is shared by all "
-                "examples and meets the batch later with dpexp.privacy.shared.register_shared, or freeze "
-                "its parameters."
+                f"layer's input batch-first and per-example, {DECLARE_SHARED}, or freeze its parameters."
             )
 
     def add_engine_sums(self, use: Use, grads: Mapping[str, PerExampleGrad]) -> None:

@@ -108,7 +108,7 @@ class Standardized(PerExampleGrad):
             if self.bias is not None:
                 projections = projections - self.bias.detach().to(dtype).unsqueeze(-1)
         else:
-            projections = conv(x, self.w_hat.to(dtype).view(self.shape)).flatten(2)
+            projections = responses(module, self.inner.x.to(dtype), self.w_hat.to(dtype)).flatten(2)
         return projections, sums
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
