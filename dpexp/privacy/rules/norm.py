@@ -65,8 +65,9 @@ def group_norm_grads(module: nn.GroupNorm, x: torch.Tensor, dy: torch.Tensor) ->
     dtype = torch.promote_types(torch.promote_types(x.dtype, dy.dtype), torch.float32)
     x, dy = x.to(dtype).reshape(1, b * c, positions), dy.to(dtype).reshape(1, b * c, positions)
     _, mean, rstd = torch.ops.aten.native_group_norm(x, None, None, 1, b * c, positions, groups, module.eps)
+    ones = x.new_ones(b * c)  # the weight does not enter dw and db; torch 2.11's backward needs a tensor
     _, dw, db = torch.ops.aten.native_group_norm_backward(
-        dy, x, mean, rstd, None, 1, b * c, positions, groups, [False, True, True]
+        dy, x, mean, rstd, ones, 1, b * c, positions, groups, [False, True, True]
     )
     grads: dict[str, PerExampleGrad] = {}
     if module.weight is not None:
