@@ -67,7 +67,7 @@ def exactness(device: torch.device) -> list[dict]:
                     model, loss_fn, batch, micro, batch_size=size, clipping=clipping, groups=groups,
                     strategy=strategy, thresholds=thresholds, max_grad_norm=1.0,
                 )  # fmt: skip
-                errors = [(delta[n] - want).norm() / want.norm().clamp_min(1e-12) for n, want in expected.items()]
+                errors = [(delta[n] - w).norm() / w.norm().clamp_min(1e-12) for n, w in expected.items()]
                 row["max_rel_error"] = float(max(errors))
             except Exception as err:  # recorded, and the script fails
                 row["error"] = f"{type(err).__name__}: {err}"[:500]
@@ -103,8 +103,8 @@ def sensitivity(device: torch.device) -> list[dict]:
         reference, loss64, batch64 = _on(device, case, torch.float64)
         grads = per_example_grads(reference, loss64, batch64)
         for clipping in ("flat", "per_layer"):
-            partition = _partition(reference, clipping, None)
-            thresholds = (group_norms(grads, partition).min(0).values / 10).tolist()
+            groups = _partition(reference, clipping, None)
+            thresholds = (group_norms(grads, groups).min(0).values / 10).tolist()
             for precision, tf32 in modes:
                 row = {"case": case, "clipping": clipping, "precision": precision}
                 try:
@@ -119,7 +119,7 @@ def sensitivity(device: torch.device) -> list[dict]:
                                 model, loss_fn, one, [[0]], batch_size=1, clipping=clipping,
                                 thresholds=thresholds, max_grad_norm=1.0,
                             )  # fmt: skip
-                            squares = [sum(float(delta[n].double().square().sum()) for n in g) for g in partition]
+                            squares = [sum(float(delta[n].double().norm()) ** 2 for n in g) for g in groups]
                             ratios = [s**0.5 / c for s, c in zip(squares, thresholds, strict=True)]
                             worst = max(worst, *ratios)
                             whole = max(whole, (sum(squares) / sum(c * c for c in thresholds)) ** 0.5)
