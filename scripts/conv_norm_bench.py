@@ -1,6 +1,7 @@
 """Per-layer cost of a convolution's per-example gradient norms on WRN-16-4's layer shapes (CIFAR-10).
 
-    python scripts/conv_norm_bench.py [--batch 64] [--repeats 3] [--threads 1] [--max-seconds 3]
+    python scripts/conv_norm_bench.py [--batch 64] [--repeats 3] [--threads 1] [--max-seconds 3] \
+        [--device cpu]
 
 For every distinct layer shape, milliseconds (minimum over ``repeats``) of each way to the squared norms in
 :class:`dpexp.privacy.rules.conv.ConvWeightGrads`: ``instantiate`` (batch-grouped weight-gradient
@@ -41,13 +42,20 @@ WRN16_4 = [
 METHODS = ("instantiate", "unfold", "pixels")
 
 
-def best_ms(fn: Callable[[], object], repeats: int, max_seconds: float) -> float:
-    """Minimum wall time of ``fn`` in ms over ``repeats`` runs (one if the first exceeds ``max_seconds``)."""
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def best_ms(fn: Callable[[], object], repeats: int, max_seconds: float, device: torch.device) -> float:
+    """Minimum wall time of ``fn`` in ms over ``repeats`` runs (one if the first exceeds ``max_seconds``),
+    the device's kernels included."""
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = _now(device)
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(_now(device) - start)
         if times[0] > max_seconds:
             break
     return 1e3 * min(times)
@@ -59,10 +67,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-seconds", type=float, default=3.0)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"batch {args.batch}, {args.threads} thread(s), float32, ms (min of {args.repeats})\n")
+    where = args.device if args.device != "cpu" else f"{args.threads} thread(s)"
+    print(f"batch {args.batch}, {where}, float32, ms (min of {args.repeats})\n")
     header = [
         "C_in",
         "C_out",
@@ -83,11 +93,12 @@ def main() -> None:
 
 def row(c_in: int, c_out: int, k: int, stride: int, size: int, layers: int, args: argparse.Namespace) -> str:
     """One layer shape's line of the table."""
-    conv = nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, bias=False)
-    x = torch.randn(args.batch, c_in, size, size)
+    device = torch.device(args.device)
+    conv = nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, bias=False, device=device)
+    x = torch.randn(args.batch, c_in, size, size, device=device)
     dy = torch.randn_like(conv(x).detach())
     grads = ConvWeightGrads(conv, x, dy)
-    kernels = torch.randn(c_out + 1, c_in, k, k)
+    kernels = torch.randn(c_out + 1, c_in, k, k, device=device)
     runs: dict[str, Callable[[], object]] = {
         "instantiate": lambda: grads.norm_sq("instantiate"),
         "unfold": lambda: grads.ghost_norm_sq(dy, "unfold"),
@@ -95,7 +106,7 @@ def row(c_in: int, c_out: int, k: int, stride: int, size: int, layers: int, args
         "wgrad": lambda: _weight_grad(conv, x, dy, 1, conv.weight.shape),
         "responses": lambda: F.conv2d(x, kernels, None, stride, k // 2),
     }
-    ms = {name: best_ms(fn, args.repeats, args.max_seconds) for name, fn in runs.items()}
+    ms = {name: best_ms(fn, args.repeats, args.max_seconds, device) for name, fn in runs.items()}
     costs = grads.norm_costs()
     rate = ms["instantiate"] / costs["instantiate"]
     model = " / ".join(f"{rate * costs[m]:.0f}" for m in METHODS)

@@ -7,8 +7,10 @@ steps split into forward, backward (``backend.backward``) and step, and inside t
 engine's calls: the rules (by layer type), the clipper's delivery and group finishing, the noise
 (``PrivacyEngine._privatize``), and per parameter shape the norms, instantiations and clipped sums of the
 convolution rules. Nested calls are included in their callers' time. A profiler's per-op table attributes
-the time of Python hooks to whatever aten op is open, which misled on WRN; these timers do not. One torch
-thread, as the CPU suites. Not a benchmark: ratios to non-private come from the suites.
+the time of Python hooks to whatever aten op is open, which misled on WRN; these timers do not. On CPU one
+torch thread, as the CPU suites; on the suite's CUDA device (``bench_suite=gpu``) every timer synchronises
+the device first and last, so each call is charged its kernels' time (and the step is slower than in the
+suite). Not a benchmark: ratios to non-private come from the suites.
 """
 
 from __future__ import annotations
@@ -29,8 +31,17 @@ from dpexp.privacy.capture import Capture
 from dpexp.privacy.engine import PrivacyEngine
 from dpexp.privacy.rules.conv import ConvWeightGrads
 from dpexp.privacy.rules.ws_conv import Standardized
+from dpexp.runtime import resolve_device
 
 TIMES: defaultdict[str, float] = defaultdict(float)
+DEVICE = torch.device("cpu")
+
+
+def _now() -> float:
+    """The wall clock after the device's queued kernels have run."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
 
 
 def _timed(owner: type, name: str, key: Callable[..., str]) -> None:
@@ -38,11 +49,11 @@ def _timed(owner: type, name: str, key: Callable[..., str]) -> None:
     method = getattr(owner, name)
 
     def timed(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = _now()
         try:
             return method(self, *args, **kwargs)
         finally:
-            TIMES[key(self, *args)] += time.perf_counter() - start
+            TIMES[key(self, *args)] += _now() - start
 
     setattr(owner, name, timed)
 
@@ -58,13 +69,15 @@ def _instrument() -> None:
 
 
 def main(model_name: str, methods: list[str], overrides: list[str]) -> None:
-    torch.set_num_threads(1)
+    global DEVICE
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         cfg = compose("bench", overrides=overrides or ["bench_suite=cpu_llm"])
     entry = cfg.bench_suite.models[model_name]
     _instrument()
-    device = torch.device("cpu")
+    device = DEVICE = resolve_device(cfg.bench_suite.device or cfg.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     for method in methods:
         spec = {
             "model": OmegaConf.to_container(entry.spec, resolve=True),
@@ -81,15 +94,15 @@ def main(model_name: str, methods: list[str], overrides: list[str]) -> None:
             if step == 2:
                 TIMES.clear()
                 phases.clear()
-            start = time.perf_counter()
+            start = _now()
             loss = bench_model.per_example_loss(backend.model, batch)
-            forward = time.perf_counter()
+            forward = _now()
             backend.backward(loss)
-            backward = time.perf_counter()
+            backward = _now()
             backend.step()
             phases["forward"] += forward - start
             phases["backward"] += backward - forward
-            phases["step"] += time.perf_counter() - backward
+            phases["step"] += _now() - backward
         backend.close()
         print(f"{method}: " + ", ".join(f"{k} {v / 3 * 1000:.0f} ms" for k, v in phases.items()))
         for key, seconds in sorted(TIMES.items(), key=lambda item: -item[1]):

@@ -42,17 +42,22 @@ def joined(chunks: list[torch.Tensor]) -> torch.Tensor:
 
 
 def accurate(x: torch.Tensor) -> torch.Tensor:
-    """Half-precision factors are promoted so that norms are accumulated in float32."""
+    """Half-precision factors promoted to float32 (exactly): norms, instantiations and clipped sums are all
+    formed from them in float32.
+
+    Under autocast the factors are bf16 (a layer's saved input may stay float32). A clipped sum formed in
+    bf16, as autograd forms the non-private weight gradient, rounds the factor ``c_i`` and each scaled
+    value (relative error 2^-8 each) and the sum itself: one example's released contribution then measured
+    up to 1.0026 C against the float32 norm (GPT-2, OPT, RoBERTa, ViT; ``scripts/device_oracle.py``), an
+    under-clipping the accountant does not know of. In float32 the contribution is ``c_i g_i`` of the very
+    ``g_i`` that was normed, up to float32 rounding."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _same_precision(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Under autocast a layer's saved input may be float32 while its output gradient is bf16; sums are then
-    formed in the lower precision, as autograd would for the non-private weight gradient."""
-    if a.dtype == b.dtype:
-        return a, b
-    low = a.dtype if a.element_size() < b.element_size() else b.dtype
-    return a.to(low), b.to(low)
+def _coef(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Clipping factors (float64 from the norms) in the dtype the products are formed in, never below
+    float32 (a bf16 factor would be rounded by up to 2^-8, relatively)."""
+    return coef.to(torch.promote_types(like.dtype, torch.float32))
 
 
 class PerExampleGrad(ABC):
@@ -127,8 +132,10 @@ class PerExampleGrad(ABC):
         """``sum_i coef_i g_i``, shape ``shape``; ``coef`` has shape (B,)."""
         if self._kept is None:
             return self._weighted_sum(coef)
-        coefs = coef.to(self._kept[0].dtype).split([len(chunk) for chunk in self._kept])
-        return sum(torch.tensordot(c, chunk, dims=1) for c, chunk in zip(coefs, self._kept, strict=True))
+        coefs = _coef(coef, self._kept[0]).split([len(chunk) for chunk in self._kept])
+        return sum(
+            torch.tensordot(c, accurate(chunk), dims=1) for c, chunk in zip(coefs, self._kept, strict=True)
+        )
 
     def select(self, keep: torch.Tensor) -> PerExampleGrad:
         """Only the examples where ``keep`` (B,) is true: the clipper drops an example whose norm is not
@@ -167,7 +174,7 @@ class Dense(PerExampleGrad):
         return self.grads
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        return torch.tensordot(coef.to(self.grads.dtype), self.grads, dims=1)
+        return torch.tensordot(_coef(coef, self.grads), accurate(self.grads), dims=1)
 
     def _select(self, keep: torch.Tensor) -> Dense:
         return Dense(self.grads[keep])
@@ -191,8 +198,8 @@ class OneHot(PerExampleGrad):
         return out.view(self.batch_size, *self.shape)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        out = self.value.new_zeros(self.shape.numel())
-        return out.index_add_(0, self.index, coef.to(self.value.dtype) * self.value).view(self.shape)
+        value = _coef(coef, self.value) * accurate(self.value)
+        return value.new_zeros(self.shape.numel()).index_add_(0, self.index, value).view(self.shape)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         return accurate(self.value).square()
@@ -221,19 +228,20 @@ class Outer(PerExampleGrad):
         b, _, r = self.right.shape
         if self.is_index:
             flat = (self.left + self.left_size * torch.arange(b, device=self.left.device)[:, None]).flatten()
-            out = self.right.new_zeros(b * self.left_size, r).index_add_(0, flat, self.right.reshape(-1, r))
+            right = accurate(self.right)
+            out = right.new_zeros(b * self.left_size, r).index_add_(0, flat, right.reshape(-1, r))
             return out.view(b, *self.shape)
-        left, right = _same_precision(self.left, self.right)
+        left, right = accurate(self.left), accurate(self.right)
         return torch.einsum("btl,btr->blr", left, right).reshape(b, *self.shape)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         r = self.right.shape[-1]
         if self.is_index:
-            right = self.right * coef.to(self.right.dtype)[:, None, None]
+            right = accurate(self.right) * _coef(coef, self.right)[:, None, None]
             out = right.new_zeros(self.left_size, r).index_add_(0, self.left.flatten(), right.reshape(-1, r))
             return out.view(self.shape)
-        left, right = _same_precision(self.left, self.right)
-        scale = coef.to(left.dtype)[:, None, None]
+        left, right = accurate(self.left), accurate(self.right)
+        scale = _coef(coef, left)[:, None, None]
         if left.shape[-1] < r:  # scale the narrower factor
             left = left * scale
         else:
@@ -440,19 +448,17 @@ class Routed(PerExampleGrad):
 
     def instantiate(self) -> torch.Tensor:
         pairs = self._pairs()
-        low = _same_precision(self.left[:0], self.right[:0])[0]  # the dtype the products are formed in
-        out = low.new_zeros(self.batch_size, *self.shape)
+        out = accurate(self.right).new_zeros(self.batch_size, *self.shape)
         for chunk, block_left, block_right, _ in self._pair_blocks("instantiate"):
-            block_left, block_right = _same_precision(block_left, block_right)
             out[pairs.example[chunk], pairs.expert[chunk]] = torch.bmm(
-                block_left.transpose(1, 2), block_right
+                accurate(block_left).transpose(1, 2), accurate(block_right)
             )
         return out
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         """``sum_i c_i G_i``: per expert, its rows (contiguous) scaled by their examples' ``c_i``."""
-        left, right = _same_precision(self.left, self.right)
-        scale = coef.to(left.dtype)[self.example][:, None]
+        left, right = accurate(self.left), accurate(self.right)
+        scale = _coef(coef, left)[self.example][:, None]
         if left.shape[1] < right.shape[1]:  # scale the narrower factor
             left = left * scale
         else:

@@ -321,10 +321,17 @@ class ConvWeightGrads(PerExampleGrad):
         form when forced) the cheapest of :meth:`norm_costs`, with ``ghost_extra`` multiply-adds per example
         on the ghost forms (the weight-standardised rule's responses). As for linear layers
         (:func:`~dpexp.privacy.per_example.ghost_is_cheaper`), instantiation is ruled out where its
-        ``K C_in C_out`` values per example exceed ``8 T^2``."""
+        ``K C_in C_out`` values per example exceed ``8 T^2``.
+
+        The costs are CPU measurements. On a GPU the pixel Grams (many small blocks) were the slowest way on
+        every WRN-16-4 shape, 2-60x the others (H200, B = 256: ``results/bench/gpu_h200_stop45/
+        conv_norms.md``), so off the CPU only instantiation and unfolded patches compete; the CPU model
+        then picks the faster of those two on 9 of the 10 shapes."""
         if not self.has_ghost_form or mode == "instantiate" or (mode == "auto" and self._release):
             return "instantiate"
         costs = {m: c + (ghost_extra if m != "instantiate" else 0) for m, c in self.norm_costs().items()}
+        if self.dy.device.type != "cpu":
+            del costs["pixels"]
         if mode == "ghost" or self.shape.numel() > 8 * self.dy[0, 0].numel() ** 2:
             del costs["instantiate"]
         return min(costs, key=costs.__getitem__)
@@ -347,13 +354,14 @@ class ConvWeightGrads(PerExampleGrad):
 
     def _instantiate(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         b, groups = x.shape[0], self.module.groups
-        x, dy = x.reshape(1, -1, *x.shape[2:]), dy.reshape(1, -1, *dy.shape[2:])
+        x, dy = accurate(x).reshape(1, -1, *x.shape[2:]), accurate(dy).reshape(1, -1, *dy.shape[2:])
         grads = _weight_grad(self.module, x, dy, b * groups, (b * self.shape[0], *self.shape[1:]))
         return grads.view(b, *self.shape)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
-        scaled = self.dy * coef.to(self.dy.dtype).view(-1, *[1] * (self.dy.dim() - 1))
-        return _weight_grad(self.module, self.x, scaled, self.module.groups, self.shape)
+        dy = accurate(self.dy)  # summed in float32 under autocast, as normed (per_example.accurate)
+        scaled = dy * coef.to(dy.dtype).view(-1, *[1] * (dy.dim() - 1))
+        return _weight_grad(self.module, accurate(self.x), scaled, self.module.groups, self.shape)
 
     def _select(self, keep: torch.Tensor) -> ConvWeightGrads:
         return ConvWeightGrads(self.module, self.x[keep], self.dy[keep])
