@@ -532,6 +532,7 @@ REFUSABLE: dict[str, tuple[str, ...]] = {
     "instance_norm_affine_running_stats": ("stats_norm",),
     "frozen_prefix_centred": ("mixed_fc",),
     "detached_batch_normaliser": ("mixed_head",),
+    "mixtral_aux_loss": ("gate",),
 }
 
 NEW_CASES = [
@@ -581,20 +582,33 @@ NEW_CASES = [
     "beit_relative_shared",  # HF BEiT's relative position table read whole, one for all layers
     "mixtral",  # MoE routers and 3-D expert weights on (B*T) flattened rows, folded with their routing
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
+    "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
 SLOW_CASES = [name for name in recurrent_models.MODELS if name not in NEW_CASES]
 
 
+def _lm_loss_with_router_aux_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Each example's next-token loss plus the Switch load-balancing loss (Fedus et al. 2022, eq. 4; what
+    ``output_router_logits=True`` adds to a Mixtral's loss), computed over the routing of the whole batch:
+    every example's loss then depends on the others' tokens."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    logits, labels = out.logits[:, :-1], batch["labels"][:, 1:]
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100)
+    return losses.view(labels.shape).sum(1) + model.config.router_aux_loss_coef * out.aux_loss
+
+
 def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, LossFn, Batch, dict]:
     """Model, unweighted loss, batch and neighbour information of one of ``NEW_CASES``."""
     # sequence lengths: equal to the micro-batch size b where the case is about T == b, else b + 2
     length = size if name.endswith("len_eq_batch") else size + 2
-    if name in ("mixtral", "qwen2_moe"):
-        model = engine_models.mixtral() if name == "mixtral" else engine_models.qwen2_moe()
+    if name in ("mixtral", "qwen2_moe", "mixtral_aux_loss"):
+        model = engine_models.qwen2_moe() if name == "qwen2_moe" else engine_models.mixtral()
         batch = engine_models._padded_text(size, 8, 40, gen)
-        return model, engine_models.lm_loss, batch, {"padding": LM_PADDING}
+        loss = _lm_loss_with_router_aux_loss if name == "mixtral_aux_loss" else engine_models.lm_loss
+        return model, loss, batch, {"padding": LM_PADDING}
     if name.startswith("llama"):
         model = llama(tied=name == "llama_tied")
         return (
