@@ -319,6 +319,22 @@ def gemma2() -> nn.Module:
     return _decoder(Gemma2Config, Gemma2ForCausalLM)
 
 
+def gemma4() -> nn.Module:
+    """Tiny random Gemma 4 (text): its RMSNorm form (float32, ``pow(., -0.5)``; also in Gemma 3n), per-layer
+    input embeddings (a second scaled embedding table and projection), a sliding-window layer (window 4 < T)
+    and a full-attention one, scaled embeddings tied to the head."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    return _decoder(
+        Gemma4TextConfig,
+        Gemma4ForCausalLM,
+        vocab_size_per_layer_input=40,
+        hidden_size_per_layer_input=4,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+    )
+
+
 def glm() -> nn.Module:
     """Tiny random GLM: ``GlmRMSNorm``, a copy of Llama's RMSNorm (its rule by
     :mod:`dpexp.privacy.rules.copies`), partial rotary embeddings, a fused gate-up projection."""
@@ -434,8 +450,8 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         return FlattenedMLPNet().double(), sequence_loss, {"ids": ids}
     if name == "opt":
         return opt(), lm_loss, _padded_text(batch_size, 10, 40, gen)
-    if name in ("falcon", "gemma2", "glm"):
-        model = {"falcon": falcon, "gemma2": gemma2, "glm": glm}[name]()
+    if name in ("falcon", "gemma2", "gemma4", "glm"):
+        model = {"falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm}[name]()
         return model, lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("gpt2", "gpt2_lora"):
         return gpt2(lora=name == "gpt2_lora"), lm_loss, _padded_text(batch_size, 10, 40, gen)
@@ -471,6 +487,7 @@ CASES = [
     "opt",
     "falcon",
     "gemma2",
+    "gemma4",
     "glm",
     "roberta_infilling",
     "bert_infilling",

@@ -34,8 +34,8 @@ def _forward_source(cls: type) -> str:
 
 @pytest.mark.parametrize(
     "form",
-    [rms_norm.LLAMA_FORM, rms_norm.GEMMA_FORM, rms_norm.T5_FORM],
-    ids=["llama", "gemma", "t5"],
+    [rms_norm.LLAMA_FORM, rms_norm.GEMMA_FORM, rms_norm.GEMMA3N_FORM, rms_norm.T5_FORM],
+    ids=["llama", "gemma", "gemma3n", "t5"],
 )
 def test_registered_classes_share_their_forms_forward(form):
     sources = {_forward_source(_hf_class(name)) for name in form}
@@ -60,9 +60,12 @@ class Normed(nn.Module):
 def _norms():
     from transformers.models.cohere.modeling_cohere import CohereLayerNorm
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
     from transformers.models.glm.modeling_glm import GlmRMSNorm
     from transformers.models.helium.modeling_helium import HeliumRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.llama4.modeling_llama4 import Llama4TextRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
     from transformers.models.t5.modeling_t5 import T5LayerNorm
 
@@ -72,6 +75,9 @@ def _norms():
         "olmo2": Olmo2RMSNorm(6, eps=1e-5),
         "helium": HeliumRMSNorm(6, eps=1e-5),
         "gemma": GemmaRMSNorm(6, eps=1e-5),
+        "gemma3n": Gemma3nRMSNorm(6, eps=1e-5),
+        "gemma4": Gemma4RMSNorm(6, eps=1e-5),
+        "llama4": Llama4TextRMSNorm(6, eps=1e-5),
         "t5": T5LayerNorm(6, eps=1e-5),
         "torch": nn.RMSNorm(6, eps=1e-5),
         "cohere": CohereLayerNorm(6, eps=1e-5),  # centred, no bias
@@ -79,11 +85,33 @@ def _norms():
     }
 
 
-FLOAT32 = ("olmo2", "helium", "gemma", "cohere", "cohere_heads")  # compute in float32 whatever the dtype
+FLOAT32 = (
+    "olmo2",
+    "helium",
+    "gemma",
+    "gemma3n",
+    "gemma4",
+    "cohere",
+    "cohere_heads",
+)  # compute in float32 whatever the dtype
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "glm", "olmo2", "helium", "gemma", "t5", "torch", "cohere", "cohere_heads"]
+    "name",
+    [
+        "llama",
+        "glm",
+        "olmo2",
+        "helium",
+        "gemma",
+        "gemma3n",
+        "gemma4",
+        "llama4",
+        "t5",
+        "torch",
+        "cohere",
+        "cohere_heads",
+    ],
 )
 @pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])

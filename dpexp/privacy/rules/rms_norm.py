@@ -1,15 +1,16 @@
 """RMSNorm (Zhang & Sennrich 2019): ``y = w * x_hat`` with ``x_hat = x / sqrt(mean(x^2) + eps)`` over the
 feature axis, no centring, no bias; the norm of Llama, Qwen, Mistral, Phi-3, Granite, Mamba, OLMo-2, Gemma
-(which scales by ``1 + w``), T5 and ``torch.nn.RMSNorm``.
+(which scales by ``1 + w``), Gemma 3n and 4, Llama 4, T5 and ``torch.nn.RMSNorm``.
 
 The per-example gradient of the scale is ``dw_i = sum_t dy_{i,t} * x_hat_{i,t}`` (also for Gemma's
 ``1 + w``), summed over every axis between the batch and the features, as for LayerNorm. The families differ
 only in where they change precision, which the rule reproduces (the verification of
 :mod:`dpexp.privacy.capture` checks it against autograd): Llama casts ``x_hat`` back to the input dtype
-before scaling, OLMo-2 and Gemma scale in float32 and cast after, T5 keeps the input dtype unless the weight
-is in half precision. Without the rule these layers run on the ``torch.func`` fallback, which made a small
-Llama's private step cost 2.1x a non-private one on CPU. The classes named below are the originals; their
-copies in other models' files (GLM, Helium, Qwen2-MoE, DeepSeek, ...: the same class body,
+before scaling, OLMo-2 and Gemma scale in float32 and cast after (Gemma 3n and 4 normalise by
+``pow(., -0.5)`` instead of ``rsqrt``: the same value up to float32 rounding), T5 keeps the input dtype
+unless the weight is in half precision. Without the rule these layers run on the ``torch.func`` fallback,
+which made a small Llama's private step cost 2.1x a non-private one on CPU. The classes named below are the
+originals; their copies in other models' files (GLM, Helium, Qwen2-MoE, DeepSeek, ...: the same class body,
 :mod:`dpexp.privacy.rules.copies`) take the same rule.
 """
 
@@ -45,11 +46,20 @@ GEMMA_FORM = [
     f"{_HF}.gemma2.modeling_gemma2.Gemma2RMSNorm",
     f"{_HF}.gemma3.modeling_gemma3.Gemma3RMSNorm",
 ]
+# forward: `(x_hat_float32 * w.float()).type_as(x)` with x_hat by `pow(mean(x^2) + eps, -0.5)` (identical
+# source in each; `with_scale=False` leaves no parameter, and no rule is needed)
+GEMMA3N_FORM = [
+    f"{_HF}.gemma3n.modeling_gemma3n.Gemma3nRMSNorm",
+    f"{_HF}.gemma4.modeling_gemma4.Gemma4RMSNorm",
+]
 FLOAT_PRODUCT_FORM = [
     f"{_HF}.olmo2.modeling_olmo2.Olmo2RMSNorm",
     f"{_HF}.helium.modeling_helium.HeliumRMSNorm",
     *GEMMA_FORM,
+    *GEMMA3N_FORM,
 ]
+# forward: `x_hat_float32.type_as(x) * self.weight`: Llama's product in the other order
+LLAMA4_TEXT = f"{_HF}.llama4.modeling_llama4.Llama4TextRMSNorm"
 T5_FORM = [f"{_HF}.t5.modeling_t5.T5LayerNorm", f"{_HF}.mt5.modeling_mt5.MT5LayerNorm"]
 
 
@@ -67,7 +77,7 @@ def _scale_grad(dy: torch.Tensor, x_hat: torch.Tensor) -> dict[str, PerExampleGr
     return {"weight": Dense(as_sequence(dy * x_hat).sum(1))}
 
 
-@register_rule(*LLAMA_FORM, position_wise=True, copies=True)
+@register_rule(*LLAMA_FORM, LLAMA4_TEXT, position_wise=True, copies=True)
 def llama_rms_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     return _scale_grad(dy, _normalised_float32(x, _eps(module)).to(x.dtype))
 
