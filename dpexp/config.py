@@ -348,22 +348,23 @@ def _check_target_keys(node: DictConfig, group: str) -> None:
         raise ConfigError(unknown_keys(keys, group, sorted(accepted), owner=target.__name__))
 
 
-def _valid_keys(path: str, node: DictConfig) -> tuple[list[str], str | None]:
-    """The keys :func:`check_config` accepts at ``path`` (``node`` is the config there), and the class whose
-    constructor decides them: a schema's fields, or the keyword arguments of a task's or model's
-    ``_target_``; the node's own keys where neither says."""
+def _valid_keys(path: str, node: DictConfig) -> tuple[list[str], str | None, bool]:
+    """The keys :func:`check_config` accepts at ``path`` (``node`` is the config there), the class whose
+    constructor decides them, and whether they are decided at all: a schema's fields, or the keyword
+    arguments of a task's or model's ``_target_``; the node's own keys where neither says (free-form, as a
+    benchmark suite's model entries, where Hydra adds a key only when given as ``+key=value``)."""
     group, *rest = path.split(".") if path else [""]
     schema: type | None = Schema if not path else GROUP_SCHEMAS.get(group)
     for key in rest:
         schema = _dataclass_in(get_type_hints(schema).get(key)) if schema is not None else None
     if schema is not None:
-        return [f.name for f in fields(schema)], None
+        return [f.name for f in fields(schema)], None, True
     if group in INSTANTIATED_GROUPS and not rest and "_target_" in node:
         target = hydra.utils.get_class(node._target_)
         accepted = accepted_keys(target)
         if accepted is not None:
-            return sorted(accepted), target.__name__
-    return [str(key) for key in node if key not in ("hydra", "_target_")], None
+            return sorted(accepted), target.__name__, True
+    return [str(key) for key in node if key not in ("hydra", "_target_")], None, False
 
 
 def unknown_keys(keys: list[str], path: str, valid: list[str], owner: str | None = None) -> str:
@@ -388,7 +389,11 @@ def composition_message(error: Exception) -> str:
     unknown_key = isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and bool(cause.full_key)
     if unknown_key and isinstance(cause.parent_node, DictConfig):
         path, _, _ = cause.full_key.rpartition(".")
-        return unknown_keys([cause.full_key], path, *_valid_keys(path, cause.parent_node))
+        valid, owner, decided = _valid_keys(path, cause.parent_node)
+        message = unknown_keys([cause.full_key], path, valid, owner)
+        if not decided:
+            message += f" To add a key this entry does not have yet: +{cause.full_key}=..."
+        return message
     if isinstance(error, MissingConfigException) and error.options:
         group, _, option = (error.missing_cfg_file or "").rpartition("/")
         return f"{group}={option}: no such option; the options of {group}: {', '.join(error.options)}."

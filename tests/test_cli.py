@@ -205,6 +205,14 @@ def test_a_resumed_run_prints_the_record_it_continued(monkeypatch, capsys, tmp_p
     [
         ("dpexp.audit", "audit.canary=3", 2, "Unknown config key audit.canary; valid keys of audit: "),
         ("dpexp.bench", "bench_suite=nope", 1, "bench_suite=nope: no such option; the options of"),
+        (  # a suite's model entries are free-form: an optional key they lack is added with +
+            "dpexp.bench",
+            "bench_suite.models.wrn16_4.methods=[bk]",
+            1,
+            "Unknown config key bench_suite.models.wrn16_4.methods; valid keys of "
+            "bench_suite.models.wrn16_4: spec, optimizer, batch_sizes. "
+            "To add a key this entry does not have yet: +bench_suite.models.wrn16_4.methods=...",
+        ),
     ],
 )
 def test_the_other_entry_points_refuse_in_one_line(entry_point, override, code, message):
