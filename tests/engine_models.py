@@ -362,6 +362,22 @@ def mixtral() -> nn.Module:
     return _routed(_decoder(MixtralConfig, MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2))
 
 
+def llama4() -> nn.Module:
+    """Tiny random Llama 4 (text): MoE blocks in which every token goes to every expert (expert-major rows
+    of (E*N, d), scaled by the sigmoid of the router's top-1 logit, 0 for the others), a shared expert added
+    in place, its RMSNorm form (``Llama4TextRMSNorm``) and the weight-free L2 norm of queries and keys. The
+    routers' weights at scale 0.5 and the experts' at 0.3: routing and expert outputs differ by token."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    model = _decoder(Llama4TextConfig, Llama4ForCausalLM, intermediate_size_mlp=24, num_local_experts=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.feed_forward.router.weight.normal_(0.0, 0.5)
+            layer.feed_forward.experts.gate_up_proj.normal_(0.0, 0.3)
+            layer.feed_forward.experts.down_proj.normal_(0.0, 0.3)
+    return model
+
+
 def qwen2_moe() -> nn.Module:
     """Tiny random Qwen2-MoE: its router's top 2 of 4 experts not renormalised (``norm_topk_prob=False``),
     the experts a copy of Mixtral's (dpexp.privacy.rules.copies), a gated shared expert (plain Linear layers
@@ -450,8 +466,8 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         return FlattenedMLPNet().double(), sequence_loss, {"ids": ids}
     if name == "opt":
         return opt(), lm_loss, _padded_text(batch_size, 10, 40, gen)
-    if name in ("falcon", "gemma2", "gemma4", "glm"):
-        model = {"falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm}[name]()
+    if name in ("falcon", "gemma2", "gemma4", "glm", "llama4"):
+        model = {"falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm, "llama4": llama4}[name]()
         return model, lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("gpt2", "gpt2_lora"):
         return gpt2(lora=name == "gpt2_lora"), lm_loss, _padded_text(batch_size, 10, 40, gen)
@@ -489,6 +505,7 @@ CASES = [
     "gemma2",
     "gemma4",
     "glm",
+    "llama4",
     "roberta_infilling",
     "bert_infilling",
 ]

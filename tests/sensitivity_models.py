@@ -512,6 +512,7 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "falcon": {"padding": LM_PADDING},
     "gemma2": {"padding": LM_PADDING},
     "gemma4": {"padding": LM_PADDING},
+    "llama4": {"padding": LM_PADDING},
     "glm": {"padding": LM_PADDING},
     "roberta": {"class_label": ("labels", 3), "padding": {"input_ids": 1, "attention_mask": 0}},
     "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},

@@ -1,7 +1,8 @@
 """Mixture-of-experts layers of Hugging Face transformers 5.x: the top-k routers (``MixtralTopKRouter``,
 ``Qwen2MoeTopKRouter`` and their copies: MiniMax; Qwen3-MoE, OLMoE, FlexOlmo, Qwen3-Next, ...) and the
 experts (``MixtralExperts`` and its copies in some 60 model files: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, ...),
-whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I).
+whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I); and Llama 4's router and
+dense experts (:func:`llama4_experts_grads`, at the end of the experts section).
 
 A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
 ``z_t = W x_t`` (E,), probabilities ``softmax(z_t)`` in float32 and their top k, the scores ``s_t``
@@ -52,6 +53,7 @@ from dpexp.privacy.rules import CallLayout, refuse, register_rule
 
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 QWEN2_MOE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
+LLAMA4 = "transformers.models.llama4.modeling_llama4"
 
 ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
     f"transformers.activations.{name}"
@@ -225,6 +227,95 @@ register_rule(
 )(experts_grads)
 
 
+def _check_llama4_experts(module: nn.Module) -> None:
+    refuse(module, "mixture-of-experts", "experts module", *(_llama4_experts_refusal(module) or (None, "")))
+
+
+def _llama4_experts_refusal(module: nn.Module) -> tuple[str, str] | None:
+    extra = _extra_parameters(module, ("gate_up_proj", "down_proj"))
+    if extra is not None:
+        return extra, "Freeze the experts or remove the extra parameters."
+    act = module.act_fn
+    if _qualified(act) not in ELEMENTWISE or any(True for _ in act.parameters()):
+        return (
+            f"its activation {type(act).__name__} is not one it knows to act elementwise",
+            f"Use one of {sorted(name.rsplit('.', 1)[1] for name in ELEMENTWISE)}, or freeze the experts.",
+        )
+    return None
+
+
+def llama4_experts_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(inputs (N, E, d), compute dtype)``: row n's input to every expert. ``Llama4TextExperts`` receives
+    them expert-major, (E*N, d) (every token goes to every expert, scaled by its score, 0 where the router
+    did not pick it), and the view makes dim 0 the N = B*T flattened tokens."""
+    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    (x,) = list(call.arguments.values())[1:]
+    experts = module.gate_up_proj.shape[0]
+    if not (torch.is_tensor(x) and x.dim() == 2 and x.shape[0] % experts == 0):
+        shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+        raise ValueError(
+            f"got hidden_states of shape {shape}; the privacy engine's Llama 4 experts rule needs the "
+            f"(E*N, d) rows of its E = {experts} experts, expert-major. Call them as Llama4TextMoe does."
+        )
+    return x.view(experts, -1, x.shape[-1]).transpose(0, 1), _compute_dtype(x)
+
+
+def llama4_experts_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """The output's gradient (E*N, d) as (N, E, d), like the inputs."""
+    dy = grads[0]
+    return dy.view(module.gate_up_proj.shape[0], -1, dy.shape[-1]).transpose(0, 1)
+
+
+@register_rule(
+    f"{LLAMA4}.Llama4TextExperts",
+    check=_check_llama4_experts,
+    position_wise=True,
+    call=CallLayout(llama4_experts_inputs, llama4_experts_output_grad),
+    copies=True,
+)
+def llama4_experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """``Llama4TextExperts`` (Meta's Llama 4): expert e maps its row x to ``(up * act(gate)) D_e`` with
+    ``[gate, up] = x G_e``, ``G_e = gate_up_proj[e]`` (d, 2I), ``D_e = down_proj[e]`` (I, d), so
+
+        d gate_up_proj[e] = sum_r x_r (x) [act'(g_r) * u_r * dh_r ; act(g_r) * dh_r],   dh_r = dy_r D_e^T,
+        d down_proj[e] = sum_r h_r (x) dy_r,
+
+    example i's the sum over its tokens' rows of each expert (:class:`~dpexp.privacy.per_example.Routed`).
+    ``x`` is :func:`llama4_experts_inputs`' tuple, its inputs folded to (b, T, E, d) (or (b, E, d)), ``dy``
+    likewise; recomputed in the call's compute dtype, one batched matmul per projection as the module."""
+    hidden, dtype = x
+    batch, experts, width = hidden.shape[0], module.gate_up_proj.shape[0], hidden.shape[-1]
+
+    def expert_major(t: torch.Tensor) -> torch.Tensor:
+        """(E, b*T, d): each expert's rows, tokens in example order."""
+        return t.reshape(batch, -1, experts, width).permute(2, 0, 1, 3).reshape(experts, -1, width).to(dtype)
+
+    inputs, out_grad = expert_major(hidden.detach()), expert_major(dy)
+    tokens = inputs.shape[1]
+    projected = torch.bmm(inputs, module.gate_up_proj.detach().to(dtype))  # (E, b*T, 2I)
+    with torch.enable_grad():
+        leaf = projected.requires_grad_()
+        gate, up = leaf.chunk(2, dim=-1)
+        activated = up * module.act_fn(gate)
+    hidden_grad = torch.bmm(out_grad, module.down_proj.detach().to(dtype).transpose(1, 2))  # (E, b*T, I)
+    (projected_grad,) = torch.autograd.grad(activated, leaf, hidden_grad)
+    device = inputs.device
+    expert = torch.arange(experts, device=device).repeat_interleave(tokens)
+    example = (torch.arange(tokens, device=device) // (tokens // batch)).repeat(experts)
+    gate_up_grad = Routed(
+        inputs.reshape(-1, width),
+        projected_grad.reshape(experts * tokens, -1),
+        expert,
+        example,
+        batch,
+        module.gate_up_proj.shape,
+    )
+    down_grad = gate_up_grad.sibling(
+        activated.detach().reshape(experts * tokens, -1), out_grad.reshape(-1, width), module.down_proj.shape
+    )
+    return {"gate_up_proj": gate_up_grad, "down_proj": down_grad}
+
+
 # ---------------------------------------------------------------------------------------------- routers
 def mixtral_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``MixtralTopKRouter``'s scores from its logits (N, E): softmax in float32, top k, renormalised."""
@@ -254,21 +345,34 @@ def _check_router(module: nn.Module) -> None:
     )
 
 
+def llama4_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``Llama4Router``'s scores (N, E): the sigmoid of its top-k logits in float32, cast back; 0 for the
+    other experts (the sigmoid of -inf)."""
+    top, index = torch.topk(logits, module.top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, index, top)
+    return torch.sigmoid(scores.float()).to(scores.dtype)
+
+
 def router_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states, compute dtype)``, the states as the (N, d) rows the router computes on (it flattens
     them itself)."""
     call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
     call.apply_defaults()
     (hidden,) = list(call.arguments.values())[1:]
-    return hidden.reshape(-1, module.hidden_dim), _compute_dtype(hidden)
+    return hidden.reshape(-1, module.weight.shape[1]), _compute_dtype(hidden)
 
 
-def router_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
-    """The gradients of ``(router_logits (N, E), router_scores (N, k))`` as one (N, E + k) tensor, in the
-    wider of their dtypes (so that each converts back exactly)."""
-    logits, scores = grads[0], grads[1]
-    dtype = torch.promote_types(logits.dtype, scores.dtype)
-    return torch.cat([logits.to(dtype), scores.to(dtype)], dim=-1)
+def router_output_grad(logits_at: int) -> Callable[[nn.Module, list[torch.Tensor | None]], torch.Tensor]:
+    """The gradients of a router's logits (N, E), its output ``logits_at``, and of its scores (N, k or E), the
+    other of its first two outputs, as one (N, E + k) tensor, logits first, in the wider of their dtypes (so
+    that each converts back exactly)."""
+
+    def output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        logits, scores = grads[logits_at], grads[1 - logits_at]
+        dtype = torch.promote_types(logits.dtype, scores.dtype)
+        return torch.cat([logits.to(dtype), scores.to(dtype)], dim=-1)
+
+    return output_grad
 
 
 def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> Callable:
@@ -292,14 +396,16 @@ def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) ->
 
 
 ROUTERS = {
-    f"{MIXTRAL}.MixtralTopKRouter": mixtral_scores,
-    f"{QWEN2_MOE}.Qwen2MoeTopKRouter": qwen2_moe_scores,
+    f"{MIXTRAL}.MixtralTopKRouter": mixtral_scores,  # returns (logits, scores (N, k), indices)
+    f"{QWEN2_MOE}.Qwen2MoeTopKRouter": qwen2_moe_scores,  # the same
+    f"{LLAMA4}.Llama4Router": llama4_scores,  # returns (scores (N, E), logits)
 }
+LOGITS_AT = {f"{LLAMA4}.Llama4Router": 1}  # which output holds the logits, if not the first
 for _name, _scores in ROUTERS.items():
     register_rule(
         _name,
         check=_check_router,
         position_wise=True,
-        call=CallLayout(router_inputs, router_output_grad),
+        call=CallLayout(router_inputs, router_output_grad(LOGITS_AT.get(_name, 0))),
         copies=True,
     )(router_rule(_scores))
