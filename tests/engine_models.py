@@ -378,6 +378,26 @@ def llama4() -> nn.Module:
     return model
 
 
+def deepseek_v3() -> nn.Module:
+    """Tiny random DeepSeek-V3: multi-head latent attention, a dense first layer, then a MoE layer whose
+    router (its form also GLM-4-MoE's, Dots1's, EXAONE-MoE's, ...) scores by sigmoid in float32 and picks 2
+    of 8 experts within the best 2 of 4 groups, by scores plus a load-balancing bias (drawn here), weights
+    renormalised and scaled by 2.5; a shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, attention_dropout=0.0, pad_token_id=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=12,
+        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+        v_head_dim=8, n_shared_experts=1, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    model = _routed(DeepseekV3ForCausalLM(config).double().eval())
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    return model
+
+
 def qwen2_moe() -> nn.Module:
     """Tiny random Qwen2-MoE: its router's top 2 of 4 experts not renormalised (``norm_topk_prob=False``),
     the experts a copy of Mixtral's (dpexp.privacy.rules.copies), a gated shared expert (plain Linear layers

@@ -1,8 +1,9 @@
 """Mixture-of-experts layers of Hugging Face transformers 5.x: the top-k routers (``MixtralTopKRouter``,
 ``Qwen2MoeTopKRouter`` and their copies: MiniMax; Qwen3-MoE, OLMoE, FlexOlmo, Qwen3-Next, ...) and the
 experts (``MixtralExperts`` and its copies in some 60 model files: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, ...),
-whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I); and Llama 4's router and
-dense experts (:func:`llama4_experts_grads`, at the end of the experts section).
+whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I); Llama 4's router and dense
+experts (:func:`llama4_experts_grads`, at the end of the experts section); DeepSeek-V3's sigmoid router
+(:func:`deepseek_v3_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...).
 
 A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
 ``z_t = W x_t`` (E,), probabilities ``softmax(z_t)`` in float32 and their top k, the scores ``s_t``
@@ -54,6 +55,7 @@ from dpexp.privacy.rules import CallLayout, refuse, register_rule
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 QWEN2_MOE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
 LLAMA4 = "transformers.models.llama4.modeling_llama4"
+DEEPSEEK_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3"
 
 ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
     f"transformers.activations.{name}"
@@ -353,13 +355,41 @@ def llama4_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(scores.float()).to(scores.dtype)
 
 
-def router_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(hidden_states, compute dtype)``, the states as the (N, d) rows the router computes on (it flattens
-    them itself)."""
-    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    call.apply_defaults()
-    (hidden,) = list(call.arguments.values())[1:]
-    return hidden.reshape(-1, module.weight.shape[1]), _compute_dtype(hidden)
+def deepseek_v3_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``DeepseekV3TopkRouter``'s weights of its chosen experts (N, k) from its float32 logits (DeepSeek-AI
+    2024, sec. 2.1.2): sigmoid scores; the experts chosen among the ``topk_group`` groups of the best
+    two-score sums, by scores plus the load-balancing bias ``e_score_correction_bias`` (a buffer); their
+    scores, renormalised if ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    scores = logits.sigmoid()
+    choice = scores + module.e_score_correction_bias
+    groups, experts = module.num_group, logits.shape[-1]
+    group_scores = choice.view(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    group_index = torch.topk(group_scores, k=module.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_index, 1)
+    mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+    choice = choice.masked_fill(~mask.bool(), float("-inf"))
+    index = torch.topk(choice, k=module.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if module.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * module.routed_scaling_factor
+
+
+def router_inputs(float32_logits: bool) -> Callable[[nn.Module, tuple, dict[str, Any]], tuple]:
+    """The router's call as ``(hidden_states, compute dtype)``: the states as the (N, d) rows it computes on
+    (it flattens them itself), and the dtype of its logits' matmul: autocast's where it is on, else the
+    input's, or float32 for a router that casts both factors to it (``float32_logits``)."""
+
+    def inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+        call.apply_defaults()
+        (hidden,) = list(call.arguments.values())[1:]
+        dtype = _compute_dtype(hidden)
+        if float32_logits and not torch.is_autocast_enabled(hidden.device.type):
+            dtype = torch.float32
+        return hidden.reshape(-1, module.weight.shape[1]), dtype
+
+    return inputs
 
 
 def router_output_grad(logits_at: int) -> Callable[[nn.Module, list[torch.Tensor | None]], torch.Tensor]:
@@ -384,8 +414,9 @@ def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) ->
         rows = hidden.detach().reshape(-1, width)  # the module's (N, d)
         experts = module.weight.shape[0]
         dy = dy.reshape(rows.shape[0], -1)
+        rows = rows.to(dtype)  # what the logits' matmul reads
         with torch.enable_grad():
-            logits = F.linear(rows.to(dtype), module.weight.detach().to(dtype)).requires_grad_()
+            logits = F.linear(rows, module.weight.detach().to(dtype)).requires_grad_()
             scores = scores_of(module, logits)
         (through_scores,) = torch.autograd.grad(scores, logits, dy[:, experts:].to(scores.dtype))
         logits_grad = dy[:, :experts].to(logits.dtype) + through_scores
@@ -399,13 +430,15 @@ ROUTERS = {
     f"{MIXTRAL}.MixtralTopKRouter": mixtral_scores,  # returns (logits, scores (N, k), indices)
     f"{QWEN2_MOE}.Qwen2MoeTopKRouter": qwen2_moe_scores,  # the same
     f"{LLAMA4}.Llama4Router": llama4_scores,  # returns (scores (N, E), logits)
+    f"{DEEPSEEK_V3}.DeepseekV3TopkRouter": deepseek_v3_scores,  # (logits, weights (N, k), indices)
 }
 LOGITS_AT = {f"{LLAMA4}.Llama4Router": 1}  # which output holds the logits, if not the first
+FLOAT32_LOGITS = {f"{DEEPSEEK_V3}.DeepseekV3TopkRouter"}  # logits F.linear(x.float(), W.float())
 for _name, _scores in ROUTERS.items():
     register_rule(
         _name,
         check=_check_router,
         position_wise=True,
-        call=CallLayout(router_inputs, router_output_grad(LOGITS_AT.get(_name, 0))),
+        call=CallLayout(router_inputs(_name in FLOAT32_LOGITS), router_output_grad(LOGITS_AT.get(_name, 0))),
         copies=True,
     )(router_rule(_scores))
