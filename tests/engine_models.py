@@ -398,6 +398,33 @@ def deepseek_v3() -> nn.Module:
     return model
 
 
+def granite_moe() -> nn.Module:
+    """Tiny random Granite-MoE: a router that softmaxes its top-2 logits (in float32), experts a copy of
+    Mixtral's."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    model = _decoder(GraniteMoeConfig, GraniteMoeForCausalLM, num_local_experts=4, num_experts_per_tok=2)
+    return _routed(model)
+
+
+def qwen3_5_moe() -> nn.Module:
+    """Tiny random Qwen3.5-MoE (text; its router also Qwen3-VL-MoE's and Qwen3-Omni-MoE's): top 2 of 4
+    experts always renormalised, a gated shared expert, RMSNorm scaling by ``1 + w`` in float32."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    return _routed(
+        _decoder(
+            Qwen3_5MoeTextConfig,
+            Qwen3_5MoeForCausalLM,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=12,
+            shared_expert_intermediate_size=12,
+            layer_types=["full_attention", "full_attention"],
+        )
+    )
+
+
 def qwen2_moe() -> nn.Module:
     """Tiny random Qwen2-MoE: its router's top 2 of 4 experts not renormalised (``norm_topk_prob=False``),
     the experts a copy of Mixtral's (dpexp.privacy.rules.copies), a gated shared expert (plain Linear layers

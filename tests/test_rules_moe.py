@@ -14,13 +14,29 @@ from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.per_example import Routed
 from dpexp.privacy.rules import moe, rule_for
-from tests.engine_models import _padded_text, deepseek_v3, llama4, lm_loss, mixtral, qwen2_moe
+from tests.engine_models import (
+    _padded_text,
+    deepseek_v3,
+    granite_moe,
+    llama4,
+    lm_loss,
+    mixtral,
+    qwen2_moe,
+    qwen3_5_moe,
+)
 from tests.oracle import SETTINGS, check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
-MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "llama4": llama4, "deepseek_v3": deepseek_v3}
-FLOAT32_ROUTERS = ["deepseek_v3"]  # logits in float32 whatever the model's dtype
+MODELS = {
+    "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
+    "llama4": llama4,
+    "deepseek_v3": deepseek_v3,
+    "granite_moe": granite_moe,
+    "qwen3_5_moe": qwen3_5_moe,
+}
+FLOAT32_ROUTERS = ["deepseek_v3", "qwen3_5_moe"]  # logits or norms in float32 whatever the model's dtype
 KERNEL_MODELS = ["mixtral", "qwen2_moe"]  # experts through transformers' kernels (Llama 4's: its own bmm)
 
 
@@ -76,10 +92,7 @@ def test_routed_weighted_sum_select_sibling_and_cross_term():
 # ---------------------------------------------------------------------------------------------- models
 def _routing_spreads(model: nn.Module, batch: dict) -> None:
     """Some expert gets rows of several examples and some example reaches several experts (first router)."""
-    blocks = [getattr(layer, "mlp", None) or layer.feed_forward for layer in model.model.layers]
-    router = next(
-        getattr(b, "gate", None) or b.router for b in blocks if hasattr(b, "gate") or hasattr(b, "router")
-    )
+    router = next(m for m in model.modules() if "Router" in type(m).__name__)
     seen = {}
 
     def record(module, args, output):  # the selected experts (N, k): output 2, or Llama 4's top scores

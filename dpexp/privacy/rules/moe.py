@@ -3,7 +3,8 @@
 experts (``MixtralExperts`` and its copies in some 60 model files: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, ...),
 whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I); Llama 4's router and dense
 experts (:func:`llama4_experts_grads`, at the end of the experts section); DeepSeek-V3's sigmoid router
-(:func:`deepseek_v3_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...).
+(:func:`deepseek_v3_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...), Qwen3.5-MoE's and
+Granite-MoE's routers.
 
 A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
 ``z_t = W x_t`` (E,), probabilities ``softmax(z_t)`` in float32 and their top k, the scores ``s_t``
@@ -56,6 +57,8 @@ MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 QWEN2_MOE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
 LLAMA4 = "transformers.models.llama4.modeling_llama4"
 DEEPSEEK_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+QWEN3_5_MOE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+GRANITE_MOE = "transformers.models.granitemoe.modeling_granitemoe"
 
 ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
     f"transformers.activations.{name}"
@@ -347,6 +350,22 @@ def _check_router(module: nn.Module) -> None:
     )
 
 
+def qwen3_5_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``Qwen3_5MoeTopKRouter``'s scores (Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE): softmax in float32,
+    top k, always renormalised, cast back to the logits' dtype."""
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    top, _ = torch.topk(probs, module.top_k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+
+
+def granite_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``GraniteMoeTopKRouter``'s scores (Granite-MoE and its shared, hybrid and sliding-window forms): the
+    softmax of the top-k logits (taken in float32), in the dtype of its input (the logits' dtype here: the
+    rule recomputes them in it)."""
+    top, _ = logits.float().topk(module.top_k, dim=-1)
+    return torch.softmax(top, dim=-1).type_as(logits)
+
+
 def llama4_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``Llama4Router``'s scores (N, E): the sigmoid of its top-k logits in float32, cast back; 0 for the
     other experts (the sigmoid of -inf)."""
@@ -431,6 +450,8 @@ ROUTERS = {
     f"{QWEN2_MOE}.Qwen2MoeTopKRouter": qwen2_moe_scores,  # the same
     f"{LLAMA4}.Llama4Router": llama4_scores,  # returns (scores (N, E), logits)
     f"{DEEPSEEK_V3}.DeepseekV3TopkRouter": deepseek_v3_scores,  # (logits, weights (N, k), indices)
+    f"{QWEN3_5_MOE}.Qwen3_5MoeTopKRouter": qwen3_5_moe_scores,  # (logits, scores (N, k), indices)
+    f"{GRANITE_MOE}.GraniteMoeTopKRouter": granite_moe_scores,  # (logits in float32, weights, indices)
 }
 LOGITS_AT = {f"{LLAMA4}.Llama4Router": 1}  # which output holds the logits, if not the first
 FLOAT32_LOGITS = {f"{DEEPSEEK_V3}.DeepseekV3TopkRouter"}  # logits F.linear(x.float(), W.float())
