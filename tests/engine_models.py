@@ -335,6 +335,34 @@ def gemma4() -> nn.Module:
     )
 
 
+def gemma4_moe() -> nn.Module:
+    """:func:`gemma4` with its MoE block on (Gemma 4's 26B-A4B form): beside the dense MLP, a router that
+    normalises the block's input, scales it by its own ``scale``, projects it by its child ``proj``, takes the
+    top 2 of 4 float32 probabilities renormalised times its ``per_expert_scale``, and experts a copy of
+    Mixtral's. The router's parameters drawn away from their initial values."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    model = _decoder(
+        Gemma4TextConfig,
+        Gemma4ForCausalLM,
+        vocab_size_per_layer_input=40,
+        hidden_size_per_layer_input=4,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=12,
+    )
+    model = _routed(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.router.proj.weight.normal_(0.0, 2.0)
+            layer.router.scale.normal_(1.0, 0.3)
+            layer.router.per_expert_scale.normal_(1.0, 0.3)
+    return model
+
+
 def glm() -> nn.Module:
     """Tiny random GLM: ``GlmRMSNorm``, a copy of Llama's RMSNorm (its rule by
     :mod:`dpexp.privacy.rules.copies`), partial rotary embeddings, a fused gate-up projection."""

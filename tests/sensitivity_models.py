@@ -586,6 +586,7 @@ NEW_CASES = [
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
     "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
     "deepseek_v3",  # a sigmoid router in float32, group-limited top-k with a load-balancing bias
+    "gemma4_moe",  # a router with its own input scale and per-expert scales around a Linear child
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -607,8 +608,12 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     """Model, unweighted loss, batch and neighbour information of one of ``NEW_CASES``."""
     # sequence lengths: equal to the micro-batch size b where the case is about T == b, else b + 2
     length = size if name.endswith("len_eq_batch") else size + 2
-    if name in ("mixtral", "qwen2_moe", "mixtral_aux_loss", "deepseek_v3"):
-        builders = {"qwen2_moe": engine_models.qwen2_moe, "deepseek_v3": engine_models.deepseek_v3}
+    if name in ("mixtral", "qwen2_moe", "mixtral_aux_loss", "deepseek_v3", "gemma4_moe"):
+        builders = {
+            "qwen2_moe": engine_models.qwen2_moe,
+            "deepseek_v3": engine_models.deepseek_v3,
+            "gemma4_moe": engine_models.gemma4_moe,
+        }
         model = builders.get(name, engine_models.mixtral)()
         batch = engine_models._padded_text(size, 8, 40, gen)
         loss = _lm_loss_with_router_aux_loss if name == "mixtral_aux_loss" else engine_models.lm_loss

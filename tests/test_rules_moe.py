@@ -17,6 +17,7 @@ from dpexp.privacy.rules import moe, rule_for
 from tests.engine_models import (
     _padded_text,
     deepseek_v3,
+    gemma4_moe,
     granite_moe,
     llama4,
     lm_loss,
@@ -35,8 +36,10 @@ MODELS = {
     "deepseek_v3": deepseek_v3,
     "granite_moe": granite_moe,
     "qwen3_5_moe": qwen3_5_moe,
+    "gemma4_moe": gemma4_moe,
 }
-FLOAT32_ROUTERS = ["deepseek_v3", "qwen3_5_moe"]  # logits or norms in float32 whatever the model's dtype
+# logits or norms in float32 whatever the model's dtype
+FLOAT32_ROUTERS = ["deepseek_v3", "qwen3_5_moe", "gemma4_moe"]
 KERNEL_MODELS = ["mixtral", "qwen2_moe"]  # experts through transformers' kernels (Llama 4's: its own bmm)
 
 
@@ -103,7 +106,7 @@ def _routing_spreads(model: nn.Module, batch: dict) -> None:
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     handle.remove()
     index = seen["index"].view(len(batch["input_ids"]), -1)
-    experts = router.weight.shape[0]
+    experts = (router.weight if hasattr(router, "weight") else router.proj.weight).shape[0]  # Gemma 4: proj
     examples_per_expert = [len({int(i) for i in (index == e).nonzero()[:, 0]}) for e in range(experts)]
     assert max(examples_per_expert) > 1 and min(len(set(row.tolist())) for row in index) > 1
 

@@ -4,7 +4,7 @@ experts (``MixtralExperts`` and its copies in some 60 model files: Qwen2/3-MoE, 
 whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I); Llama 4's router and dense
 experts (:func:`llama4_experts_grads`, at the end of the experts section); DeepSeek-V3's sigmoid router
 (:func:`deepseek_v3_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...), Qwen3.5-MoE's and
-Granite-MoE's routers.
+Granite-MoE's routers, and Gemma 4's router (:func:`gemma4_router_grads`, at the end).
 
 A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
 ``z_t = W x_t`` (E,), probabilities ``softmax(z_t)`` in float32 and their top k, the scores ``s_t``
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpexp.privacy.per_example import Outer, PerExampleGrad, Routed
+from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad, Routed
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
 
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
@@ -59,6 +59,7 @@ LLAMA4 = "transformers.models.llama4.modeling_llama4"
 DEEPSEEK_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3"
 QWEN3_5_MOE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 GRANITE_MOE = "transformers.models.granitemoe.modeling_granitemoe"
+GEMMA4 = "transformers.models.gemma4.modeling_gemma4"
 
 ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
     f"transformers.activations.{name}"
@@ -406,7 +407,7 @@ def router_inputs(float32_logits: bool) -> Callable[[nn.Module, tuple, dict[str,
         dtype = _compute_dtype(hidden)
         if float32_logits and not torch.is_autocast_enabled(hidden.device.type):
             dtype = torch.float32
-        return hidden.reshape(-1, module.weight.shape[1]), dtype
+        return hidden.reshape(-1, hidden.shape[-1]), dtype
 
     return inputs
 
@@ -463,3 +464,59 @@ for _name, _scores in ROUTERS.items():
         call=CallLayout(router_inputs(_name in FLOAT32_LOGITS), router_output_grad(LOGITS_AT.get(_name, 0))),
         copies=True,
     )(router_rule(_scores))
+
+
+def _check_gemma4_router(module: nn.Module) -> None:
+    refuse(
+        module,
+        "mixture-of-experts",
+        "router",
+        _extra_parameters(module, ("scale", "per_expert_scale", "proj.weight")),
+        "Freeze the router or remove the extra parameters.",
+    )
+
+
+@register_rule(
+    f"{GEMMA4}.Gemma4TextRouter",
+    check=_check_gemma4_router,
+    position_wise=True,
+    call=CallLayout(router_inputs(False), router_output_grad(0)),
+    copies=True,
+)
+def gemma4_router_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """``Gemma4TextRouter`` (Gemma 4's MoE layers): ``z = W (rmsnorm(h) * scale / sqrt(d))`` by its child
+    ``proj`` (whose weight the linear rule covers), probabilities ``softmax(z)`` in float32 (returned), the
+    top k renormalised and multiplied by ``per_expert_scale`` of their experts (returned with the indices).
+    Its own parameters' per-example gradients, from the gradients ``dp`` of the probabilities and ``dw`` of
+    the weights (``dy``, in that order), the first taken back to ``s = rmsnorm(h) * scale / sqrt(d)`` through
+    the recomputed router by autograd, row by row:
+
+        d scale_i = sum_t ds_t * rmsnorm(h_t) / sqrt(d),
+        d per_expert_scale_i[e] = sum_t sum_j [e_tj = e] dw_tj * top_tj,
+
+    summed over example i's tokens."""
+    hidden, dtype = x
+    batch, width = hidden.shape[0], hidden.shape[-1]
+    rows = hidden.detach().reshape(-1, width).to(dtype)
+    experts = module.per_expert_scale.shape[0]
+    dy = dy.reshape(rows.shape[0], -1)
+    normed = module.norm(rows)  # no parameter (with_scale=False)
+    per_expert = module.per_expert_scale.detach().to(dtype)
+    with torch.enable_grad():
+        scaled = (normed * module.scale.detach().to(dtype) * module.scalar_root_size).requires_grad_()
+        probs = F.softmax(
+            F.linear(scaled, module.proj.weight.detach().to(dtype)), dim=-1, dtype=torch.float32
+        )
+        top, index = torch.topk(probs, k=module.config.top_k_experts, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        weights = top * per_expert[index]
+    probs_grad, weights_grad = dy[:, :experts].to(probs.dtype), dy[:, experts:].to(weights.dtype)
+    (scaled_grad,) = torch.autograd.grad((probs, weights), scaled, (probs_grad, weights_grad))
+    scale_grad = scaled_grad * normed * module.scalar_root_size  # (N, d)
+    expert_grad = torch.zeros_like(probs).scatter_add_(
+        1, index, (weights_grad * top.detach()).to(probs.dtype)
+    )
+    return {
+        "scale": Dense(scale_grad.view(batch, -1, width).sum(1)),
+        "per_expert_scale": Dense(expert_grad.view(batch, -1, experts).sum(1)),
+    }
