@@ -76,7 +76,7 @@ def _build(spec: dict[str, Any], device: torch.device, batch_size: int, parallel
     """Model, backend (wrapping model and optimizer) and a batch on ``device`` for one configuration; with
     ``parallel`` (a rank of a data-parallel job) the batch is this rank's share of the logical batch, whose
     size B stays the divisor."""
-    bench_model = instantiate(spec["model"])
+    bench_model = instantiate(spec["model"], _convert_="all")  # plain lists and dicts, as configs expect
     torch.manual_seed(spec["seed"])
     with device:
         net = bench_model.build()

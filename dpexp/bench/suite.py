@@ -68,7 +68,7 @@ def run_suite(cfg: DictConfig) -> dict[str, Any]:
         if not isolated and device.startswith("cuda"):
             gc.collect()
             torch.cuda.empty_cache()
-        family = instantiate(spec["model"]).family
+        family = instantiate(spec["model"], _convert_="all").family
         run = {k: spec[k] for k in ("model_name", "method", "batch_size", "seq_len", "repeat")}
         payload["runs"].append({"order": index, "family": family, **run, **result})
         log.info(
