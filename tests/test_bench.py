@@ -209,6 +209,41 @@ def test_refused_model_records_the_error_and_the_modules_without_rule() -> None:
     assert result["unsupported_modules"] == {"torch.nn.modules.batchnorm.BatchNorm1d": ["bias", "weight"]}
 
 
+def test_a_model_config_with_a_list_field_builds_and_trains() -> None:
+    """Hugging Face configs validate their fields' types: Gemma 4's ``layer_types`` refused the ListConfig
+    Hydra's instantiate passes for a list, so the gemma4_moe entry of the fallbacks suite never ran."""
+    spec = {
+        "model": {
+            "_target_": "dpexp.bench.models.HFCausalLM",
+            "architecture": "gemma4_text",
+            "hidden_size": 16,
+            "intermediate_size": 24,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "global_head_dim": 8,
+            "vocab_size": 40,
+            "vocab_size_per_layer_input": 40,
+            "hidden_size_per_layer_input": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "clip": {"name": "bk", "method": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
+        "batch_size": 2,
+        "seq_len": 6,
+        "warmup": 0,
+        "steps": 1,
+        "device": "cpu",
+        "amp": None,
+        "noise_multiplier": 1.0,
+        "sample_size": 100,
+        "seed": 0,
+    }
+    result = bench.run_config(spec)
+    assert result["status"] == "ok", result.get("error")
+
+
 def test_interleave_puts_the_baseline_around_every_k_methods() -> None:
     methods = ["nonprivate", "a", "b", "c"]
     np_ = "nonprivate"
