@@ -218,6 +218,18 @@ def test_what_the_rules_cannot_reproduce_is_refused_at_construction(change, mess
         _engine(model)
 
 
+@pytest.mark.parametrize("attribute,message", [("act_fn", "activation Softmax"), ("bias", "extra_bias")])
+def test_what_the_llama4_rules_cannot_reproduce_is_refused_at_construction(attribute, message):
+    model = llama4()
+    experts = model.model.layers[0].feed_forward.experts
+    if attribute == "act_fn":
+        experts.act_fn = Softmax()
+    else:
+        experts.extra_bias = nn.Parameter(torch.zeros(4, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=f"Llama4TextExperts.*{message}"):
+        _engine(model)
+
+
 def test_another_experts_implementation_is_refused_at_the_call(monkeypatch):
     from transformers.integrations.moe import ExpertsInterface, batched_mm_experts_forward
 

@@ -103,8 +103,9 @@ def _extra_parameters(module: nn.Module, own: tuple[str, ...]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- experts
-def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
-    """(reason, fix) if the experts rule cannot reproduce ``module``'s forward, else None."""
+def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
+    """(reason, fix) if an experts module has parameters besides its two 3-D weights, or an activation not
+    known to act elementwise, else None."""
     extra = _extra_parameters(module, ("gate_up_proj", "down_proj"))
     if extra is not None:
         return extra, "Freeze the experts or remove the extra parameters (biases)."
@@ -114,6 +115,14 @@ def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
             f"its activation {type(act).__name__} is not one it knows to act elementwise",
             f"Use one of {sorted(name.rsplit('.', 1)[1] for name in ELEMENTWISE)}, or freeze the experts.",
         )
+    return None
+
+
+def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
+    """(reason, fix) if the experts rule cannot reproduce ``module``'s forward, else None."""
+    refusal = _weights_refusal(module)
+    if refusal is not None:
+        return refusal
     config = getattr(module, "config", None)
     implementation = getattr(config, "_experts_implementation", None)
     if implementation not in IMPLEMENTATIONS:
@@ -234,20 +243,7 @@ register_rule(
 
 
 def _check_llama4_experts(module: nn.Module) -> None:
-    refuse(module, "mixture-of-experts", "experts module", *(_llama4_experts_refusal(module) or (None, "")))
-
-
-def _llama4_experts_refusal(module: nn.Module) -> tuple[str, str] | None:
-    extra = _extra_parameters(module, ("gate_up_proj", "down_proj"))
-    if extra is not None:
-        return extra, "Freeze the experts or remove the extra parameters."
-    act = module.act_fn
-    if _qualified(act) not in ELEMENTWISE or any(True for _ in act.parameters()):
-        return (
-            f"its activation {type(act).__name__} is not one it knows to act elementwise",
-            f"Use one of {sorted(name.rsplit('.', 1)[1] for name in ELEMENTWISE)}, or freeze the experts.",
-        )
-    return None
+    refuse(module, "mixture-of-experts", "experts module", *(_weights_refusal(module) or (None, "")))
 
 
 def llama4_experts_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
