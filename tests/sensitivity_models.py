@@ -565,6 +565,7 @@ NEW_CASES = [
     "convnextv2",
     "efficientnet_gn",
     "nf_resnet",  # timm ScaledStdConv2d: scaled weight standardisation with a learnable gain
+    "nfnet_skipinit",  # timm NormFreeBlock's skipinit_gain: the block rerun with the gain raised by one
     "bit",  # timm StdConv2d: weight standardisation
     "embedding_bag_rows_weighted",
     "embedding_bag_offsets_mean_padding",
@@ -684,7 +685,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "functional_linear":
         batch = {"x": _floats(gen, size, 6), "y": _labels(gen, size, 3)}
         return FunctionalLinearNet().double(), engine_models.classification_loss, batch, float_info
-    if name in ("convnext", "convnextv2", "efficientnet_gn", "nf_resnet", "bit"):  # timm CNNs
+    if name in ("convnext", "convnextv2", "efficientnet_gn", "nf_resnet", "nfnet_skipinit", "bit"):  # timm
         builder = timm_cnn_models.BUILDERS["efficientnet" if name == "efficientnet_gn" else name]
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return builder(), engine_models.classification_loss, batch, float_info

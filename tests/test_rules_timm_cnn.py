@@ -32,6 +32,9 @@ FAST = {
     ("nf_resnet", "bk", "flat"),
     ("nf_resnet", "ghost", "per_layer"),
     ("nf_resnet", "instantiate", "groups"),
+    ("nfnet_skipinit", "bk", "per_layer"),
+    ("nfnet_skipinit", "ghost", "flat"),
+    ("nfnet_skipinit", "instantiate", "groups"),
     ("bit", "bk", "per_layer"),
     ("bit", "ghost", "flat"),
     ("std_conv_same", "bk", "per_layer"),
@@ -58,6 +61,18 @@ def _check(name: str, strategy: str, clipping: str, groups: int | None) -> None:
 )
 def test_timm_cnn_matches_oracle(name, strategy, clipping, groups):
     _check(name, strategy, clipping, groups)
+
+
+@pytest.mark.parametrize("strategy", ["bk", "ghost"])
+def test_skipinit_gains_at_their_zero_start_match_oracle(strategy):
+    """At g = 0 (timm's start) the block's output shows nothing of its branch, and the branch's own
+    gradients vanish: the gain's per-example gradient comes from the block rerun at g = 1 alone."""
+    model, loss_fn, batch = make_timm_case("nfnet_skipinit")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("skipinit_gain"):
+                p.zero_()
+    check_clipped_step(model, loss_fn, batch, [[0, 1, 2], [3, 4, 5]], strategy, "flat", rel=1e-7)
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))

@@ -95,6 +95,27 @@ def nf_resnet() -> nn.Module:
     return _perturbed(NormFreeNet(cfg, num_classes=3, in_chans=3), 3)
 
 
+def nfnet_skipinit() -> nn.Module:
+    """:func:`nf_resnet` with SkipInit (dm_nfnet's blocks): each block owns a scalar ``skipinit_gain`` that
+    scales its residual branch in place (drawn away from its 0 start here)."""
+    from timm.models.nfnet import NfCfg, NormFreeNet
+
+    cfg = NfCfg(
+        depths=(1, 1),
+        channels=(8, 16),
+        stem_chs=8,
+        stem_type="",
+        group_size=4,
+        bottle_ratio=0.5,
+        attn_layer="se",
+        attn_kwargs={"rd_ratio": 0.5},
+        act_layer="silu",
+        num_features=16,
+        skipinit=True,
+    )
+    return _perturbed(NormFreeNet(cfg, num_classes=3, in_chans=3), 6)
+
+
 def bit() -> nn.Module:
     """A two-stage BiT ResNet-V2 (Kolesnikov et al. 2020): timm's StdConv2d (weight standardisation) with
     GroupNorm and activation."""
@@ -137,6 +158,7 @@ BUILDERS = {
     "convnextv2_conv_mlp": partial(convnext, conv_mlp=True, grn=True),
     "efficientnet": efficientnet,
     "nf_resnet": nf_resnet,
+    "nfnet_skipinit": nfnet_skipinit,
     "bit": bit,
     "std_conv_same": lambda: _perturbed(SameConvs(), 5),
 }

@@ -25,12 +25,24 @@ counted by the capture within each call of the layer) gives ``v = lambda_{k+1} *
 ``dlambda_{k+1, i} = (sum_t dz_i v_i) / lambda_{k+1}``, with the same floor on ``|lambda|``; the other lambda
 gets zero from that call. Without the rule, the fallback recomputed the whole layer per example (7.3x the
 non-private step, and it refused drop-path, which the recomputation could not reproduce).
+
+*NFNet's block* (timm's ``NormFreeBlock`` with ``skipinit``: ``dm_nfnet_*``, Brock et al. 2021b sec. 4.1,
+the SkipInit of De & Smith 2020): the block owns a scalar gain g, started at 0, that scales its residual
+branch ``b`` in place before ``f(g) = b * g * alpha + shortcut``. At g = 0 neither the branch's output
+gradient (``g alpha dy``) nor the scaled branch shows ``b``; but ``f`` is affine in g, so
+``df/dg = b * alpha = f(g + 1) - f(g)``: the block's own forward with the gain raised by one
+(``functional_call``, no grad, its parameters as they are), minus its output (kept, or recomputed at g where
+it was changed in place since). ``dg_i = sum dy_i * (f(g + 1) - f(g))_i`` over channels and positions,
+exact up to the rounding of that difference (relative ``eps * |f| / |b alpha|``); one extra forward of the
+block, where the fallback recomputed it per example (dm_nfnet_f0 at 0.25x non-private, stop 44). Refused:
+drop-path in training (the second forward would draw other masks).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import as_sequence, register_rule
@@ -134,3 +146,36 @@ def beit_layer_scale_grads(
         other for other in _BEIT_SCALES if other != name and isinstance(getattr(module, other), nn.Parameter)
     ]
     return {name: Dense(grad), **{other: Dense(torch.zeros_like(grad)) for other in others}}
+
+
+def _check_skipinit(module: nn.Module) -> None:
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    if own != {"skipinit_gain"}:
+        raise ValueError(
+            f"{type(module).__name__}: the privacy engine's skipinit rule expects the block's own trainable "
+            f"parameter to be just `skipinit_gain`; got {sorted(own)}. Freeze them or register a rule."
+        )
+
+
+def _keep_output(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
+    return True  # f(g), which the rule would otherwise recompute
+
+
+@register_rule("timm.models.nfnet.NormFreeBlock", check=_check_skipinit, keep_output=_keep_output)
+def skipinit_gain_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
+) -> dict[str, PerExampleGrad]:
+    """``x``, ``dy``: the block's input and output gradient (B, C, H, W); returns ``dg`` (B,) for the 0-dim
+    ``skipinit_gain`` (see the module docstring)."""
+    drop_path = getattr(module, "drop_path", None)
+    if module.training and getattr(drop_path, "drop_prob", 0.0) > 0:
+        raise ValueError(
+            f"{type(module).__name__}: drop-path in training draws its masks anew in every forward, and the "
+            "privacy engine's skipinit rule reruns the block; set drop_path_rate=0 or freeze skipinit_gain."
+        )
+    gain = module.skipinit_gain.detach()
+    with torch.no_grad():
+        raised = functional_call(module, {"skipinit_gain": gain + 1}, (x,))
+        if output is None:
+            output = functional_call(module, {"skipinit_gain": gain}, (x,))
+    return {"skipinit_gain": Dense((dy * (raised - output)).flatten(1).sum(1))}
