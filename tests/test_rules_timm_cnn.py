@@ -75,6 +75,19 @@ def test_skipinit_gains_at_their_zero_start_match_oracle(strategy):
     check_clipped_step(model, loss_fn, batch, [[0, 1, 2], [3, 4, 5]], strategy, "flat", rel=1e-7)
 
 
+def test_skipinit_blocks_with_drop_path_in_training_are_refused():
+    """The rule reruns the block, which would draw other drop-path masks than the forward did."""
+    from timm.layers import DropPath
+
+    model, loss_fn, batch = make_timm_case("nfnet_skipinit")
+    for module in model.modules():
+        if hasattr(module, "skipinit_gain"):
+            module.drop_path = DropPath(0.5)
+    model.train()
+    with pytest.raises(ValueError, match="drop-path in training"):
+        engine_update(model, loss_fn, batch, [[0, 1, 2, 3, 4, 5]], batch_size=6, max_grad_norm=1.0)
+
+
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_every_module_has_a_rule(name):
     assert unsupported_modules(BUILDERS[name]()) == {}
