@@ -292,11 +292,11 @@ class ConvWeightGrads(PerExampleGrad):
 
     @property
     def has_ghost_form(self) -> bool:
-        """Ungrouped 1-D and 2-D convolutions (patches as by ``F.unfold``)."""
-        return isinstance(self.module, nn.Conv1d | nn.Conv2d) and self.module.groups == 1
+        """1-D and 2-D convolutions (patches as by ``F.unfold``; grouped ones group by group)."""
+        return isinstance(self.module, nn.Conv1d | nn.Conv2d)
 
     def outer(self) -> Outer:
-        """The book-keeping form over unfolded patches (for the ghost norm and cross terms)."""
+        """The book-keeping form over unfolded patches, for cross terms (:attr:`has_outer_form`)."""
         g = self.dy.flatten(2).transpose(1, 2)  # (B, T, C_out)
         return Outer(g, unfold_patches(self.module, self.x), self.shape, g.shape[-1])
 
@@ -306,7 +306,15 @@ class ConvWeightGrads(PerExampleGrad):
         convolution, ``T K C_in C_out`` at :data:`WEIGHT_GRAD_RATE`), the kept gradients' ``tensordot``
         costing next to nothing."""
         x, geo = as_image(self.module, self.x[:1])
-        costs = norm_costs(geo, self.shape[1], self.shape[0], self._out_size(), tuple(x.shape[2:]))
+        groups = self.module.groups
+        if groups == 1:
+            costs = norm_costs(geo, self.shape[1], self.shape[0], self._out_size(), tuple(x.shape[2:]))
+        else:  # group by group: the ghost norm over its patches; the pixel Grams are not grouped
+            per_group = norm_costs(
+                geo, self.shape[1], self.shape[0] // groups, self._out_size(), tuple(x.shape[2:])
+            )
+            instantiated = norm_costs(geo, self.shape[1], self.shape[0], self._out_size(), tuple(x.shape[2:]))
+            costs = {"instantiate": instantiated["instantiate"], "unfold": groups * per_group["unfold"]}
         if self._retain and not self._release:
             total = WEIGHT_GRAD_RATE * self.dy[0, 0].numel() * self.shape.numel()
             costs = {m: c + (total if m != "instantiate" else 0) for m, c in costs.items()}
@@ -331,18 +339,32 @@ class ConvWeightGrads(PerExampleGrad):
             return "instantiate"
         costs = {m: c + (ghost_extra if m != "instantiate" else 0) for m, c in self.norm_costs().items()}
         if self.dy.device.type != "cpu":
-            del costs["pixels"]
+            costs.pop("pixels", None)
         if mode == "ghost" or self.shape.numel() > 8 * self.dy[0, 0].numel() ** 2:
             del costs["instantiate"]
         return min(costs, key=costs.__getitem__)
 
     def ghost_norm_sq(self, dy: torch.Tensor, method: NormMethod) -> torch.Tensor:
         """``sum_{t,s} <a_t, a_s> <dy_t, dy_s>`` per example for output gradients ``dy`` (the layer's, or
-        scaled), over unfolded patches or pixels (:func:`patch_gram_norm_sq`)."""
+        scaled), over unfolded patches or pixels (:func:`patch_gram_norm_sq`). A grouped convolution's
+        gradient is block-diagonal over its G groups (group g's output channels read only its input
+        channels, contiguous in both), so its squared norm is the sum of G such norms, each over the group's
+        slice of the patches and of ``dy``: the B examples' G groups as one batch of B G."""
         if method == "pixels":
             return patch_gram_norm_sq(self.module, self.x, dy)
-        g = dy.flatten(2).transpose(1, 2)
-        return Outer(g, unfold_patches(self.module, self.x), self.shape, g.shape[-1]).norm_sq("ghost")
+        g = dy.flatten(2).transpose(1, 2)  # (B, T, C_out)
+        patches = unfold_patches(self.module, self.x)  # (B, T, C_in K)
+        groups = self.module.groups
+        if groups == 1:
+            return Outer(g, patches, self.shape, g.shape[-1]).norm_sq("ghost")
+        b, t = g.shape[:2]
+
+        def by_group(z: torch.Tensor) -> torch.Tensor:  # (B, T, G w) -> (B G, T, w)
+            return z.reshape(b, t, groups, -1).transpose(1, 2).reshape(b * groups, t, -1)
+
+        left = by_group(g)
+        shape = (left.shape[-1], patches.shape[-1] // groups)
+        return Outer(left, by_group(patches), shape, left.shape[-1]).norm_sq("ghost").view(b, groups).sum(1)
 
     def instantiate(self) -> torch.Tensor:
         return joined(self.instantiate_chunks())
@@ -379,8 +401,13 @@ class ConvWeightGrads(PerExampleGrad):
         method = self.norm_method(mode)
         return super().norm_sq() if method == "instantiate" else self.ghost_norm_sq(self.dy, method)
 
+    @property
+    def has_outer_form(self) -> bool:
+        """Ungrouped 1-D and 2-D convolutions: :meth:`outer`, one factor pair for all output channels."""
+        return self.has_ghost_form and self.module.groups == 1
+
     def dot(self, other: PerExampleGrad) -> torch.Tensor:
-        if self.has_ghost_form and (not isinstance(other, ConvWeightGrads) or other.has_ghost_form):
+        if self.has_outer_form and (not isinstance(other, ConvWeightGrads) or other.has_outer_form):
             return self.outer().dot(other.outer() if isinstance(other, ConvWeightGrads) else other)
         return super().dot(other)
 

@@ -95,14 +95,18 @@ class Standardized(PerExampleGrad):
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
 
     def _responses(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``<a_t, w_hat_r>`` (B, C_out, T) and ``sum(a_t)`` (B, T) for every output position t, in ``dtype``:
-        the first read off the kept output where it has that dtype (under autocast it has not), else one
-        bias-free convolution of the input with ``w_hat``; the second from the input's channel sum."""
+        """``<a_t, w_hat_r>`` (B, C_out, T) and ``sum(a_t)`` (B, G, T) for every output position t and group
+        (of G: a grouped convolution's patch ``a_t`` of row r holds only its group's input channels), in
+        ``dtype``: the first read off the kept output where it has that dtype (under autocast it has not),
+        else one bias-free convolution of the input with ``w_hat``; the second from each group's channel
+        sum."""
         module = self.inner.module
         x, padding = explicitly_padded(module, self.inner.x.to(dtype))
         conv = partial(F.conv2d, bias=None, stride=module.stride, padding=padding, dilation=module.dilation)
-        ones = x.new_ones(1, 1, *self.shape[2:])
-        sums = conv(x.sum(1, keepdim=True), ones).flatten(1)
+        groups = module.groups
+        ones = x.new_ones(groups, 1, *self.shape[2:])
+        channel_sums = x.unflatten(1, (groups, -1)).sum(2)  # (B, G, H, W)
+        sums = conv(channel_sums, ones, groups=groups).flatten(2)
         if self.output is not None and self.output.dtype == dtype:
             projections = self.output.flatten(2)
             if self.bias is not None:
@@ -127,7 +131,7 @@ class Standardized(PerExampleGrad):
             scaled = self.inner.ghost_norm_sq(g / s.view(-1, *[1] * (g.dim() - 2)), method)
             projections, sums = self._responses(dtype)
             g = g.flatten(2)
-            total = torch.einsum("brt,bt->br", g, sums)
+            total = torch.einsum("bgrt,bgt->bgr", g.unflatten(1, (sums.shape[1], -1)), sums).flatten(1)
             proj = torch.einsum("brt,brt->br", g, projections)
         else:
             stats = []  # per chunk: ||u_r||^2, sum(u_r), <w_hat_r, u_r>, each (b, C_out)
