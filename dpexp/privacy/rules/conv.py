@@ -8,18 +8,19 @@ Everything runs on the convolution's own backward kernel, as non-private trainin
 ``sum_i c_i dW_i`` is the weight gradient for output gradients ``c_i dy_i``, and the per-example gradients
 are the weight gradient of the same convolution with the batch folded into the channels (``groups = B g``
 for a convolution of g groups: example b's group j is group ``b g + j``), which avoids materialising the
-(B, T, p) patch tensor. Grouped and depthwise convolutions (ConvNeXt, MobileNet, EfficientNet, ResNeXt) have
-per-example gradients of only ``C_out * C_in / g * prod(kernel)`` values, which are instantiated.
+(B, T, p) patch tensor. Grouped and depthwise convolutions (ConvNeXt, MobileNet, EfficientNet, ResNeXt, NFNet)
+have per-example gradients of only ``C_out * C_in / g * prod(kernel)`` values, which may be instantiated.
 
-The norm has two ghost forms, ``||dW_i||^2 = sum_{t,s} <a_t, a_s> <dy_t, dy_s>``, for ungrouped 1-D and 2-D
-convolutions (every other convolution instantiates its per-example gradients for the norm): over unfolded
-patches (``F.unfold``, ``T^2 (C_in K + C_out)`` multiply-adds per example for K kernel offsets), or over
-pixels (:func:`patch_gram_norm_sq`): a patch is the padded input at ``stride t + dilation o`` for the
-offsets o, so ``<a_t, a_s> = sum_o P[stride t + dilation o, stride s + dilation o]`` with P the Gram of the
-input's pixels over channels, a sum of K shifted blocks of P (``N^2 C_in`` for N input pixels, plus the
-output gradients' ``T^2 C_out``). Each layer takes the cheapest of the three by a measured cost model
-(:func:`norm_costs`). Padding modes other than zeros, and ``padding="same"``, are applied to the input
-explicitly, exactly as the module does.
+The norm has two ghost forms, ``||dW_i||^2 = sum_{t,s} <a_t, a_s> <dy_t, dy_s>``, for 1-D and 2-D
+convolutions (3-D and transposed ones instantiate their per-example gradients for the norm): over unfolded
+patches (``F.unfold``, ``T^2 (C_in K + C_out)`` multiply-adds per example for K kernel offsets; for g groups
+the sum of the groups' norms over their slices of patches and output gradients, ``T^2 (C_in K + C_out)`` as
+well), or, ungrouped, over pixels (:func:`patch_gram_norm_sq`): a patch is the padded input at
+``stride t + dilation o`` for the offsets o, so ``<a_t, a_s> = sum_o P[stride t + dilation o, stride s +
+dilation o]`` with P the Gram of the input's pixels over channels, a sum of K shifted blocks of P
+(``N^2 C_in`` for N input pixels, plus the output gradients' ``T^2 C_out``). Each layer takes the cheapest
+by a measured cost model (:func:`norm_costs`). Padding modes other than zeros, and ``padding="same"``, are
+applied to the input explicitly, exactly as the module does.
 """
 
 from __future__ import annotations
