@@ -204,3 +204,47 @@ def test_time_major_transformer_layer_is_refused_at_its_position_wise_layers():
     _, loss_fn, batch = make_recurrent_case("transformer_encoder")
     with pytest.raises(VerificationError, match=r"encoder\.(linear|norm)"):
         engine_update(model, loss_fn, batch, [[0, 1, 2, 3, 4, 5]], batch_size=6, max_grad_norm=1.0)
+
+
+class _AutocastNet(nn.Module):
+    """Linear -> MultiheadAttention -> LSTM -> LSTMCell -> Linear: under autocast every recurrent and
+    attention layer receives half-precision inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.lstm, self.cell = nn.LSTM(8, 8, batch_first=True), nn.LSTMCell(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h, _ = self.mha(h, h, h)
+        h, _ = self.lstm(h)
+        state, _ = self.cell(h[:, -1])
+        return self.out(state)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_recurrent_and_attention_rules_run_under_bf16_autocast():
+    """The rules recompute the layers from their recorded inputs, which autocast gives them in bf16 (a dtype
+    error against the float32 weights before); in float32, so the update is the float32 oracle's up to bf16
+    rounding of the forward."""
+    torch.manual_seed(0)
+    model = _AutocastNet()
+    gen = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(4, 5, 6, generator=gen), "y": torch.randint(0, 3, (4,), generator=gen)}
+
+    def loss(m, b, autocast=True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return nn.functional.cross_entropy(m(b["x"]).float(), b["y"], reduction="none")
+
+    grads = per_example_grads(model, lambda m, b: loss(m, b, autocast=False), batch)
+    groups = [list(grads[0])]
+    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    expected = clipped_mean(grads, groups, thresholds, batch_size=4)
+    delta, _ = engine_update(
+        model, loss, batch, [[0, 1, 2, 3]], batch_size=4, thresholds=thresholds, max_grad_norm=1.0
+    )
+    got = torch.cat([delta[n].flatten() for n in expected])
+    want = torch.cat([w.flatten() for w in expected.values()])
+    assert (got - want).norm() / want.norm() < 3e-2

@@ -111,9 +111,12 @@ def _projections(module: nn.MultiheadAttention) -> list[tuple[torch.Tensor, torc
 
 
 def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """Per-example gradients of every parameter of ``module`` (``out_proj.*`` included), see the docstring."""
+    """Per-example gradients of every parameter of ``module`` (``out_proj.*`` included), see the docstring.
+    Recomputed in the weights' dtype: under autocast from the recorded half-precision inputs in float32 (the
+    norms and clipped sums are those of these gradients, which differ from autograd's by its rounding)."""
     query, key, value, padding, mask, need_weights, average, self_attention = x
-    query, key, value = query.detach(), key.detach(), value.detach()
+    dtype = module.out_proj.weight.dtype
+    query, key, value = (t.detach().to(dtype) for t in (query, key, value))
     batch, length, embed = query.shape
     heads = module.num_heads
     with torch.enable_grad():

@@ -116,9 +116,13 @@ def _direction(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One layer and direction over the sequence ``inp`` (B, T, in) from the states ``h``, ``cell``, with a
     zero added to each map's output (``zeros``, by parameter name) and each map's input at every step kept
-    in ``factors``: ``(outputs (B, T, width), h_n, c_n)``."""
+    in ``factors``: ``(outputs (B, T, width), h_n, c_n)``. Runs in the weights' dtype: under autocast the
+    layer ran in half precision, and its recorded inputs are recomputed from in float32 (the norms and clipped
+    sums are those of these gradients, which differ from autograd's by half-precision rounding)."""
     w = {n: getattr(module, n + suffix, None) for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
     w = {n: None if t is None else t.detach() for n, t in w.items()}
+    dtype = w["weight_ih"].dtype
+    inp, h, cell = inp.to(dtype), h.to(dtype), None if cell is None else cell.to(dtype)
     batch, steps = inp.shape[:2]
     z_a, z_c = (inp.new_zeros(batch, steps, w["weight_ih"].shape[0], requires_grad=True) for _ in "ac")
     zeros["weight_ih" + suffix], zeros["weight_hh" + suffix] = z_a, z_c
