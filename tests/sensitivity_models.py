@@ -588,6 +588,8 @@ NEW_CASES = [
     "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
     "deepseek_v3",  # a sigmoid router in float32, group-limited top-k with a load-balancing bias
     "gemma4_moe",  # a router with its own input scale and per-expert scales around a Linear child
+    "granite_moe",  # a router that softmaxes its top-k logits
+    "qwen3_5_moe",  # a router always renormalised, a gated shared expert
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -609,11 +611,21 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     """Model, unweighted loss, batch and neighbour information of one of ``NEW_CASES``."""
     # sequence lengths: equal to the micro-batch size b where the case is about T == b, else b + 2
     length = size if name.endswith("len_eq_batch") else size + 2
-    if name in ("mixtral", "qwen2_moe", "mixtral_aux_loss", "deepseek_v3", "gemma4_moe"):
+    if name in (
+        "mixtral",
+        "qwen2_moe",
+        "mixtral_aux_loss",
+        "deepseek_v3",
+        "gemma4_moe",
+        "granite_moe",
+        "qwen3_5_moe",
+    ):
         builders = {
             "qwen2_moe": engine_models.qwen2_moe,
             "deepseek_v3": engine_models.deepseek_v3,
             "gemma4_moe": engine_models.gemma4_moe,
+            "granite_moe": engine_models.granite_moe,
+            "qwen3_5_moe": engine_models.qwen3_5_moe,
         }
         model = builders.get(name, engine_models.mixtral)()
         batch = engine_models._padded_text(size, 8, 40, gen)
