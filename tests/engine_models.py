@@ -319,10 +319,10 @@ def gemma2() -> nn.Module:
     return _decoder(Gemma2Config, Gemma2ForCausalLM)
 
 
-def gemma4() -> nn.Module:
+def gemma4(**moe: int | bool) -> nn.Module:
     """Tiny random Gemma 4 (text): its RMSNorm form (float32, ``pow(., -0.5)``; also in Gemma 3n), per-layer
     input embeddings (a second scaled embedding table and projection), a sliding-window layer (window 4 < T)
-    and a full-attention one, scaled embeddings tied to the head."""
+    and a full-attention one, scaled embeddings tied to the head; ``moe``: the MoE block's config fields."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     return _decoder(
@@ -332,6 +332,7 @@ def gemma4() -> nn.Module:
         hidden_size_per_layer_input=4,
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=4,
+        **moe,
     )
 
 
@@ -340,21 +341,7 @@ def gemma4_moe() -> nn.Module:
     normalises the block's input, scales it by its own ``scale``, projects it by its child ``proj``, takes the
     top 2 of 4 float32 probabilities renormalised times its ``per_expert_scale``, and experts a copy of
     Mixtral's. The router's parameters drawn away from their initial values."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    model = _decoder(
-        Gemma4TextConfig,
-        Gemma4ForCausalLM,
-        vocab_size_per_layer_input=40,
-        hidden_size_per_layer_input=4,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=4,
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=12,
-    )
-    model = _routed(model)
+    model = _routed(gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=12))
     with torch.no_grad():
         for layer in model.model.layers:
             layer.router.proj.weight.normal_(0.0, 2.0)

@@ -187,13 +187,14 @@ class BatchNormMLP(MLP):
         )
 
 
-def test_refused_model_records_the_error_and_the_modules_without_rule() -> None:
-    spec = {
-        "model": {"_target_": f"{__name__}.BatchNormMLP", "in_features": 6, "hidden": [], "num_classes": 3},
+def _one_step(model: dict, seq_len: int | None = None) -> dict:
+    """The spec of one bk step of ``model`` (a bench model's config) at batch 2 on CPU."""
+    return {
+        "model": model,
         "optimizer": {"name": "sgd", "lr": 0.1},
         "clip": {"name": "bk", "method": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
         "batch_size": 2,
-        "seq_len": None,
+        "seq_len": seq_len,
         "warmup": 0,
         "steps": 1,
         "device": "cpu",
@@ -202,7 +203,11 @@ def test_refused_model_records_the_error_and_the_modules_without_rule() -> None:
         "sample_size": 100,
         "seed": 0,
     }
-    result = bench.run_config(spec)
+
+
+def test_refused_model_records_the_error_and_the_modules_without_rule() -> None:
+    model = {"_target_": f"{__name__}.BatchNormMLP", "in_features": 6, "hidden": [], "num_classes": 3}
+    result = bench.run_config(_one_step(model))
     assert result["status"] == "error" and result["stage"] == "build"
     assert result["error"].startswith("ValueError:") and "BatchNorm1d" in result["error"]
     assert "dpexp/privacy/capture.py" in result["where"]
@@ -212,35 +217,22 @@ def test_refused_model_records_the_error_and_the_modules_without_rule() -> None:
 def test_a_model_config_with_a_list_field_builds_and_trains() -> None:
     """Hugging Face configs validate their fields' types: Gemma 4's ``layer_types`` refused the ListConfig
     Hydra's instantiate passes for a list, so the gemma4_moe entry of the fallbacks suite never ran."""
-    spec = {
-        "model": {
-            "_target_": "dpexp.bench.models.HFCausalLM",
-            "architecture": "gemma4_text",
-            "hidden_size": 16,
-            "intermediate_size": 24,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 8,
-            "global_head_dim": 8,
-            "vocab_size": 40,
-            "vocab_size_per_layer_input": 40,
-            "hidden_size_per_layer_input": 4,
-            "layer_types": ["sliding_attention", "full_attention"],
-        },
-        "optimizer": {"name": "sgd", "lr": 0.1},
-        "clip": {"name": "bk", "method": "dpexp", "max_grad_norm": 1.0, "engine": {"clipping": "flat"}},
-        "batch_size": 2,
-        "seq_len": 6,
-        "warmup": 0,
-        "steps": 1,
-        "device": "cpu",
-        "amp": None,
-        "noise_multiplier": 1.0,
-        "sample_size": 100,
-        "seed": 0,
+    model = {
+        "_target_": "dpexp.bench.models.HFCausalLM",
+        "architecture": "gemma4_text",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "global_head_dim": 8,
+        "vocab_size": 40,
+        "vocab_size_per_layer_input": 40,
+        "hidden_size_per_layer_input": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
     }
-    result = bench.run_config(spec)
+    result = bench.run_config(_one_step(model, seq_len=6))
     assert result["status"] == "ok", result.get("error")
 
 

@@ -75,9 +75,11 @@ def _perturbed(model: nn.Module, seed: int) -> nn.Module:
     return model.double().eval()
 
 
-def nf_resnet() -> nn.Module:
+def nf_resnet(skipinit: bool = False) -> nn.Module:
     """A two-stage NF-ResNet (Brock et al. 2021; timm's NormFreeNet): ScaledStdConv2d everywhere (a learnable
-    gain per output channel, grouped 3x3 convolutions), squeeze-excite, no normalisation layer."""
+    gain per output channel, grouped 3x3 convolutions), squeeze-excite, no normalisation layer. ``skipinit``:
+    dm_nfnet's blocks, each owning a scalar ``skipinit_gain`` that scales its residual branch in place (drawn
+    away from its 0 start here)."""
     from timm.models.nfnet import NfCfg, NormFreeNet
 
     cfg = NfCfg(
@@ -91,29 +93,9 @@ def nf_resnet() -> nn.Module:
         attn_kwargs={"rd_ratio": 0.5},
         act_layer="silu",
         num_features=16,
+        skipinit=skipinit,
     )
     return _perturbed(NormFreeNet(cfg, num_classes=3, in_chans=3), 3)
-
-
-def nfnet_skipinit() -> nn.Module:
-    """:func:`nf_resnet` with SkipInit (dm_nfnet's blocks): each block owns a scalar ``skipinit_gain`` that
-    scales its residual branch in place (drawn away from its 0 start here)."""
-    from timm.models.nfnet import NfCfg, NormFreeNet
-
-    cfg = NfCfg(
-        depths=(1, 1),
-        channels=(8, 16),
-        stem_chs=8,
-        stem_type="",
-        group_size=4,
-        bottle_ratio=0.5,
-        attn_layer="se",
-        attn_kwargs={"rd_ratio": 0.5},
-        act_layer="silu",
-        num_features=16,
-        skipinit=True,
-    )
-    return _perturbed(NormFreeNet(cfg, num_classes=3, in_chans=3), 6)
 
 
 def bit() -> nn.Module:
@@ -158,7 +140,7 @@ BUILDERS = {
     "convnextv2_conv_mlp": partial(convnext, conv_mlp=True, grn=True),
     "efficientnet": efficientnet,
     "nf_resnet": nf_resnet,
-    "nfnet_skipinit": nfnet_skipinit,
+    "nfnet_skipinit": partial(nf_resnet, skipinit=True),
     "bit": bit,
     "std_conv_same": lambda: _perturbed(SameConvs(), 5),
 }
