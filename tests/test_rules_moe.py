@@ -171,9 +171,10 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
         for buffer in router.buffers():  # DeepSeek-V3's load-balancing bias
             buffer.normal_()
         x = torch.randn(11, 6, dtype=torch.float64)
-        outputs, logits_at = router(x), moe.LOGITS_AT.get(qualified, 0)  # Llama 4: (scores, logits)
+        form = moe.ROUTERS[qualified]
+        outputs, logits_at = router(x), form.logits_at  # Llama 4: (scores, logits)
         torch.testing.assert_close(outputs[logits_at], F.linear(x, router.weight).to(outputs[logits_at]))
-        assert torch.equal(moe.ROUTERS[qualified](router, outputs[logits_at]), outputs[1 - logits_at])
+        assert torch.equal(form.scores(router, outputs[logits_at]), outputs[1 - logits_at])
 
 
 # ---------------------------------------------------------------------------------------------- refusals

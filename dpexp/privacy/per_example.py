@@ -54,10 +54,15 @@ def accurate(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def _accurate_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype :func:`accurate` gives ``x``, without converting it."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _coef(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Clipping factors (float64 from the norms) in the dtype the products are formed in, never below
     float32 (a bf16 factor would be rounded by up to 2^-8, relatively)."""
-    return coef.to(torch.promote_types(like.dtype, torch.float32))
+    return coef.to(_accurate_dtype(like))
 
 
 class PerExampleGrad(ABC):
@@ -448,7 +453,7 @@ class Routed(PerExampleGrad):
 
     def instantiate(self) -> torch.Tensor:
         pairs = self._pairs()
-        out = accurate(self.right).new_zeros(self.batch_size, *self.shape)
+        out = self.right.new_zeros(self.batch_size, *self.shape, dtype=_accurate_dtype(self.right))
         for chunk, block_left, block_right, _ in self._pair_blocks("instantiate"):
             out[pairs.example[chunk], pairs.expert[chunk]] = torch.bmm(
                 accurate(block_left).transpose(1, 2), accurate(block_right)

@@ -307,15 +307,11 @@ class ConvWeightGrads(PerExampleGrad):
         convolution, ``T K C_in C_out`` at :data:`WEIGHT_GRAD_RATE`), the kept gradients' ``tensordot``
         costing next to nothing."""
         x, geo = as_image(self.module, self.x[:1])
-        groups = self.module.groups
-        if groups == 1:
-            costs = norm_costs(geo, self.shape[1], self.shape[0], self._out_size(), tuple(x.shape[2:]))
-        else:  # group by group: the ghost norm over its patches; the pixel Grams are not grouped
-            per_group = norm_costs(
-                geo, self.shape[1], self.shape[0] // groups, self._out_size(), tuple(x.shape[2:])
-            )
-            instantiated = norm_costs(geo, self.shape[1], self.shape[0], self._out_size(), tuple(x.shape[2:]))
-            costs = {"instantiate": instantiated["instantiate"], "unfold": groups * per_group["unfold"]}
+        out, size, groups = self._out_size(), tuple(x.shape[2:]), self.module.groups
+        costs = norm_costs(geo, self.shape[1], self.shape[0], out, size)
+        if groups > 1:  # the ghost norm group by group over its patches; the pixel Grams are not grouped
+            per_group = norm_costs(geo, self.shape[1], self.shape[0] // groups, out, size)
+            costs = {"instantiate": costs["instantiate"], "unfold": groups * per_group["unfold"]}
         if self._retain and not self._release:
             total = WEIGHT_GRAD_RATE * self.dy[0, 0].numel() * self.shape.numel()
             costs = {m: c + (total if m != "instantiate" else 0) for m, c in costs.items()}

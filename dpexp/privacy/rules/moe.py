@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -319,22 +319,21 @@ def llama4_experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[
 
 
 # ---------------------------------------------------------------------------------------------- routers
+def _top_k_probabilities(logits: torch.Tensor, k: int, renormalise: bool) -> torch.Tensor:
+    """The k largest of ``softmax(logits)`` taken in float32, (N, k), renormalised to sum 1 if asked."""
+    top, _ = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), k, dim=-1)
+    return top / top.sum(dim=-1, keepdim=True) if renormalise else top
+
+
 def mixtral_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``MixtralTopKRouter``'s scores from its logits (N, E): softmax in float32, top k, renormalised."""
-    probs = torch.nn.functional.softmax(logits.float(), dim=-1)
-    top, _ = torch.topk(probs, module.top_k, dim=-1)
-    top /= top.sum(dim=-1, keepdim=True)
-    return top
+    return _top_k_probabilities(logits, module.top_k, True)
 
 
 def qwen2_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``Qwen2MoeTopKRouter``'s scores: softmax in float32, top k, renormalised if ``norm_topk_prob``, cast
     back to the logits' dtype."""
-    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
-    top, _ = torch.topk(probs, module.top_k, dim=-1)
-    if module.norm_topk_prob:
-        top /= top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype)
+    return _top_k_probabilities(logits, module.top_k, module.norm_topk_prob).to(logits.dtype)
 
 
 def _check_router(module: nn.Module) -> None:
@@ -350,9 +349,7 @@ def _check_router(module: nn.Module) -> None:
 def qwen3_5_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``Qwen3_5MoeTopKRouter``'s scores (Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE): softmax in float32,
     top k, always renormalised, cast back to the logits' dtype."""
-    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
-    top, _ = torch.topk(probs, module.top_k, dim=-1)
-    return (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+    return _top_k_probabilities(logits, module.top_k, True).to(logits.dtype)
 
 
 def granite_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
@@ -427,10 +424,9 @@ def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) ->
     def router_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
         hidden, dtype = x
         batch, width = hidden.shape[0], hidden.shape[-1]
-        rows = hidden.detach().reshape(-1, width)  # the module's (N, d)
+        rows = hidden.detach().reshape(-1, width).to(dtype)  # the module's (N, d), as its matmul reads
         experts = module.weight.shape[0]
         dy = dy.reshape(rows.shape[0], -1)
-        rows = rows.to(dtype)  # what the logits' matmul reads
         with torch.enable_grad():
             logits = F.linear(rows, module.weight.detach().to(dtype)).requires_grad_()
             scores = scores_of(module, logits)
@@ -442,24 +438,32 @@ def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) ->
     return router_grads
 
 
+class RouterForm(NamedTuple):
+    """A top-k router whose outputs are its logits, its scores and more: ``scores`` recomputes the scores
+    from the logits, ``logits_at`` is the output holding the logits (the scores are the other of the first
+    two), ``float32_logits`` whether it casts both factors of its logits' matmul to float32."""
+
+    scores: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    logits_at: int = 0
+    float32_logits: bool = False
+
+
 ROUTERS = {
-    f"{MIXTRAL}.MixtralTopKRouter": mixtral_scores,  # returns (logits, scores (N, k), indices)
-    f"{QWEN2_MOE}.Qwen2MoeTopKRouter": qwen2_moe_scores,  # the same
-    f"{LLAMA4}.Llama4Router": llama4_scores,  # returns (scores (N, E), logits)
-    f"{DEEPSEEK_V3}.DeepseekV3TopkRouter": deepseek_v3_scores,  # (logits, weights (N, k), indices)
-    f"{QWEN3_5_MOE}.Qwen3_5MoeTopKRouter": qwen3_5_moe_scores,  # (logits, scores (N, k), indices)
-    f"{GRANITE_MOE}.GraniteMoeTopKRouter": granite_moe_scores,  # (logits in float32, weights, indices)
+    f"{MIXTRAL}.MixtralTopKRouter": RouterForm(mixtral_scores),  # (logits, scores (N, k), indices)
+    f"{QWEN2_MOE}.Qwen2MoeTopKRouter": RouterForm(qwen2_moe_scores),  # the same
+    f"{LLAMA4}.Llama4Router": RouterForm(llama4_scores, logits_at=1),  # (scores (N, E), logits)
+    f"{DEEPSEEK_V3}.DeepseekV3TopkRouter": RouterForm(deepseek_v3_scores, float32_logits=True),
+    f"{QWEN3_5_MOE}.Qwen3_5MoeTopKRouter": RouterForm(qwen3_5_moe_scores),
+    f"{GRANITE_MOE}.GraniteMoeTopKRouter": RouterForm(granite_moe_scores),  # logits returned in float32
 }
-LOGITS_AT = {f"{LLAMA4}.Llama4Router": 1}  # which output holds the logits, if not the first
-FLOAT32_LOGITS = {f"{DEEPSEEK_V3}.DeepseekV3TopkRouter"}  # logits F.linear(x.float(), W.float())
-for _name, _scores in ROUTERS.items():
+for _name, _form in ROUTERS.items():
     register_rule(
         _name,
         check=_check_router,
         position_wise=True,
-        call=CallLayout(router_inputs(_name in FLOAT32_LOGITS), router_output_grad(LOGITS_AT.get(_name, 0))),
+        call=CallLayout(router_inputs(_form.float32_logits), router_output_grad(_form.logits_at)),
         copies=True,
-    )(router_rule(_scores))
+    )(router_rule(_form.scores))
 
 
 def _check_gemma4_router(module: nn.Module) -> None:
