@@ -174,6 +174,27 @@ def _encoder(config_cls, model_cls, num_labels: int) -> nn.Module:
     return model_cls(config).double().eval()
 
 
+def deberta() -> nn.Module:
+    """Tiny random DeBERTa (v1) with relative attention, c2p and p2c: its attention owns the biases
+    ``q_bias``, ``v_bias`` and returns a tuple (the fallback, on all its outputs); the relative embeddings are
+    read whole and projected in every layer by ``pos_proj``/``pos_q_proj`` (shared by all examples until they
+    meet the batch), the p2c projection scaled in place."""
+    from transformers import DebertaConfig, DebertaForSequenceClassification
+
+    config = DebertaConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=24, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2,
+        pad_token_id=1, relative_attention=True, max_relative_positions=8, pos_att_type=["c2p", "p2c"],
+        initializer_range=0.3,
+    )  # fmt: skip
+    model = DebertaForSequenceClassification(config).double().eval()
+    with torch.no_grad():
+        for layer in model.deberta.encoder.layer:
+            layer.attention.self.q_bias.normal_(0.0, 0.3)
+            layer.attention.self.v_bias.normal_(0.0, 0.3)
+    return model
+
+
 def roberta() -> nn.Module:
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
@@ -251,6 +272,39 @@ class InPlaceResidual(nn.Module):
         h = self.scaled(x)
         h += x
         return self.fc(torch.tanh(h))
+
+
+class GatedPair(nn.Module):
+    """A rule-less module that returns a nested tuple, as Hugging Face attention modules do: its output,
+    then (a per-example gate, None, integer indices). Both floating outputs reach the loss; the parent changes
+    the first in place afterwards (the fallback keeps the call's own values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, 6))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple:
+        gate = torch.sigmoid((x * self.gate).sum(-1, keepdim=True))  # (B, 1)
+        return x * self.scale * mask, (gate, None, x.argmax(-1))
+
+
+class TupleOutputNet(nn.Module):
+    """Linear -> :class:`GatedPair` (called with the same tensor twice, a mask shared by the batch) ->
+    Linear, its output scaled by the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.pair = GatedPair()
+        self.head = nn.Linear(6, 3)
+        self.register_buffer("mask", torch.tensor([1.0, 1.0, 0.5, 1.0, 0.0, 1.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        y, (gate, _, _) = self.pair(h, self.mask)
+        y += h
+        return self.head(y) * gate
 
 
 class ScalarGain(nn.Module):
@@ -413,6 +467,22 @@ def deepseek_v3() -> nn.Module:
     return model
 
 
+def deepseek_v2(topk_method: str = "group_limited_greedy") -> nn.Module:
+    """Tiny random DeepSeek-V2: multi-head latent attention, a dense first layer, then a MoE layer whose
+    router softmaxes its float32 logits and picks 2 of 8 experts, within the best 2 of 4 groups (by their
+    highest score) for ``group_limited_greedy``, weights scaled by 2.5; a shared expert."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, attention_dropout=0.0, pad_token_id=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=12,
+        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+        v_head_dim=8, n_shared_experts=1, routed_scaling_factor=2.5, topk_method=topk_method,
+    )  # fmt: skip
+    return _routed(DeepseekV2ForCausalLM(config).double().eval())
+
+
 def granite_moe() -> nn.Module:
     """Tiny random Granite-MoE: a router that softmaxes its top-2 logits (in float32), experts a copy of
     Mixtral's."""
@@ -438,6 +508,33 @@ def qwen3_5_moe() -> nn.Module:
             layer_types=["full_attention", "full_attention"],
         )
     )
+
+
+def gpt_oss() -> nn.Module:
+    """Tiny random GPT-OSS: a router with a bias that softmaxes its top-2 logits, experts stored transposed
+    (E, in, out) with biases and their own gate (interleaved halves, clamped, ``g * sigmoid(alpha g) * (u +
+    1)``), and attention that owns its per-head sinks and returns a tuple (the fallback, on all its outputs);
+    sliding-window and full layers. The key/value cache is off, as in training: the fallback refuses a
+    cache, which its recomputation would extend."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    model = _decoder(
+        GptOssConfig,
+        GptOssForCausalLM,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        use_cache=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+            layer.mlp.router.bias.normal_(0.0, 0.5)
+            layer.mlp.experts.gate_up_proj_bias.normal_(0.0, 0.1)
+            layer.mlp.experts.down_proj_bias.normal_(0.0, 0.1)
+    return _routed(model)
 
 
 def qwen2_moe() -> nn.Module:
@@ -492,6 +589,7 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         "fallback": ScaledInput,
         "scalar_gain": ScalarGainNet,
         "fallback_inplace": InPlaceResidual,
+        "fallback_tuple": TupleOutputNet,
     }
     if name in on_vectors:
         batch = {
@@ -528,15 +626,17 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         return FlattenedMLPNet().double(), sequence_loss, {"ids": ids}
     if name == "opt":
         return opt(), lm_loss, _padded_text(batch_size, 10, 40, gen)
-    if name in ("falcon", "gemma2", "gemma4", "glm", "llama4"):
-        model = {"falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm, "llama4": llama4}[name]()
+    if name in ("falcon", "gemma2", "gemma4", "glm", "llama4", "gpt_oss"):
+        builders = {"falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm, "llama4": llama4}
+        model = builders.get(name, gpt_oss)()
         return model, lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("gpt2", "gpt2_lora"):
         return gpt2(lora=name == "gpt2_lora"), lm_loss, _padded_text(batch_size, 10, 40, gen)
-    if name in ("roberta", "bert"):
+    if name in ("roberta", "bert", "deberta"):
         batch = _padded_text(batch_size, 10, 40, gen)
         batch["labels"] = torch.randint(0, 2, (batch_size,), generator=gen)
-        return (roberta() if name == "roberta" else bert()), seq_classification_loss, batch
+        model = {"roberta": roberta, "bert": bert, "deberta": deberta}[name]()
+        return model, seq_classification_loss, batch
     if name in ("roberta_infilling", "bert_infilling"):
         batch = _padded_text(batch_size, 10, 40, gen)
         positions = torch.randint(1, 5, (batch_size,), generator=gen)  # inside every text (>= 5 tokens)
@@ -557,6 +657,7 @@ CASES = [
     "gpt2_lora",
     "fallback",
     "fallback_inplace",
+    "fallback_tuple",
     "scalar_gain",
     "vit",
     "vit_registers",
@@ -568,6 +669,8 @@ CASES = [
     "gemma4",
     "glm",
     "llama4",
+    "gpt_oss",
+    "deberta",
     "roberta_infilling",
     "bert_infilling",
 ]

@@ -499,6 +499,7 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "mlp": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "fallback": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "fallback_inplace": {"float_inputs": ("x",), "class_label": ("y", 3)},
+    "fallback_tuple": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "scalar_gain": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "vit": {"float_inputs": ("x",), "class_label": ("y", 3)},
     "vit_registers": {"float_inputs": ("x",), "class_label": ("y", 3)},
@@ -514,6 +515,8 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "gemma4": {"padding": LM_PADDING},
     "llama4": {"padding": LM_PADDING},
     "glm": {"padding": LM_PADDING},
+    "gpt_oss": {"padding": LM_PADDING},
+    "deberta": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
     "roberta": {"class_label": ("labels", 3), "padding": {"input_ids": 1, "attention_mask": 0}},
     "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
     "roberta_infilling": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
@@ -586,6 +589,7 @@ NEW_CASES = [
     "mixtral",  # MoE routers and 3-D expert weights on (B*T) flattened rows, folded with their routing
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
     "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
+    "deepseek_v2",  # a softmax router in float32, group-limited top-k scaled
     "deepseek_v3",  # a sigmoid router in float32, group-limited top-k with a load-balancing bias
     "gemma4_moe",  # a router with its own input scale and per-expert scales around a Linear child
     "granite_moe",  # a router that softmaxes its top-k logits
@@ -615,6 +619,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "mixtral",
         "qwen2_moe",
         "mixtral_aux_loss",
+        "deepseek_v2",
         "deepseek_v3",
         "gemma4_moe",
         "granite_moe",
@@ -622,6 +627,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     ):
         builders = {
             "qwen2_moe": engine_models.qwen2_moe,
+            "deepseek_v2": engine_models.deepseek_v2,
             "deepseek_v3": engine_models.deepseek_v3,
             "gemma4_moe": engine_models.gemma4_moe,
             "granite_moe": engine_models.granite_moe,

@@ -42,11 +42,18 @@ def test_unsupported_module_is_named_when_the_fallback_is_off():
         _engine(nn.Sequential(nn.Linear(4, 4), TupleOutput()), generic_fallback=False)
 
 
-def test_fallback_module_with_non_tensor_output_is_refused_at_the_first_forward():
-    model = nn.Sequential(nn.Linear(4, 4), TupleOutput())
+class DictOutput(TupleOutput):
+    def forward(self, x):
+        return {"scaled": x * self.scale}
+
+
+def test_fallback_module_with_an_output_neither_tensor_nor_tuple_is_refused_at_the_first_forward():
+    """A tuple of tensors is taken whole by the fallback (tests/engine_models.TupleOutputNet); a mapping is
+    not."""
+    model = nn.Sequential(nn.Linear(4, 4), DictOutput())
     with pytest.warns(UserWarning, match="torch.func fallback"):
         _engine(model)
-    with pytest.raises(TypeError, match=r"TupleOutput.*returned tuple"):
+    with pytest.raises(TypeError, match=r"DictOutput.*returned dict.*a tuple of them"):
         model[1](torch.randn(2, 4))
 
 

@@ -681,3 +681,80 @@ def test_a_rule_that_attributes_gradients_to_the_wrong_example_is_refused(monkey
     batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}
     with pytest.raises(VerificationError, match=r"parameter '0.(weight|bias)'.*a rule is wrong"):
         _step(model, _cross_entropy, batch)
+
+
+class ScaledWithNorm(nn.Module):
+    """No rule, a tuple output: ``(x * w, ||w||)``, the second without a row per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return x * self.w, self.w.norm()
+
+
+class NormUser(nn.Module):
+    def __init__(self, use_norm: bool) -> None:
+        super().__init__()
+        self.scaled, self.head, self.use_norm = ScaledWithNorm(), nn.Linear(3, 2), use_norm
+
+    def forward(self, x):
+        y, norm = self.scaled(x)
+        return self.head(y) * (norm if self.use_norm else 1.0)
+
+
+def test_a_tuple_output_without_a_row_per_example_that_reaches_the_loss_is_refused():
+    """The fallback splits only outputs with one row per example; another output that gets a gradient
+    (here ``||w||``, which scales every example's logits) carries the batch's sum: refused, naming it."""
+    batch = {"x": torch.randn(4, 3, dtype=torch.float64), "y": torch.tensor([0, 1, 1, 0])}
+    model = NormUser(use_norm=True).double()
+    engine = _engine(model)
+    with pytest.raises(VerificationError, match=r"'scaled' \(ScaledWithNorm\).*output 1 of shape \(\)"):
+        engine.backward(_cross_entropy(model, batch))
+    # unused, it gets no gradient: exact
+    model = NormUser(use_norm=False).double()
+    grads = per_example_grads(model, _cross_entropy, batch)
+    names = [n for n, p in model.named_parameters()]
+    expected = clipped_mean(grads, [names], [0.5], batch_size=4)
+    delta = _step(model, _cross_entropy, batch, max_grad_norm=0.5)
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want)
+
+
+def test_the_fallback_refuses_a_key_value_cache():
+    """Its recomputation would extend the cache: the fix (use_cache=False) is named."""
+    from tests.engine_models import _padded_text, gpt_oss
+
+    model = gpt_oss()
+    model.config.use_cache = True
+    engine = _engine(model)
+    batch = _padded_text(4, 6, 40, torch.Generator().manual_seed(0))
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    losses = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten(), reduction="none"
+    )
+    with pytest.raises(RuntimeError, match=r"GptOssAttention.*DynamicCache.*use_cache=False"):
+        engine.backward(losses.view(4, -1).sum(1))
+
+
+def test_the_fallback_searches_which_inputs_carry_the_example_once_per_call_structure(monkeypatch):
+    """With B = 6, GatedPair's (6,) mask could be per example: the first call tries the choices until one
+    alone reproduces the output; later calls of the same structure try that one first (still checked
+    against the recorded output), and a call whose recorded output it does not reproduce searches again."""
+    from dpexp.privacy.rules import functional
+    from tests.engine_models import make_case
+
+    calls = []
+    vmapped = functional._vmapped
+    monkeypatch.setattr(functional, "_vmapped", lambda *a: calls.append(a[4]) or vmapped(*a))
+    model, loss_fn, batch = make_case("fallback_tuple", batch_size=6)
+    engine = _engine(model, batch_size=6)
+    engine.backward(loss_fn(model, batch))
+    assert calls == [[0, 0], [0, None], [None, 0], [None, None]]  # only (x batched, mask shared) reproduces
+    engine.backward(loss_fn(model, batch))
+    assert calls[4:] == [[0, None]]
+    # a call whose output the remembered choice does not reproduce (forced here): the search runs again
+    monkeypatch.setattr(functional, "_reproduces", lambda recorded, recomputed: len(calls) > 6)
+    engine.backward(loss_fn(model, batch))
+    assert calls[5:] == [[0, None], [0, 0], [0, None]]

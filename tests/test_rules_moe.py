@@ -16,8 +16,10 @@ from dpexp.privacy.per_example import Routed
 from dpexp.privacy.rules import moe, rule_for
 from tests.engine_models import (
     _padded_text,
+    deepseek_v2,
     deepseek_v3,
     gemma4_moe,
+    gpt_oss,
     granite_moe,
     llama4,
     lm_loss,
@@ -33,13 +35,23 @@ MODELS = {
     "mixtral": mixtral,
     "qwen2_moe": qwen2_moe,
     "llama4": llama4,
+    "deepseek_v2": deepseek_v2,
+    "deepseek_v2_greedy": lambda: deepseek_v2("greedy"),
     "deepseek_v3": deepseek_v3,
     "granite_moe": granite_moe,
     "qwen3_5_moe": qwen3_5_moe,
     "gemma4_moe": gemma4_moe,
+    "gpt_oss": gpt_oss,  # biased router, transposed biased experts with their own gate
 }
 # logits or norms in float32 whatever the model's dtype
-FLOAT32_ROUTERS = ["deepseek_v3", "qwen3_5_moe", "gemma4_moe"]
+FLOAT32_ROUTERS = [
+    "deepseek_v2",
+    "deepseek_v2_greedy",
+    "deepseek_v3",
+    "qwen3_5_moe",
+    "gemma4_moe",
+    "gpt_oss",
+]  # gpt_oss: RMSNorm in float32
 KERNEL_MODELS = ["mixtral", "qwen2_moe"]  # experts through transformers' kernels (Llama 4's: its own bmm)
 
 
@@ -92,6 +104,19 @@ def test_routed_weighted_sum_select_sibling_and_cross_term():
     torch.testing.assert_close(sibling.instantiate(), 2 * first.instantiate())
 
 
+def test_routed_bias_sums_each_examples_rows_per_expert():
+    """A bias (E, R): left factor 1, ``G_i[e] = sum_r right_r`` over example i's rows routed to e."""
+    gen = torch.Generator().manual_seed(0)
+    right = torch.randn(30, 7, generator=gen, dtype=torch.float64)
+    expert, example = torch.randint(0, 4, (30,), generator=gen), torch.randint(0, 5, (30,), generator=gen)
+    dense = torch.zeros(5, 4, 7, dtype=torch.float64).index_put_((example, expert), right, accumulate=True)
+    bias = Routed(torch.ones(30, 1, dtype=torch.float64), right, expert, example, 5, (4, 7))
+    torch.testing.assert_close(bias.instantiate(), dense)
+    torch.testing.assert_close(bias.norm_sq(), dense.flatten(1).square().sum(1))
+    coef = torch.rand(5, dtype=torch.float64)
+    torch.testing.assert_close(bias.weighted_sum(coef), torch.einsum("b,b...->...", coef, dense))
+
+
 # ---------------------------------------------------------------------------------------------- models
 def _routing_spreads(model: nn.Module, batch: dict) -> None:
     """Some expert gets rows of several examples and some example reaches several experts (first router)."""
@@ -136,7 +161,9 @@ def test_moe_models_match_oracle_under_kernels(name, implementation):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_no_module_is_left_to_the_fallback(name):
-    assert unsupported_modules(MODELS[name]()) == {}
+    """GPT-OSS's attention owns its sinks and has no rule: it is the one module on the fallback."""
+    left = {"gpt_oss": {"transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention": ["sinks"]}}
+    assert unsupported_modules(MODELS[name]()) == left.get(name, {})
 
 
 def test_copies_of_the_mixtral_and_qwen2_moe_classes_take_their_rules():
@@ -164,16 +191,17 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
     module_name, _, name = qualified.rpartition(".")
     config = type("Config", (), {"num_experts_per_tok": 2, "num_local_experts": 5, "num_experts": 5})()
     config.hidden_size, config.norm_topk_prob = 6, norm_topk_prob
-    config.n_group, config.topk_group, config.routed_scaling_factor = 1, 1, 2.5  # DeepSeek-V3's
+    config.n_group, config.topk_group, config.routed_scaling_factor = 1, 1, 2.5  # DeepSeek-V2's and V3's
+    config.topk_method = "group_limited_greedy"  # DeepSeek-V2's
     router = getattr(importlib.import_module(module_name), name)(config).double()
     with torch.no_grad():
-        router.weight.normal_()
-        for buffer in router.buffers():  # DeepSeek-V3's load-balancing bias
-            buffer.normal_()
+        for tensor in (*router.parameters(), *router.buffers()):  # GPT-OSS's bias, DeepSeek-V3's buffer
+            tensor.normal_()
         x = torch.randn(11, 6, dtype=torch.float64)
         form = moe.ROUTERS[qualified]
         outputs, logits_at = router(x), form.logits_at  # Llama 4: (scores, logits)
-        torch.testing.assert_close(outputs[logits_at], F.linear(x, router.weight).to(outputs[logits_at]))
+        logits = F.linear(x, router.weight, router.bias if form.bias else None)
+        torch.testing.assert_close(outputs[logits_at], logits.to(outputs[logits_at]))
         assert torch.equal(form.scores(router, outputs[logits_at]), outputs[1 - logits_at])
 
 

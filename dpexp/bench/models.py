@@ -251,6 +251,23 @@ class HFCausalLM(CausalLM):
         ).train()
 
 
+class HFSequenceClassifier(RobertaClassifier):
+    """A Hugging Face sequence classifier from its ``model_type`` (e.g. ``deberta``) and config fields, random
+    weights; batches and loss as :class:`RobertaClassifier`'s."""
+
+    family = "fallback"
+
+    def __init__(self, architecture: str, num_labels: int = 2, **config: int | float | str | bool) -> None:
+        super().__init__(num_labels, **config)
+        self.architecture = architecture
+
+    def build(self) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        config = AutoConfig.for_model(self.architecture, num_labels=self.num_labels, **self.config)
+        return AutoModelForSequenceClassification.from_config(config).train()
+
+
 class MLP(BenchModel):
     """``in_features -> hidden... -> num_classes`` with ReLU: one 'token' per example and layer (T = 1)."""
 

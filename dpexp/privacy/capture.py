@@ -6,7 +6,8 @@ hooks the model: each call of a layer in a forward with gradients enabled become
 and the versions of its input tensors, so that an in-place change is caught), and in backward the gradient
 of the loss with respect to the layer's output is handed, with the use, to the engine (for a layer with
 several inputs and outputs, such as ``nn.LSTM``, as its rule's :class:`~dpexp.privacy.rules.CallLayout`
-presents them: the gradients of all its outputs at once, batch-first). What the engine
+presents them: the gradients of all its outputs at once, batch-first; for a layer without a rule that returns
+a tuple, the gradients of all its floating-point outputs, as a tuple). What the engine
 assumes of these tensors (dim 0 is the example, every use is seen) is established by
 :mod:`dpexp.privacy.verification`.
 """
@@ -33,6 +34,7 @@ from dpexp.privacy.rules.functional import (
     check_deterministic,
     functional_per_example_grads,
     shared_per_example_grads,
+    tensor_outputs,
 )
 from dpexp.privacy.shared import SharedTensor, follow, plain, share, shared_modules, shared_weights
 
@@ -182,12 +184,16 @@ class Use:
     args: tuple
     kwargs: dict[str, Any]
     versions: list[int]
-    output: torch.Tensor | None = None  # kept for the torch.func fallback and rules with ``keep_output``
-    output_version: int = 0
+    # kept for the torch.func fallback (a tuple: the tensors of a tuple output) and rules with ``keep_output``
+    output: torch.Tensor | tuple[torch.Tensor, ...] | None = None
+    output_version: int | tuple[int, ...] = 0
 
-    def kept_output(self) -> torch.Tensor | None:
+    def kept_output(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """The layer's output if it was kept and is unchanged since the call, else None."""
-        unchanged = self.output is not None and self.output._version == self.output_version
+        if isinstance(self.output, tuple):
+            unchanged = tuple(t._version for t in self.output) == self.output_version
+        else:
+            unchanged = self.output is not None and self.output._version == self.output_version
         return self.output if unchanged else None
 
     @property
@@ -270,7 +276,7 @@ class Capture:
         self,
         model: nn.Module,
         layers: list[Layer],
-        deliver: Callable[[Use, torch.Tensor], None],
+        deliver: Callable[[Use, torch.Tensor | tuple[torch.Tensor, ...]], None],
         on_model_call: Callable[[tuple, dict[str, Any]], tuple | None],
         after_model_call: Callable[[Any], None],
     ) -> None:
@@ -280,6 +286,7 @@ class Capture:
         self._replayed: Callable[[Use], None] | None = None  # set while a forward is replayed
         self._anchor = torch.zeros((), requires_grad=True)
         self._tap_calls: dict[int, int] = {}  # id(module) of a numbered-tap layer -> tap calls in its call
+        self._batched_leaves: dict[tuple, set[int]] = {}  # the fallback's established choices (``known``)
         expanded = [
             ly.module
             for ly in layers
@@ -352,10 +359,12 @@ class Capture:
         if layer.rule is not None and layer.rule.call is not None:
             return self._called_with_layout(layer, layer.rule.call, args, kwargs, output)
         if not torch.is_tensor(output):
+            if layer.rule is None and not layer.shared and tensor_outputs(output):
+                return self._called_with_outputs(layer, args, kwargs, output)
             raise TypeError(
                 f"layer {layer.name!r} ({type(module).__name__}) returned {type(output).__name__}, but the "
-                "privacy engine needs a tensor output to capture its gradient; freeze its parameters or "
-                "register a rule for it."
+                "privacy engine needs a tensor output (or, without a rule, a tuple of them) to capture its "
+                "gradient; freeze its parameters or register a rule for it."
             )
         use = Use(layer, args, kwargs, _versions(args, kwargs))
         if layer.shared:
@@ -457,6 +466,23 @@ class Capture:
             leaves[i] = tensor
         return _rebuild(output, iter(leaves))
 
+    def _called_with_outputs(self, layer: Layer, args: tuple, kwargs: dict[str, Any], output: tuple) -> Any:
+        """A call of a rule-less layer that returned several tensors (nested tuples): they are kept for the
+        fallback (:func:`~dpexp.privacy.rules.functional.tensor_outputs`) and passed through one
+        :class:`_Outputs`, whose backward hands the gradients of all of them to the engine as a tuple."""
+        use = Use(layer, args, kwargs, _versions(args, kwargs))
+        self._append(use)
+        if self._replayed is not None:
+            return None
+        leaves = _leaves(output)
+        slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.is_floating_point()]
+        use.output = tuple(leaves[i] for i in slots)  # the model changes only the passed copies in place
+        use.output_version = tuple(t._version for t in use.output)
+        passed = _Outputs.apply(partial(self._deliver, use), self._anchor, *use.output)
+        for i, tensor in zip(slots, passed, strict=True):
+            leaves[i] = tensor
+        return _rebuild(output, iter(leaves))
+
     def _tapped(self, layer: Layer, tap: nn.Module, args: tuple) -> Any:
         """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
         if not self._recording():
@@ -522,8 +548,17 @@ class Capture:
                 return shared_per_example_grads(
                     layer.module, list(layer.params), use.args, use.kwargs, dy, use.output, layer.name
                 )
+            # plain: the recomputation must not follow a shared argument (DeBERTa's rel_embeddings) again
+            args, kwargs = tuple(map(plain, use.args)), {k: plain(v) for k, v in use.kwargs.items()}
             return functional_per_example_grads(
-                layer.module, list(layer.params), use.args, use.kwargs, dy, use.kept_output(), layer.name
+                layer.module,
+                list(layer.params),
+                args,
+                kwargs,
+                dy,
+                use.kept_output(),
+                layer.name,
+                self._batched_leaves,
             )
         finally:
             self._recomputing = False

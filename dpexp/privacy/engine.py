@@ -44,7 +44,7 @@ from dpexp.privacy.individual import IndividualPrivacy, check_group_indices
 from dpexp.privacy.noise import Allocation, add_gaussian_noises_, noise_stds
 from dpexp.privacy.per_example import Dense, NormMode, PerExampleGrad
 from dpexp.privacy.sharding import LiveParameters, check_unsharded, local_gradient
-from dpexp.privacy.verification import VerificationError, Verifier, check_use
+from dpexp.privacy.verification import VerificationError, Verifier, check_outputs, check_use
 
 
 class PrivacyEngine:
@@ -366,14 +366,16 @@ class PrivacyEngine:
             return None
         return self.individual.example_scales(privacy_groups)
 
-    def _on_output_grad(self, use: Use, dy: torch.Tensor) -> None:
-        """A use's output gradient, in the probe or a plain pass: checked, turned into per-example
-        gradients, handed to the clipper."""
+    def _on_output_grad(self, use: Use, dy: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """A use's output gradient (a tuple: those of a rule-less layer's several outputs), in the probe or a
+        plain pass: checked, turned into per-example gradients, handed to the clipper."""
         if self._phase == "idle":
             raise RuntimeError(
                 "gradients of a model under a PrivacyEngine must be computed with "
                 "engine.backward(per_example_loss), not loss.backward()"
             )
+        if isinstance(dy, tuple):
+            dy = check_outputs(use, dy, self._batch_size)
         fold = check_use(use, dy, self._batch_size)
         self._verifier.check_fold(use, fold)
         if fold > 1:  # a flattened (b*T, ...) input of a position-wise rule: (b, T, ...)

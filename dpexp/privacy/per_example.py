@@ -332,7 +332,8 @@ class _Pairs:
 class Routed(PerExampleGrad):
     """A mixture-of-experts weight W (E, L, R): ``G_i[e] = sum_r left_r (x) right_r`` over the rows r of
     example i routed to expert e, one row per (token, slot) of top-k routing (Shazeer et al. 2017; Outer's
-    factorisation, Bu et al. 2023, eq. 2, expert by expert).
+    factorisation, Bu et al. 2023, eq. 2, expert by expert). A bias (E, R) is the case L = 1 with
+    ``left_r = 1``: ``G_i[e] = sum_r right_r``.
 
     ``left`` (n, L) and ``right`` (n, R) are the rows' factors, ``expert`` and ``example`` (n,) their expert
     and example; rows are kept sorted by (expert, example). The norm groups the rows by *pair* (example,
@@ -451,14 +452,19 @@ class Routed(PerExampleGrad):
             out.index_add_(0, example[chunk], value)
         return accurate(self.left.new_zeros(self.batch_size)) if out is None else out
 
+    @property
+    def _blocks(self) -> tuple[int, int, int]:
+        """(E, L, R): the weight as its factors make it (a bias (E, R) is (E, 1, R), its left factor 1)."""
+        return self.shape[0], self.left.shape[1], self.right.shape[1]
+
     def instantiate(self) -> torch.Tensor:
         pairs = self._pairs()
-        out = self.right.new_zeros(self.batch_size, *self.shape, dtype=_accurate_dtype(self.right))
+        out = self.right.new_zeros(self.batch_size, *self._blocks, dtype=_accurate_dtype(self.right))
         for chunk, block_left, block_right, _ in self._pair_blocks("instantiate"):
             out[pairs.example[chunk], pairs.expert[chunk]] = torch.bmm(
                 accurate(block_left).transpose(1, 2), accurate(block_right)
             )
-        return out
+        return out.view(self.batch_size, *self.shape)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         """``sum_i c_i G_i``: per expert, its rows (contiguous) scaled by their examples' ``c_i``."""
@@ -468,14 +474,14 @@ class Routed(PerExampleGrad):
             left = left * scale
         else:
             right = right * scale
-        out = left.new_zeros(self.shape)
+        out = left.new_zeros(self._blocks)
         per_expert = self.counts.view(self.shape[0], self.batch_size).sum(1).tolist()
         for e, (rows_left, rows_right) in enumerate(
             zip(left.split(per_expert), right.split(per_expert), strict=True)
         ):
             if len(rows_left):
                 out[e] = rows_left.T @ rows_right
-        return out
+        return out.view(self.shape)
 
     def _select(self, keep: torch.Tensor) -> Routed:
         rows = keep[self.example]

@@ -123,6 +123,7 @@ register_shared(f"{_DATA2VEC}.Data2VecVisionEncoder", "relative_position_bias")
 register_shared_weight(
     "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder", "rel_embeddings"
 )
+register_shared_weight("transformers.models.deberta.modeling_deberta.DebertaEncoder", "rel_embeddings")
 
 
 def shared_modules(model: nn.Module) -> set[int]:
@@ -428,7 +429,9 @@ def share(
     called without a tensor input); ``parents``: the nodes of the shared graph that ``output`` descends from
     (those of the layer's shared input)."""
     root = output.view_as(output)  # the chain f starts here; the whole gradient is taken at ``output``
-    return _wrap(root, (*parents, SharedOutput(name, output, root, x, deliver)))
+    # the caller gets a copy: an in-place update of it (DeBERTa's ``pos_query_layer /= scale``) must not
+    # change root, whose gradient would then be that of the updated values
+    return _wrap(root.clone(), (*parents, SharedOutput(name, output, root, x, deliver)))
 
 
 def follow(t: torch.Tensor) -> SharedTensor:

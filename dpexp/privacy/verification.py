@@ -59,6 +59,7 @@ from torch import nn
 from dpexp.privacy.capture import Forward, Use
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.precision import tolerance
+from dpexp.privacy.rules.functional import batch_outputs, pack_output_grads
 
 _PROBE_SEED = 0x5EED  # probe weights and directions come from their own generator, never the user's RNG
 
@@ -280,6 +281,29 @@ DECLARE_SHARED = (
     "declare a layer whose output is shared by all examples and meets the batch later with "
     "dpexp.privacy.shared.register_shared"
 )
+
+
+def check_outputs(use: Use, grads: tuple[torch.Tensor, ...], batch_size: int) -> torch.Tensor:
+    """The gradients of a rule-less layer's several outputs (``use.output``) packed into one (b, F) tensor
+    for the fallback (:func:`~dpexp.privacy.rules.functional.pack_output_grads`). An output without b rows
+    cannot be split per example: it must get no gradient, or the layer is refused."""
+    layer, outputs = use.layer, use.output
+    where = f"layer {layer.name!r} ({type(layer.module).__name__}) has no per-example gradient rule and"
+    rows = set(batch_outputs(outputs, batch_size))
+    if not rows:
+        raise VerificationError(
+            f"{where} none of its outputs {[tuple(y.shape) for y in outputs]} has dim 0 of the "
+            f"micro-batch's {batch_size} examples. Make its outputs batch-first, register a rule, or freeze "
+            "its parameters."
+        )
+    for k, (y, g) in enumerate(zip(outputs, grads, strict=True)):
+        if k not in rows and bool(g.any()):
+            raise VerificationError(
+                f"{where} its output {k} of shape {tuple(y.shape)} reaches the loss without a row per "
+                f"example (dim 0 is not the micro-batch's {batch_size} examples): its gradient cannot be "
+                "split per example. Register a rule for the layer, or freeze its parameters."
+            )
+    return pack_output_grads(outputs, grads, batch_size)
 
 
 def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:

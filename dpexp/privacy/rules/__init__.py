@@ -99,6 +99,11 @@ _ORIGINALS: list[str] = []  # registered types whose copies take their rule (``c
 _RULES_OF_COPIES: dict[type, LayerRule | None] = {}  # a class without a rule of its own -> its original's
 
 
+def first_output(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """A :class:`CallLayout`'s ``output_grad`` for a module whose one output is a tensor: its gradient."""
+    return grads[0]
+
+
 def refuse(module: nn.Module, rule: str, kind: str, reason: str | None, fix: str) -> None:
     """A rule's ``check``: the one-line refusal of a ``module`` the ``rule`` cannot handle, when ``reason``
     (why not) is set; ``fix`` says what to do instead."""

@@ -15,21 +15,32 @@ changes the output). No reproducing choice, or several that disagree: the module
 the model modified in place after the call (Falcon adds its residual with ``mlp_output += attention_output``)
 is no record of the call any more; the module's forward is then recomputed on the whole micro-batch, from the
 same inputs (unchanged: the engine checks their versions) and parameters, as the reference.
+
+A module that returns several tensors (nested tuples: DeBERTa's attention returns its context and
+probabilities, I-BERT's embedding its values and their scale) is taken with all its outputs at once:
+``g_i = d/dtheta sum_k <y_k(x_i; theta), dy_{k,i}>`` over the floating-point outputs y_k with one row per
+example (:func:`batch_outputs`), whose gradients the engine packs into one (B, F) ``dy``
+(:func:`pack_output_grads`), and whose recomputation must reproduce every one of them. An output without a
+row per example (a scale shared by the batch) cannot be split per example: the engine refuses the module if
+such an output gets a gradient (:func:`dpexp.privacy.verification.check_outputs`).
 """
 
 from __future__ import annotations
 
+import sys
 from itertools import product
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.precision import tolerance
 
-MAX_AMBIGUOUS_ARGUMENTS = 4  # tensors with dim 0 = B whose role is searched (2^n vmapped forwards at most)
+MAX_AMBIGUOUS_ARGUMENTS = 6  # tensors with dim 0 = B whose role is searched (2^n vmapped forwards at most,
+# once per call structure: see ``known``)
 
 
 def check_deterministic(name: str, module: nn.Module) -> None:
@@ -48,6 +59,41 @@ def check_deterministic(name: str, module: nn.Module) -> None:
             )
 
 
+def _cache_type() -> type | None:
+    """Hugging Face's key/value cache class, if transformers is loaded (a model can only pass one then)."""
+    return getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+
+
+def tensor_outputs(value: Any) -> tuple[torch.Tensor, ...]:
+    """The floating-point tensors of a module's output (a tensor, or nested tuples), in order."""
+    if isinstance(value, tuple):
+        return tuple(t for v in value for t in tensor_outputs(v))
+    return (value,) if torch.is_tensor(value) and value.is_floating_point() else ()
+
+
+def batch_outputs(outputs: tuple[torch.Tensor, ...], size: int) -> list[int]:
+    """Indices of the outputs with ``size`` rows in dim 0: the only ones that can be per example (necessary,
+    not sufficient: the fallback's reproduction and the engine's probe establish the rest)."""
+    return [k for k, y in enumerate(outputs) if y.dim() > 0 and y.shape[0] == size]
+
+
+def pack_output_grads(
+    outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], size: int
+) -> torch.Tensor:
+    """The gradients of a module's several outputs (:func:`tensor_outputs`) as one (size, F) tensor: those of
+    :func:`batch_outputs`, flattened per row and concatenated (:func:`unpack_output_grads` inverts it)."""
+    parts = [grads[k].reshape(size, -1) for k in batch_outputs(outputs, size)]
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def unpack_output_grads(outputs: tuple[torch.Tensor, ...], dy: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Output index -> its gradient (B, ...), from :func:`pack_output_grads`' (B, F)."""
+    parts = batch_outputs(outputs, dy.shape[0])
+    sizes = [outputs[k][0].numel() for k in parts]
+    pieces = dy.split(sizes, dim=1)
+    return {k: piece.reshape(outputs[k].shape) for k, piece in zip(parts, pieces, strict=True)}
+
+
 def _reproduces(recorded: torch.Tensor, recomputed: torch.Tensor) -> bool:
     if recorded.shape != recomputed.shape:
         return False
@@ -62,18 +108,31 @@ def functional_per_example_grads(
     args: tuple,
     kwargs: dict[str, Any],
     dy: torch.Tensor,
-    output: torch.Tensor | None,
+    output: torch.Tensor | tuple[torch.Tensor, ...] | None,
     name: str,
+    known: dict[tuple, set[int]],
 ) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``module``'s own parameters ``attrs`` for one call (``args``, ``kwargs``,
     recorded ``output``, None if it was modified in place since; output gradient ``dy`` of shape (B, ...));
-    ``name`` is the module's name in the model, for errors."""
+    ``name`` is the module's name in the model, for errors. A tuple ``output``: the module's
+    :func:`tensor_outputs`, and ``dy`` their gradients packed by :func:`pack_output_grads`. ``known``, kept by
+    the caller across calls: for every call structure (module name, argument nesting, shapes and dtypes), the
+    batched leaves established when exactly one choice reproduced the output; tried first, and still checked
+    against the recorded output, the search runs again if they do not reproduce it."""
     size = dy.shape[0]
-    keys = [*range(len(args)), *kwargs]
-    values = [*args, *kwargs.values()]
-    candidates = [
-        i for i, v in enumerate(values) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size
-    ]
+    values, spec = tree_flatten((tuple(args), dict(kwargs)))  # nested too (Funnel's attention_inputs)
+    cache = _cache_type()
+    stateful = [type(v).__name__ for v in values if cache is not None and isinstance(v, cache)]
+    if stateful:
+        raise RuntimeError(
+            f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and its exact "
+            f"fallback recomputes its forward, but it was given a {stateful[0]} (a key/value cache), which "
+            "every recomputation would extend. Call the model with use_cache=False in training, or register "
+            "a rule."
+        )
+    candidates = list(  # one role per tensor: a tensor passed twice (query = key = value) is one candidate
+        dict.fromkeys(id(v) for v in values if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size)
+    )
     if len(candidates) > MAX_AMBIGUOUS_ARGUMENTS:
         raise RuntimeError(
             f"module {name!r} ({type(module).__name__}) has no per-example gradient rule and "
@@ -84,16 +143,32 @@ def functional_per_example_grads(
     if output is None:
         with torch.no_grad():
             output = functional_call(module, params, args, kwargs)
-    found: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
-    for choice in product((0, None), repeat=len(candidates)):  # all batched first
-        batched = {i for i, d in zip(candidates, choice, strict=True) if d == 0}
-        dims = [0 if i in batched else None for i in range(len(values))]
+    outputs = tensor_outputs(output)
+    dys = unpack_output_grads(outputs, dy) if isinstance(output, tuple) else {0: dy}
+
+    def attempt(batched: set[int]) -> dict[str, torch.Tensor] | None:
+        """The gradients if vmapping the leaves at positions ``batched`` reproduces all outputs, or None."""
+        dims = [0 if j in batched else None for j in range(len(values))]
         try:
-            grads, recomputed = _vmapped(module, params, keys, values, dims, dy, len(args))
+            grads, recomputed = _vmapped(module, params, spec, values, dims, dys)
         except RuntimeError:
-            continue  # shapes that do not fit this choice
-        if _reproduces(output, recomputed):
-            found.append((grads, recomputed))
+            return None  # shapes that do not fit this choice
+        return (
+            grads if all(_reproduces(outputs[k], y) for k, y in zip(dys, recomputed, strict=True)) else None
+        )
+
+    signature = (name, str(spec), tuple(_describe(v) for v in values))
+    if signature in known:  # established on an earlier call of the same structure: checked again
+        grads = attempt(known[signature])
+        if grads is not None:
+            return {attr: Dense(g) for attr, g in grads.items()}
+    found: list[tuple[set[int], dict[str, torch.Tensor]]] = []
+    for choice in product((0, None), repeat=len(candidates)):  # all batched first
+        chosen = {i for i, d in zip(candidates, choice, strict=True) if d == 0}
+        batched = {j for j, v in enumerate(values) if id(v) in chosen}
+        grads = attempt(batched)
+        if grads is not None:
+            found.append((batched, grads))
             if len(found) > 1:
                 break
     if not found:
@@ -103,35 +178,47 @@ def functional_per_example_grads(
             "inputs are not batch-first, or its forward mixes examples. Register a rule, make it "
             "batch-first, or freeze its parameters."
         )
-    if len(found) > 1 and not all(_reproduces(found[0][0][attr], found[1][0][attr]) for attr in attrs):
+    if len(found) > 1 and not all(_reproduces(found[0][1][attr], found[1][1][attr]) for attr in attrs):
         raise RuntimeError(
             f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and its tensor "
             "arguments with the batch size in dim 0 reproduce its output both as per-example and as shared "
             "inputs, with different gradients: which of them carry the example index cannot be established. "
             "Register a rule for it or freeze its parameters."
         )
-    return {attr: Dense(g) for attr, g in found[0][0].items()}
+    if len(found) == 1:  # unambiguous: remembered for the calls of the same structure
+        known[signature] = found[0][0]
+    return {attr: Dense(g) for attr, g in found[0][1].items()}
+
+
+def _describe(value: Any) -> tuple | str:
+    """A leaf of a call's arguments as far as the choice of batched leaves depends on it."""
+    return (tuple(value.shape), value.dtype) if torch.is_tensor(value) else type(value).__name__
 
 
 def _vmapped(
     module: nn.Module,
     params: dict[str, torch.Tensor],
-    keys: list,
+    spec: TreeSpec,
     values: list,
     dims: list[int | None],
-    dy: torch.Tensor,
-    num_args: int,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """``(g_i, module(x_i))`` for every example i, vmapping dim 0 of the values with ``dims[j] == 0``."""
+    dys: dict[int, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """``(g_i, y_k(x_i))`` for every example i and every output k of ``dys`` (index among the module's
+    :func:`tensor_outputs` -> its gradient (B, ...)), vmapping dim 0 of the leaves ``values`` of the call's
+    ``(args, kwargs)`` (``spec``) with ``dims[j] == 0``."""
 
-    def inner_product(p: dict[str, torch.Tensor], vals: list, dy_i: torch.Tensor):
+    def inner_product(p: dict[str, torch.Tensor], vals: list, dys_i: dict[int, torch.Tensor]):
         vals = [v.unsqueeze(0) if d == 0 else v for v, d in zip(vals, dims, strict=True)]
-        kw = dict(zip(keys[num_args:], vals[num_args:], strict=True))
-        out = functional_call(module, p, tuple(vals[:num_args]), kw)
-        return (out * dy_i.unsqueeze(0).to(out.dtype)).sum(), out.squeeze(0)
+        args, kwargs = tree_unflatten(vals, spec)
+        outputs = tensor_outputs(functional_call(module, p, args, kwargs))
+        ys = [outputs[k] for k in dys]
+        total = sum(
+            (y * dy_i.unsqueeze(0).to(y.dtype)).sum() for y, dy_i in zip(ys, dys_i.values(), strict=True)
+        )
+        return total, tuple(y.squeeze(0) for y in ys)
 
     with torch.enable_grad():
-        return vmap(grad(inner_product, has_aux=True), in_dims=(None, dims, 0))(params, values, dy)
+        return vmap(grad(inner_product, has_aux=True), in_dims=(None, dims, 0))(params, values, dys)
 
 
 def shared_per_example_grads(

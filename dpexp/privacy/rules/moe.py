@@ -2,9 +2,14 @@
 ``Qwen2MoeTopKRouter`` and their copies: MiniMax; Qwen3-MoE, OLMoE, FlexOlmo, Qwen3-Next, ...) and the
 experts (``MixtralExperts`` and its copies in some 60 model files: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, ...),
 whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I); Llama 4's router and dense
-experts (:func:`llama4_experts_grads`, at the end of the experts section); DeepSeek-V3's sigmoid router
+experts (:func:`llama4_experts_grads`, at the end of the experts section); DeepSeek-V2's softmax router
+(greedy or group-limited, :func:`deepseek_v2_scores`) and DeepSeek-V3's sigmoid router
 (:func:`deepseek_v3_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...), Qwen3.5-MoE's and
-Granite-MoE's routers, and Gemma 4's router (:func:`gemma4_router_grads`, at the end).
+Granite-MoE's routers, and Gemma 4's router (:func:`gemma4_router_grads`, at the end); GPT-OSS's router (a
+bias on its logits) and experts (OpenAI 2025: weights stored transposed, (E, d, 2I) and (E, I, d) applied as
+``x @ W``, a bias per expert after each projection, and the class's own gate on interleaved halves), and
+Aria's experts (transposed): the experts rule follows the layout that transformers'
+``use_experts_implementation`` declares (``is_transposed``, ``has_bias``) and the class's ``_apply_gate``.
 
 A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
 ``z_t = W x_t`` (E,), probabilities ``softmax(z_t)`` in float32 and their top k, the scores ``s_t``
@@ -35,9 +40,10 @@ routing; under autocast the matmuls in autocast's dtype, recorded at the call) a
 autograd.
 
 Refused at the call, with the fix: router jitter noise in training (the experts read it from their config),
-an activation not known to act elementwise, parameters other than the weights (biases), another experts
-implementation, or grouped_mm / batched_mm on a non-default layout (transposed, interleaved, biased,
-post-expert norm, expert parallel), inputs other than (N, d) rows with (N, k) routing.
+an activation not known to act elementwise (or a class's own gate not known to act on each row alone),
+parameters other than the weights (and the biases the layout declares), a layout other than the one the
+class's eager forward computes, another experts implementation, or grouped_mm / batched_mm without a gate,
+with a post-expert norm or expert parallel, inputs other than (N, d) rows with (N, k) routing.
 """
 
 from __future__ import annotations
@@ -51,15 +57,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad, Routed
-from dpexp.privacy.rules import CallLayout, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
 
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 QWEN2_MOE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
 LLAMA4 = "transformers.models.llama4.modeling_llama4"
+DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
 DEEPSEEK_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3"
 QWEN3_5_MOE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 GRANITE_MOE = "transformers.models.granitemoe.modeling_granitemoe"
 GEMMA4 = "transformers.models.gemma4.modeling_gemma4"
+GPT_OSS = "transformers.models.gpt_oss.modeling_gpt_oss"
+ARIA = "transformers.models.aria.modeling_aria"
 
 ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
     f"transformers.activations.{name}"
@@ -83,13 +92,18 @@ ELEMENTWISE = {  # activations acting on each value alone (their derivative is t
     for name in ("SiLU", "GELU", "ReLU", "ReLU6", "LeakyReLU", "Tanh", "Sigmoid", "Hardswish", "Mish")
 }
 IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")  # None: the module's own (eager) forward
-DEFAULT_LAYOUT = {  # what grouped_mm / batched_mm assume to compute the eager forward's function
+GROUPED_LAYOUT = {  # grouped_mm / batched_mm compute the eager forward's function on this layout (the rule
+    # follows is_transposed, has_bias and the class's _apply_gate, which they read too)
     "has_gate": True,
-    "has_bias": False,
-    "is_transposed": False,
-    "is_concatenated": True,
     "has_post_expert_norm": False,
     "_is_expert_parallel": False,
+}
+EAGER_LAYOUTS = {  # (is_transposed, has_bias) of the eager forwards; Mixtral's and its copies' (False, False)
+    f"{GPT_OSS}.GptOssExperts": (True, True),
+    f"{ARIA}.AriaExperts": (True, False),
+}
+ROW_GATES = {  # classes' own ``_apply_gate`` known to act on each row alone
+    f"{GPT_OSS}.GptOssExperts._apply_gate",  # interleaved halves: clamped g * sigmoid(alpha g) * (u + 1)
 }
 
 
@@ -103,12 +117,38 @@ def _extra_parameters(module: nn.Module, own: tuple[str, ...]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- experts
+def _layout(module: nn.Module) -> tuple[bool, bool]:
+    """(transposed, biased): weights stored (E, in, out) and applied as ``x @ W`` (else (E, out, in),
+    ``x W^T``), and a bias per expert after each projection; as ``use_experts_implementation`` declares."""
+    return bool(getattr(module, "is_transposed", False)), bool(getattr(module, "has_bias", False))
+
+
+def _custom_gate(module: nn.Module) -> Callable | None:
+    """The class's own ``_apply_gate`` (GPT-OSS's), or None for the default ``act_fn(gate) * up`` of the
+    concatenated halves."""
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is None:
+        return None
+    from transformers.integrations.moe import _default_apply_gate
+
+    return None if gate is _default_apply_gate else gate
+
+
 def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
-    """(reason, fix) if an experts module has parameters besides its two 3-D weights, or an activation not
-    known to act elementwise, else None."""
-    extra = _extra_parameters(module, ("gate_up_proj", "down_proj"))
+    """(reason, fix) if an experts module has parameters besides its two 3-D weights (and their biases where
+    its layout declares them), or a gate not known to act on each row alone, else None."""
+    own = ("gate_up_proj", "down_proj") + ("gate_up_proj_bias", "down_proj_bias") * _layout(module)[1]
+    extra = _extra_parameters(module, own)
     if extra is not None:
-        return extra, "Freeze the experts or remove the extra parameters (biases)."
+        return extra, "Freeze the experts or remove the extra parameters."
+    gate = _custom_gate(module)
+    if gate is not None:
+        if f"{gate.__module__}.{gate.__qualname__}" in ROW_GATES:
+            return None
+        return (
+            f"its gate {gate.__qualname__} is not one it knows to act on each row alone",
+            "Freeze the experts.",
+        )
     act = module.act_fn
     if _qualified(act) not in ELEMENTWISE or any(True for _ in act.parameters()):
         return (
@@ -130,14 +170,19 @@ def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
             f"experts implementation {implementation!r} may compute another function than the eager forward",
             "Set model.set_experts_implementation('eager') (or 'grouped_mm', 'batched_mm').",
         )
+    eager = EAGER_LAYOUTS.get(_qualified(module), (False, False))
+    if _layout(module) != eager:
+        return (
+            f"its layout (is_transposed, has_bias) = {_layout(module)} is not the {eager} its eager forward "
+            "computes",
+            "Keep the layout the class declares, or freeze the experts.",
+        )
     if implementation not in (None, "eager"):
-        from transformers.integrations.moe import _default_apply_gate
-
-        changed = {k: getattr(module, k, v) for k, v in DEFAULT_LAYOUT.items() if getattr(module, k, v) != v}
-        if changed or getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+        changed = {k: getattr(module, k, v) for k, v in GROUPED_LAYOUT.items() if getattr(module, k, v) != v}
+        if changed:
             return (
-                f"under {implementation!r} its layout {changed or 'custom _apply_gate'} departs from the "
-                "eager forward the rule recomputes",
+                f"under {implementation!r} its layout {changed} departs from the eager forward the rule "
+                "recomputes",
                 "Set model.set_experts_implementation('eager'), or freeze the experts.",
             )
     if module.training and getattr(config, "router_jitter_noise", 0.0):
@@ -191,15 +236,13 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _first_output(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
-    return grads[0]
-
-
 def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """``gate_up_proj`` and ``down_proj`` of one call, see the module docstring. ``x`` is
-    :func:`experts_inputs`' tuple, its tensors (b, T, ...) folded or (b, ...) with one row per example, ``dy``
-    likewise; the recomputation runs in the call's compute dtype."""
+    """``gate_up_proj`` and ``down_proj`` of one call, see the module docstring, and their biases where the
+    layout has them (:func:`_layout`: GPT-OSS). ``x`` is :func:`experts_inputs`' tuple, its tensors
+    (b, T, ...) folded or (b, ...) with one row per example, ``dy`` likewise; the recomputation runs in the
+    call's compute dtype."""
     hidden, index, weights, dtype = x
+    transposed, biased = _layout(module)
     batch, width = hidden.shape[0], hidden.shape[-1]
     rows = hidden.detach().reshape(-1, width).to(dtype)  # (N, d), N = b*T in example-major order
     length = rows.shape[0] // batch
@@ -213,31 +256,51 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
     sizes = torch.bincount(expert, minlength=module.num_experts).tolist()
     inputs = rows[token]  # (n, d)
     gate_up, down = module.gate_up_proj.detach().to(dtype), module.down_proj.detach().to(dtype)
-    projected = inputs.new_empty(len(token), gate_up.shape[1])
+    if not transposed:  # (E, in, out) views: every product below is x @ W
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    projected = inputs.new_empty(len(token), gate_up.shape[2])
     for e, (a, out) in enumerate(zip(inputs.split(sizes), projected.split(sizes), strict=True)):
-        torch.mm(a, gate_up[e].T, out=out)  # F.linear(x, gate_up_proj[e]) on the expert's rows
+        torch.mm(a, gate_up[e], out=out)  # the expert's projection of its rows, as the eager forward
+    if biased:
+        projected += module.gate_up_proj_bias.detach().to(dtype)[expert]
     # s_r dy_t, in the precision in which the eager forward multiplies the expert's output by its weight
     scaled = (dy.reshape(-1, width)[token] * weights.reshape(-1)[slot, None]).to(dtype)
+    gate = _custom_gate(module)
     with torch.enable_grad():
         leaf = projected.requires_grad_()
-        gate, up = leaf.chunk(2, dim=-1)
-        activated = module.act_fn(gate) * up
+        if gate is None:
+            gate_half, up = leaf.chunk(2, dim=-1)
+            activated = module.act_fn(gate_half) * up
+        else:
+            activated = gate(module, leaf)
     hidden_grad = scaled.new_empty(activated.shape)
     for e, (g, out) in enumerate(zip(scaled.split(sizes), hidden_grad.split(sizes), strict=True)):
-        torch.mm(g, down[e], out=out)  # the down projection's backward to its input
+        torch.mm(g, down[e].T, out=out)  # the down projection's backward to its input
     (projected_grad,) = torch.autograd.grad(activated, leaf, hidden_grad)
-    gate_up_grad = Routed(projected_grad, inputs, expert, token // length, batch, module.gate_up_proj.shape)
-    return {
-        "gate_up_proj": gate_up_grad,
-        "down_proj": gate_up_grad.sibling(scaled, activated.detach(), module.down_proj.shape),
-    }
+    example, activated = token // length, activated.detach()
+    if transposed:  # gate_up_proj[e] (d, 2I), down_proj[e] (I, d)
+        gate_up_grad = Routed(inputs, projected_grad, expert, example, batch, module.gate_up_proj.shape)
+        down_grad = gate_up_grad.sibling(activated, scaled, module.down_proj.shape)
+    else:  # gate_up_proj[e] (2I, d), down_proj[e] (d, I)
+        gate_up_grad = Routed(projected_grad, inputs, expert, example, batch, module.gate_up_proj.shape)
+        down_grad = gate_up_grad.sibling(scaled, activated, module.down_proj.shape)
+    grads: dict[str, PerExampleGrad] = {"gate_up_proj": gate_up_grad, "down_proj": down_grad}
+    if biased:  # the biases' gradients: the rows' output gradients, summed per (example, expert)
+        ones = projected_grad.new_ones(len(token), 1)
+        grads["gate_up_proj_bias"] = gate_up_grad.sibling(
+            ones, projected_grad, module.gate_up_proj_bias.shape
+        )
+        grads["down_proj_bias"] = gate_up_grad.sibling(ones, scaled, module.down_proj_bias.shape)
+    return grads
 
 
 register_rule(
     f"{MIXTRAL}.MixtralExperts",
+    f"{GPT_OSS}.GptOssExperts",
+    f"{ARIA}.AriaExperts",
     check=_check_experts,
     position_wise=True,
-    call=CallLayout(experts_inputs, _first_output, rows=(0, 1, 2)),
+    call=CallLayout(experts_inputs, first_output, rows=(0, 1, 2)),
     copies=True,
 )(experts_grads)
 
@@ -337,13 +400,20 @@ def qwen2_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_router(module: nn.Module) -> None:
+    form = ROUTERS.get(_qualified(module))
     refuse(
         module,
         "mixture-of-experts",
         "router",
-        _extra_parameters(module, ("weight",)),
+        _extra_parameters(module, ("weight", "bias") if form is not None and form.bias else ("weight",)),
         "Freeze the router or remove the extra parameters (biases).",
     )
+
+
+def gpt_oss_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``GptOssTopKRouter``'s scores (N, k): the softmax of its top-k logits, in their dtype."""
+    top, _ = torch.topk(logits, module.top_k, dim=-1)
+    return F.softmax(top, dim=1, dtype=top.dtype)
 
 
 def qwen3_5_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
@@ -388,6 +458,22 @@ def deepseek_v3_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return weights * module.routed_scaling_factor
 
 
+def deepseek_v2_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``DeepseekV2TopkRouter``'s weights of its chosen experts (N, k) from its float32 logits (DeepSeek-AI
+    2024, DeepSeek-V2, sec. 2.2): the softmax, restricted for ``group_limited_greedy`` to the ``topk_group``
+    groups of the highest maximum, its top k (unsorted, as the module) times ``routed_scaling_factor``."""
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    if module.topk_method == "group_limited_greedy":
+        groups, experts = module.num_group, logits.shape[-1]
+        group_scores = scores.view(-1, groups, experts // groups).max(dim=-1).values
+        group_index = torch.topk(group_scores, k=module.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_index, 1)
+        mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+        scores = scores.masked_fill(~mask.bool(), 0.0)
+    weights, _ = torch.topk(scores, k=module.top_k, dim=-1, sorted=False)
+    return weights * module.routed_scaling_factor
+
+
 def router_inputs(float32_logits: bool) -> Callable[[nn.Module, tuple, dict[str, Any]], tuple]:
     """The router's call as ``(hidden_states, compute dtype)``: the states as the (N, d) rows it computes on
     (it flattens them itself), and the dtype of its logits' matmul: autocast's where it is on, else the
@@ -418,8 +504,8 @@ def router_output_grad(logits_at: int) -> Callable[[nn.Module, list[torch.Tensor
     return output_grad
 
 
-def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> Callable:
-    """The router rule for a module whose scores come from its logits by ``scores_of``."""
+def router_rule(form: RouterForm) -> Callable:
+    """The router rule for a module whose scores come from its logits ``W x (+ b)`` by ``form.scores``."""
 
     def router_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
         hidden, dtype = x
@@ -427,13 +513,18 @@ def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) ->
         rows = hidden.detach().reshape(-1, width).to(dtype)  # the module's (N, d), as its matmul reads
         experts = module.weight.shape[0]
         dy = dy.reshape(rows.shape[0], -1)
+        bias = module.bias.detach().to(dtype) if form.bias else None
         with torch.enable_grad():
-            logits = F.linear(rows, module.weight.detach().to(dtype)).requires_grad_()
-            scores = scores_of(module, logits)
+            logits = F.linear(rows, module.weight.detach().to(dtype), bias).requires_grad_()
+            scores = form.scores(module, logits)
         (through_scores,) = torch.autograd.grad(scores, logits, dy[:, experts:].to(scores.dtype))
-        logits_grad = dy[:, :experts].to(logits.dtype) + through_scores
-        left = logits_grad.view(batch, -1, experts)
-        return {"weight": Outer(left, rows.view(batch, -1, width), module.weight.shape, experts)}
+        left = (dy[:, :experts].to(logits.dtype) + through_scores).view(batch, -1, experts)
+        grads: dict[str, PerExampleGrad] = {
+            "weight": Outer(left, rows.view(batch, -1, width), module.weight.shape, experts)
+        }
+        if form.bias:
+            grads["bias"] = Dense(left.sum(1))
+        return grads
 
     return router_grads
 
@@ -441,11 +532,13 @@ def router_rule(scores_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) ->
 class RouterForm(NamedTuple):
     """A top-k router whose outputs are its logits, its scores and more: ``scores`` recomputes the scores
     from the logits, ``logits_at`` is the output holding the logits (the scores are the other of the first
-    two), ``float32_logits`` whether it casts both factors of its logits' matmul to float32."""
+    two), ``float32_logits`` whether it casts both factors of its logits' matmul to float32, ``bias`` whether
+    it adds a bias to its logits."""
 
     scores: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     logits_at: int = 0
     float32_logits: bool = False
+    bias: bool = False  # logits W x + b
 
 
 ROUTERS = {
@@ -455,6 +548,8 @@ ROUTERS = {
     f"{DEEPSEEK_V3}.DeepseekV3TopkRouter": RouterForm(deepseek_v3_scores, float32_logits=True),
     f"{QWEN3_5_MOE}.Qwen3_5MoeTopKRouter": RouterForm(qwen3_5_moe_scores),
     f"{GRANITE_MOE}.GraniteMoeTopKRouter": RouterForm(granite_moe_scores),  # logits returned in float32
+    f"{GPT_OSS}.GptOssTopKRouter": RouterForm(gpt_oss_scores, bias=True),
+    f"{DEEPSEEK_V2}.DeepseekV2TopkRouter": RouterForm(deepseek_v2_scores, float32_logits=True),
 }
 for _name, _form in ROUTERS.items():
     register_rule(
@@ -463,7 +558,7 @@ for _name, _form in ROUTERS.items():
         position_wise=True,
         call=CallLayout(router_inputs(_form.float32_logits), router_output_grad(_form.logits_at)),
         copies=True,
-    )(router_rule(_form.scores))
+    )(router_rule(_form))
 
 
 def _check_gemma4_router(module: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d/2d/3d``, timm's ``LayerNorm`` and ``LayerNorm2d``
-(ConvNeXt) and Cohere's bias-free float32 LayerNorm: ``y = x_hat * w + b`` with ``x_hat`` the normalised
-input.
+(ConvNeXt), Cohere's bias-free float32 LayerNorm and DeBERTa's: ``y = x_hat * w + b`` with ``x_hat`` the
+normalised input.
 
 The per-example gradients ``dw_i = sum (dy_i * x_hat_i)`` and ``db_i = sum dy_i`` (summed over all axes
 that the affine parameters are broadcast along) are small, so they are held explicitly. ``x_hat`` is
@@ -54,6 +54,21 @@ def float32_layer_norm_grads(
     x_hat = F.layer_norm(x.float(), x.shape[-1:], eps=module.variance_epsilon)
     reduce = tuple(range(1, x.dim() - module.weight.dim()))
     return {"weight": Dense((dy.float() * x_hat).sum(reduce))}
+
+
+@register_rule(
+    "transformers.models.deberta.modeling_deberta.DebertaLayerNorm", position_wise=True, copies=True
+)
+def deberta_layer_norm_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """DeBERTa's LayerNorm (He et al. 2021; and its copies): ``x_hat`` centred and normalised over the last
+    axis in float32 by the module's own operations, cast back to the input's dtype; ``y = w * x_hat + b``."""
+    h = x.float()
+    centred = h - h.mean(-1, keepdim=True)
+    variance = centred.pow(2).mean(-1, keepdim=True)
+    x_hat = (centred / torch.sqrt(variance + module.variance_epsilon)).to(x.dtype)
+    return _affine_grads(module, x_hat, dy, tuple(range(1, x.dim() - 1)))
 
 
 @register_rule(nn.GroupNorm)
