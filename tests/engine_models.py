@@ -537,6 +537,16 @@ def gpt_oss() -> nn.Module:
     return _routed(model)
 
 
+def aria() -> nn.Module:
+    """Tiny random Aria (text): a router that softmaxes its top-2 logits, experts stored transposed
+    (E, in, out) without biases, a shared expert."""
+    from transformers import AriaTextConfig, AriaTextForCausalLM
+
+    return _routed(
+        _decoder(AriaTextConfig, AriaTextForCausalLM, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1)
+    )
+
+
 def qwen2_moe() -> nn.Module:
     """Tiny random Qwen2-MoE: its router's top 2 of 4 experts not renormalised (``norm_topk_prob=False``),
     the experts a copy of Mixtral's (dpexp.privacy.rules.copies), a gated shared expert (plain Linear layers

@@ -16,6 +16,7 @@ from dpexp.privacy.per_example import Routed
 from dpexp.privacy.rules import moe, rule_for
 from tests.engine_models import (
     _padded_text,
+    aria,
     deepseek_v2,
     deepseek_v3,
     gemma4_moe,
@@ -42,6 +43,7 @@ MODELS = {
     "qwen3_5_moe": qwen3_5_moe,
     "gemma4_moe": gemma4_moe,
     "gpt_oss": gpt_oss,  # biased router, transposed biased experts with their own gate
+    "aria": aria,  # transposed experts without biases
 }
 # logits or norms in float32 whatever the model's dtype
 FLOAT32_ROUTERS = [
@@ -189,7 +191,10 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
     import importlib
 
     module_name, _, name = qualified.rpartition(".")
-    config = type("Config", (), {"num_experts_per_tok": 2, "num_local_experts": 5, "num_experts": 5})()
+    config = type(
+        "Config", (), {"num_experts_per_tok": 2, "num_local_experts": 5, "num_experts": 5, "moe_topk": 2}
+    )()
+    config.moe_num_experts = 5  # Aria's
     config.hidden_size, config.norm_topk_prob = 6, norm_topk_prob
     config.n_group, config.topk_group, config.routed_scaling_factor = 1, 1, 2.5  # DeepSeek-V2's and V3's
     config.topk_method = "group_limited_greedy"  # DeepSeek-V2's

@@ -183,8 +183,8 @@ def test_rms_norm_matches_oracle(name, strategy, clipping):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         groups = PrivacyEngine(
-            Normed(_norms()[name], gated=name in GATED), batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0,
-            clipping=clipping,
+            Normed(_norms()[name], gated=name in GATED), batch_size=2, sample_size=10, max_grad_norm=1.0,
+            noise_multiplier=0.0, clipping=clipping,
         ).groups  # fmt: skip
     thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-3).tolist()
     expected = clipped_mean(grads, groups, thresholds, batch_size=6)

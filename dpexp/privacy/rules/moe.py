@@ -8,7 +8,7 @@ experts (:func:`llama4_experts_grads`, at the end of the experts section); DeepS
 Granite-MoE's routers, and Gemma 4's router (:func:`gemma4_router_grads`, at the end); GPT-OSS's router (a
 bias on its logits) and experts (OpenAI 2025: weights stored transposed, (E, d, 2I) and (E, I, d) applied as
 ``x @ W``, a bias per expert after each projection, and the class's own gate on interleaved halves), and
-Aria's experts (transposed): the experts rule follows the layout that transformers'
+Aria's router and experts (transposed): the experts rule follows the layout that transformers'
 ``use_experts_implementation`` declares (``is_transposed``, ``has_bias``) and the class's ``_apply_gate``.
 
 A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
@@ -410,8 +410,9 @@ def _check_router(module: nn.Module) -> None:
     )
 
 
-def gpt_oss_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """``GptOssTopKRouter``'s scores (N, k): the softmax of its top-k logits, in their dtype."""
+def top_k_softmax_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``GptOssTopKRouter``'s and ``AriaTextTopKRouter``'s scores (N, k): the softmax of the top-k logits, in
+    their dtype."""
     top, _ = torch.topk(logits, module.top_k, dim=-1)
     return F.softmax(top, dim=1, dtype=top.dtype)
 
@@ -548,7 +549,8 @@ ROUTERS = {
     f"{DEEPSEEK_V3}.DeepseekV3TopkRouter": RouterForm(deepseek_v3_scores, float32_logits=True),
     f"{QWEN3_5_MOE}.Qwen3_5MoeTopKRouter": RouterForm(qwen3_5_moe_scores),
     f"{GRANITE_MOE}.GraniteMoeTopKRouter": RouterForm(granite_moe_scores),  # logits returned in float32
-    f"{GPT_OSS}.GptOssTopKRouter": RouterForm(gpt_oss_scores, bias=True),
+    f"{GPT_OSS}.GptOssTopKRouter": RouterForm(top_k_softmax_scores, bias=True),
+    f"{ARIA}.AriaTextTopKRouter": RouterForm(top_k_softmax_scores),
     f"{DEEPSEEK_V2}.DeepseekV2TopkRouter": RouterForm(deepseek_v2_scores, float32_logits=True),
 }
 for _name, _form in ROUTERS.items():
