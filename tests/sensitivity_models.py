@@ -348,12 +348,19 @@ def longt5(attention: str) -> nn.Module:
     return LongT5ForConditionalGeneration(config).double().eval()
 
 
-def bart() -> nn.Module:
+def bart(family: str = "bart") -> nn.Module:
     """Tiny random BART: the decoder's learned positions looked up for ``arange(T)`` (batch size 1), added to
-    every example (declared shared), the encoder's expanded to the batch; scaled word embeddings."""
-    from transformers import BartConfig, BartForConditionalGeneration
+    every example (declared shared), the encoder's expanded to the batch; scaled word embeddings.
+    ``family="blenderbot_small"`` or ``"blenderbot"``: the same sizes, whose encoder's and decoder's positions
+    are called on a shape with position ids (T,) by keyword (both declared shared)."""
+    import transformers
 
-    config = BartConfig(
+    config_cls, model_cls = {
+        "bart": ("BartConfig", "BartForConditionalGeneration"),
+        "blenderbot_small": ("BlenderbotSmallConfig", "BlenderbotSmallForConditionalGeneration"),
+        "blenderbot": ("BlenderbotConfig", "BlenderbotForConditionalGeneration"),
+    }[family]
+    config = getattr(transformers, config_cls)(
         vocab_size=32,
         d_model=8,
         encoder_layers=1,
@@ -373,7 +380,7 @@ def bart() -> nn.Module:
         decoder_start_token_id=2,
         use_cache=False,
     )
-    return BartForConditionalGeneration(config).double().eval()
+    return getattr(transformers, model_cls)(config).double().eval()
 
 
 def mpnet() -> nn.Module:
@@ -550,6 +557,7 @@ NEW_CASES = [
     "longt5_local",  # relative attention bias of local attention blocks, shared by all examples
     "longt5_transient_global",  # and the transient-global side bias
     "bart",  # the decoder's learned positions for arange(T), shared by all examples
+    "blenderbot_small",  # learned positions called on a shape, position ids (T,) by keyword
     "mpnet",  # one relative attention bias, expanded to the batch, added to the scores in place
     "time_major_len_eq_batch",
     "time_major_len_ne_batch",
@@ -651,7 +659,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
         model = distilbert() if name == "distilbert" else bert_mean_pool()
         return model, engine_models.seq_classification_loss, batch, info
-    if name.startswith(("t5", "longt5", "bart")):
+    if name.startswith(("t5", "longt5", "bart", "blenderbot")):
         source = engine_models._padded_text(size, length, 32, gen)
         source["input_ids"] = source["input_ids"].masked_fill(source["attention_mask"] == 0, 0)
         target = torch.randint(2, 32, (size, length), generator=gen)
@@ -661,10 +669,10 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "attention_mask": source["attention_mask"],
             "labels": target,
         }
-        if name == "bart":
+        if name in ("bart", "blenderbot_small"):
             source_pad = {"input_ids": 1, "attention_mask": 0}
             batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 1)
-            return bart(), seq2seq_loss, batch, {"padding": source_pad}
+            return bart(name), seq2seq_loss, batch, {"padding": source_pad}
         model = longt5(name.removeprefix("longt5_").replace("_", "-")) if name.startswith("longt5") else t5()
         return model, seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
     if name == "mpnet":

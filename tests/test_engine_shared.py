@@ -185,6 +185,8 @@ SHARED_POSITIONS = {  # model, per-example loss, batch
     "longt5_local": lambda gen: (longt5("local"), seq2seq_loss, _seq2seq_batch(gen, 0)),
     "longt5_transient_global": lambda gen: (longt5("transient-global"), seq2seq_loss, _seq2seq_batch(gen, 0)),
     "bart": lambda gen: (bart(), seq2seq_loss, _seq2seq_batch(gen, 1)),
+    "blenderbot_small": lambda gen: (bart("blenderbot_small"), seq2seq_loss, _seq2seq_batch(gen, 1)),
+    "blenderbot": lambda gen: (bart("blenderbot"), seq2seq_loss, _seq2seq_batch(gen, 1)),
     "biogpt": lambda gen: (biogpt(), engine_models.lm_loss, engine_models._padded_text(4, 7, 40, gen)),
     "mpnet": lambda gen: (mpnet(), engine_models.seq_classification_loss, _classified_text(gen)),
 }
@@ -203,7 +205,7 @@ def test_shared_positions_of_hugging_face_models_match_oracle(name, strategy, cl
     )
 
 
-@pytest.mark.parametrize("name", ["mpnet", "bart"])
+@pytest.mark.parametrize("name", ["mpnet", "bart", "blenderbot_small"])
 def test_shared_positions_in_micro_batches_of_one_match_oracle(name, recwarn):
     """With one example a micro-batch, MPNet's expansion to the batch is no expansion: its bias meets the
     batch in the in-place addition instead."""

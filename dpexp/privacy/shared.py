@@ -112,6 +112,13 @@ for _attention in ("LongT5Attention", "LongT5LocalAttention", "LongT5TransientGl
 for _family, _owner in (("bart", "BartDecoder"), ("mbart", "MBartDecoder"), ("plbart", "PLBartDecoder")):
     register_shared(f"transformers.models.{_family}.modeling_{_family}.{_owner}", "embed_positions")
 register_shared("transformers.models.biogpt.modeling_biogpt.BioGptModel", "embed_positions")
+# learned positions called on a shape, with position ids (T,) passed by keyword (Blenderbot's and
+# Blenderbot-small's encoders and decoders), added to every example
+for _family, _name in (("blenderbot", "Blenderbot"), ("blenderbot_small", "BlenderbotSmall")):
+    for _stack in ("Encoder", "Decoder"):
+        register_shared(
+            f"transformers.models.{_family}.modeling_{_family}.{_name}{_stack}", "embed_positions"
+        )
 # one relative attention bias for all layers, expanded to the batch and added to the scores in place
 register_shared("transformers.models.mpnet.modeling_mpnet.MPNetEncoder", "relative_attention_bias")
 register_shared("transformers.models.beit.modeling_beit.BeitLayer", "relative_position_bias")

@@ -317,7 +317,9 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
             f"the input of layer {layer.name!r} was modified in place after the layer used it; "
             "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
         )
-    if not tensors and layer.shared:  # a shared table read as a whole: dy's rows are where it met the batch
+    if layer.shared and not (use.args and torch.is_tensor(use.args[0])):
+        # a shared table read as a whole, or called on tensors without an example dimension only (position
+        # ids passed by keyword, as Blenderbot's): dy's rows are where its output met the batch
         if dy.dim() and dy.shape[0] == batch_size:
             return 1
         raise VerificationError(
