@@ -537,6 +537,23 @@ def gpt_oss() -> nn.Module:
     return _routed(model)
 
 
+def ernie4_5_moe() -> nn.Module:
+    """Tiny random ERNIE-4.5-MoE: a router with float32 logits (autocast off), its top 2 of 4 experts chosen
+    by the softmax plus a frozen load-balancing bias (drawn here), weights renormalised; a shared expert."""
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    model = _routed(
+        _decoder(
+            Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=12, moe_num_shared_experts=1, moe_layer_start_index=0,
+        )
+    )  # fmt: skip
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.moe_statics.e_score_correction_bias.normal_(0.0, 0.1)
+    return model
+
+
 def aria() -> nn.Module:
     """Tiny random Aria (text): a router that softmaxes its top-2 logits, experts stored transposed
     (E, in, out) without biases, a shared expert."""

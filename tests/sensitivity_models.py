@@ -598,6 +598,8 @@ NEW_CASES = [
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
     "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
     "deepseek_v2",  # a softmax router in float32, group-limited top-k scaled
+    "ernie4_5_moe",  # a float32 router (autocast off) choosing by a frozen bias in a child module
+    "aria",  # transposed experts, a router softmaxing its top-k logits
     "deepseek_v3",  # a sigmoid router in float32, group-limited top-k with a load-balancing bias
     "gemma4_moe",  # a router with its own input scale and per-expert scales around a Linear child
     "granite_moe",  # a router that softmaxes its top-k logits
@@ -627,6 +629,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "mixtral",
         "qwen2_moe",
         "mixtral_aux_loss",
+        "ernie4_5_moe",
+        "aria",
         "deepseek_v2",
         "deepseek_v3",
         "gemma4_moe",
@@ -636,6 +640,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         builders = {
             "qwen2_moe": engine_models.qwen2_moe,
             "deepseek_v2": engine_models.deepseek_v2,
+            "ernie4_5_moe": engine_models.ernie4_5_moe,
+            "aria": engine_models.aria,
             "deepseek_v3": engine_models.deepseek_v3,
             "gemma4_moe": engine_models.gemma4_moe,
             "granite_moe": engine_models.granite_moe,

@@ -1,6 +1,6 @@
-"""Rules for InstanceNorm (affine), PReLU, nn.Bilinear (called on positions and on pooled pairs), Hugging
-Face ViT's class and position tokens and CLIP's class embedding against the brute-force oracle, for every
-strategy x flat/per-layer clipping; no fallback left on these models."""
+"""Rules for InstanceNorm (affine), PReLU, xIELU, nn.Bilinear (called on positions and on pooled pairs),
+Hugging Face ViT's class and position tokens and CLIP's class embedding against the brute-force oracle, for
+every strategy x flat/per-layer clipping; no fallback left on these models."""
 
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ class ConvNet(nn.Module):
 
     def forward(self, x):
         return self.head(self.act(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def _xielu() -> nn.Module:
+    """Hugging Face's xIELU (Apertus' MLP activation), its two parameters away from their initial values."""
+    from transformers.activations import XIELUActivation
+
+    act = XIELUActivation(alpha_p_init=0.6, alpha_n_init=0.9, dtype=torch.float64)
+    assert act._xielu_cuda_obj is None  # the Python form, which the rule reproduces
+    return act
 
 
 def _cases() -> dict:
@@ -57,6 +66,7 @@ def _cases() -> dict:
         "instance_norm": lambda: vision(nn.InstanceNorm2d(4, affine=True), nn.Tanh()),
         "prelu_shared": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU()),
         "prelu_per_channel": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU(4, init=0.1)),
+        "xielu": lambda: vision(nn.GroupNorm(2, 4), _xielu()),
         "bilinear": lambda: (
             BilinearNet(),
             {"x": torch.randn(6, 3, 4, dtype=torch.float64), "y": torch.arange(6) % 3},

@@ -19,6 +19,7 @@ from tests.engine_models import (
     aria,
     deepseek_v2,
     deepseek_v3,
+    ernie4_5_moe,
     gemma4_moe,
     gpt_oss,
     granite_moe,
@@ -44,9 +45,11 @@ MODELS = {
     "gemma4_moe": gemma4_moe,
     "gpt_oss": gpt_oss,  # biased router, transposed biased experts with their own gate
     "aria": aria,  # transposed experts without biases
+    "ernie4_5_moe": ernie4_5_moe,  # float32 router, frozen load-balancing bias in a child module
 }
 # logits or norms in float32 whatever the model's dtype
 FLOAT32_ROUTERS = [
+    "ernie4_5_moe",
     "deepseek_v2",
     "deepseek_v2_greedy",
     "deepseek_v3",
@@ -194,7 +197,7 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
     config = type(
         "Config", (), {"num_experts_per_tok": 2, "num_local_experts": 5, "num_experts": 5, "moe_topk": 2}
     )()
-    config.moe_num_experts = 5  # Aria's
+    config.moe_num_experts, config.moe_norm_min = 5, 1e-12  # Aria's, ERNIE-4.5's
     config.hidden_size, config.norm_topk_prob = 6, norm_topk_prob
     config.n_group, config.topk_group, config.routed_scaling_factor = 1, 1, 2.5  # DeepSeek-V2's and V3's
     config.topk_method = "group_limited_greedy"  # DeepSeek-V2's

@@ -100,6 +100,7 @@ def _more_norms() -> dict:
     from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm, MambaRMSNormGated
     from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
     from transformers.models.muse_spark.modeling_muse_spark import MuseSparkTextCenteredRMSNorm
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
@@ -109,6 +110,7 @@ def _more_norms() -> dict:
         "moshi": MoshiRMSNorm(6, eps=1e-5),
         "muse_spark": MuseSparkTextCenteredRMSNorm(6, eps=1e-5),  # scales by 1 + w
         "idefics": IdeficsRMSNorm(6, eps=1e-5),
+        "nemotron": NemotronLayerNorm1P(6, eps=1e-5),  # a LayerNorm scaling by 1 + w, with a bias
         "qwen3_next_gated": Qwen3NextRMSNormGated(6, eps=1e-5),  # silu gate after the norm
         "qwen3_5_gated": Qwen3_5RMSNormGated(6, eps=1e-5),  # a copy of Qwen3-Next's
         "kimi_gated": KimiLinearRMSNormGated(6, eps=1e-5),  # sigmoid gate, in float32

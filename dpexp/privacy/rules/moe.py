@@ -3,7 +3,8 @@
 experts (``MixtralExperts`` and its copies in some 60 model files: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, ...),
 whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I); Llama 4's router and dense
 experts (:func:`llama4_experts_grads`, at the end of the experts section); DeepSeek-V2's softmax router
-(greedy or group-limited, :func:`deepseek_v2_scores`) and DeepSeek-V3's sigmoid router
+(greedy or group-limited, :func:`deepseek_v2_scores`), ERNIE-4.5-MoE's (:func:`ernie4_5_moe_scores`) and
+DeepSeek-V3's sigmoid router
 (:func:`deepseek_v3_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...), Qwen3.5-MoE's and
 Granite-MoE's routers, and Gemma 4's router (:func:`gemma4_router_grads`, at the end); GPT-OSS's router (a
 bias on its logits) and experts (OpenAI 2025: weights stored transposed, (E, d, 2I) and (E, I, d) applied as
@@ -63,6 +64,7 @@ MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 QWEN2_MOE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
 LLAMA4 = "transformers.models.llama4.modeling_llama4"
 DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
+ERNIE4_5_MOE = "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe"
 DEEPSEEK_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3"
 QWEN3_5_MOE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 GRANITE_MOE = "transformers.models.granitemoe.modeling_granitemoe"
@@ -112,7 +114,8 @@ def _qualified(obj: Any) -> str:
 
 
 def _extra_parameters(module: nn.Module, own: tuple[str, ...]) -> str | None:
-    extra = sorted(name for name, _ in module.named_parameters() if name not in own)
+    """The module's trainable parameters besides ``own`` (a frozen one, read as a constant, is no concern)."""
+    extra = sorted(name for name, p in module.named_parameters() if name not in own and p.requires_grad)
     return None if not extra else f"it has parameters {extra} besides {list(own)}"
 
 
@@ -475,17 +478,30 @@ def deepseek_v2_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return weights * module.routed_scaling_factor
 
 
-def router_inputs(float32_logits: bool) -> Callable[[nn.Module, tuple, dict[str, Any]], tuple]:
+def ernie4_5_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``Ernie4_5_MoeTopKRouter``'s weights (N, k) from its float32 logits: the softmax, the top k chosen by
+    the softmax plus the load-balancing bias of its ``moe_statics`` (frozen), their weights renormalised with
+    the sum clamped at ``norm_min``."""
+    probs = F.softmax(logits, dim=1, dtype=torch.float)
+    index = torch.topk(module.moe_statics(probs), module.top_k, dim=-1)[1]
+    weights = torch.gather(probs, dim=-1, index=index)
+    return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=module.norm_min)
+
+
+def router_inputs(
+    float32_logits: bool, autocast_off: bool = False
+) -> Callable[[nn.Module, tuple, dict[str, Any]], tuple]:
     """The router's call as ``(hidden_states, compute dtype)``: the states as the (N, d) rows it computes on
     (it flattens them itself), and the dtype of its logits' matmul: autocast's where it is on, else the
-    input's, or float32 for a router that casts both factors to it (``float32_logits``)."""
+    input's, or float32 for a router that casts both factors to it (``float32_logits``; under autocast too
+    where it turns autocast off, ``autocast_off``)."""
 
     def inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
         call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
         call.apply_defaults()
         (hidden,) = list(call.arguments.values())[1:]
         dtype = _compute_dtype(hidden)
-        if float32_logits and not torch.is_autocast_enabled(hidden.device.type):
+        if float32_logits and (autocast_off or not torch.is_autocast_enabled(hidden.device.type)):
             dtype = torch.float32
         return hidden.reshape(-1, hidden.shape[-1]), dtype
 
@@ -534,12 +550,13 @@ class RouterForm(NamedTuple):
     """A top-k router whose outputs are its logits, its scores and more: ``scores`` recomputes the scores
     from the logits, ``logits_at`` is the output holding the logits (the scores are the other of the first
     two), ``float32_logits`` whether it casts both factors of its logits' matmul to float32, ``bias`` whether
-    it adds a bias to its logits."""
+    it adds a bias to its logits, ``autocast_off`` whether it turns autocast off around them."""
 
     scores: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     logits_at: int = 0
     float32_logits: bool = False
     bias: bool = False  # logits W x + b
+    autocast_off: bool = False  # float32 logits under autocast too
 
 
 ROUTERS = {
@@ -552,13 +569,18 @@ ROUTERS = {
     f"{GPT_OSS}.GptOssTopKRouter": RouterForm(top_k_softmax_scores, bias=True),
     f"{ARIA}.AriaTextTopKRouter": RouterForm(top_k_softmax_scores),
     f"{DEEPSEEK_V2}.DeepseekV2TopkRouter": RouterForm(deepseek_v2_scores, float32_logits=True),
+    f"{ERNIE4_5_MOE}.Ernie4_5_MoeTopKRouter": RouterForm(
+        ernie4_5_moe_scores, float32_logits=True, autocast_off=True
+    ),
 }
 for _name, _form in ROUTERS.items():
     register_rule(
         _name,
         check=_check_router,
         position_wise=True,
-        call=CallLayout(router_inputs(_form.float32_logits), router_output_grad(_form.logits_at)),
+        call=CallLayout(
+            router_inputs(_form.float32_logits, _form.autocast_off), router_output_grad(_form.logits_at)
+        ),
         copies=True,
     )(router_rule(_form))
 

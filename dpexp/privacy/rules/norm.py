@@ -71,6 +71,14 @@ def deberta_layer_norm_grads(
     return _affine_grads(module, x_hat, dy, tuple(range(1, x.dim() - 1)))
 
 
+@register_rule("transformers.models.nemotron.modeling_nemotron.NemotronLayerNorm1P", position_wise=True)
+def layer_norm_1p_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """Nemotron's LayerNorm with scale ``1 + w``, run in autocast's dtype where autocast is on (its output's,
+    and so ``dy``'s, dtype): ``dw_i = sum dy_i * x_hat_i`` as for LayerNorm."""
+    x_hat = F.layer_norm(x.to(dy.dtype), module.normalized_shape, eps=module.eps)
+    return _affine_grads(module, x_hat, dy, tuple(range(1, x.dim() - len(module.normalized_shape))))
+
+
 @register_rule(nn.GroupNorm)
 def group_norm_grads(module: nn.GroupNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """The batch as one example of B*C channels in B*G groups (each group one example's group, normalised
