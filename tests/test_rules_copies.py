@@ -130,3 +130,16 @@ def test_zero_argument_super_reads_each_class_itself():
     """``super()`` closes over ``__class__``, a different class in each copy: the same call all the same."""
     source = SOURCE.replace("return self.weight", "return super().forward(x) if False else self.weight")
     assert is_copy(_define(source), _define(source))
+
+
+def test_a_subclass_that_only_configures_its_parent_takes_its_rule():
+    """PoolFormer's GroupNorm subclass only fixes the number of groups in ``__init__``: GroupNorm's rule. A
+    subclass that defines anything else (its own forward) takes none."""
+    from transformers.models.poolformer.modeling_poolformer import PoolFormerGroupNorm
+
+    class OwnForward(nn.GroupNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    assert rule_for(PoolFormerGroupNorm(4)) is rule_for(nn.GroupNorm(1, 4)) is not None
+    assert rule_for(OwnForward(1, 4)) is None

@@ -1,6 +1,7 @@
 """Rules for InstanceNorm (affine), PReLU, xIELU, nn.Bilinear (called on positions and on pooled pairs),
-Hugging Face ViT's class and position tokens and CLIP's class embedding against the brute-force oracle, for
-every strategy x flat/per-layer clipping; no fallback left on these models."""
+Hugging Face ViT's class and position tokens (and ViT-MSN's, I-JEPA's), CLIP's class embedding and
+PoolFormer's layer scales and GroupNorm subclass against the brute-force oracle, for every strategy x
+flat/per-layer clipping; no fallback left on these models."""
 
 from __future__ import annotations
 
@@ -62,7 +63,27 @@ def _cases() -> dict:
         batch = {"x": torch.randn(6, 3, 8, 8, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
         return model, batch
 
+    def hf_image(architecture: str, **config):
+        """A tiny Hugging Face image classifier from its model type: ViT-MSN (ViT's embeddings, copied),
+        I-JEPA (position embeddings, no class token), PoolFormer (a GroupNorm subclass that only sets its
+        groups, and two layer scales per block)."""
+        from transformers import AutoConfig, AutoModelForImageClassification
+
+        config = AutoConfig.for_model(architecture, num_channels=3, num_labels=3, **config)
+        batch = {"x": torch.randn(6, 3, 8, 8, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
+        return AutoModelForImageClassification.from_config(config), batch
+
+    vit_sizes = {"image_size": 8, "patch_size": 4, "hidden_size": 8, "num_hidden_layers": 1,
+                 "num_attention_heads": 2, "intermediate_size": 12, "hidden_dropout_prob": 0.0,
+                 "attention_probs_dropout_prob": 0.0}  # fmt: skip
+    poolformer_sizes = {"num_encoder_blocks": 2, "depths": [1, 1], "hidden_sizes": [8, 16], "mlp_ratio": 2.0,
+                        "patch_sizes": [3, 3], "strides": [2, 2], "padding": [1, 1],
+                        "layer_scale_init_value": 0.3}  # fmt: skip
+
     return {
+        "hf_vit_msn": lambda: hf_image("vit_msn", **vit_sizes),
+        "hf_ijepa": lambda: hf_image("ijepa", **vit_sizes),
+        "hf_poolformer": lambda: hf_image("poolformer", **poolformer_sizes),
         "instance_norm": lambda: vision(nn.InstanceNorm2d(4, affine=True), nn.Tanh()),
         "prelu_shared": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU()),
         "prelu_per_channel": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU(4, init=0.1)),

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import PerExampleGrad
-from dpexp.privacy.rules.copies import is_copy
+from dpexp.privacy.rules.copies import configures, is_copy
 
 GradFn = Callable[..., dict[str, PerExampleGrad]]  # (module, x, dy) -> grads; ``output=`` if it keeps one
 CheckFn = Callable[[nn.Module], None]
@@ -153,9 +153,14 @@ def register_rule(
 
 
 def rule_for(module: nn.Module) -> LayerRule | None:
-    """The rule registered for exactly ``type(module)``, or for a type registered with ``copies=True`` that
-    ``type(module)`` is a copy of, or None."""
-    cls = type(module)
+    """:func:`rule_for_type` of ``type(module)``."""
+    return rule_for_type(type(module))
+
+
+def rule_for_type(cls: type) -> LayerRule | None:
+    """The rule registered for exactly ``cls``, or for its parent where it only configures it
+    (:func:`~dpexp.privacy.rules.copies.configures`), or for a type registered with ``copies=True`` that
+    ``cls`` is a copy of, or None."""
     rule = _RULES.get(_qualified_name(cls))
     if rule is None:
         if cls not in _RULES_OF_COPIES:
@@ -165,8 +170,13 @@ def rule_for(module: nn.Module) -> LayerRule | None:
 
 
 def _rule_of_original(cls: type) -> LayerRule | None:
-    """The rule of the first original ``cls`` is a copy of; originals are looked up in ``cls``'s own library
-    only (its modules are imported already or cheaply), never imported from another."""
+    """The rule of the parent ``cls`` configures, or of the first original ``cls`` is a copy of; originals are
+    looked up in ``cls``'s own library only (its modules are imported already or cheaply), never imported
+    from another."""
+    if len(cls.__bases__) == 1 and configures(cls, cls.__bases__[0]):
+        parent = rule_for_type(cls.__bases__[0])
+        if parent is not None:
+            return parent
     library = cls.__module__.split(".")[0]
     for key in _ORIGINALS:
         module_name, _, name = key.rpartition(".")

@@ -16,7 +16,8 @@ inherited method resolve to the same code) and, member by member, the same class
 
 ``__init__`` may differ (the attributes it sets are read by the same code, under the same names, in both
 classes; a parameter of another shape still fails the engine's checks of the per-example gradients against
-autograd). Nothing is compared by size, and nothing but code and values decides.
+autograd). Nothing is compared by size, and nothing but code and values decides. For the same reason a
+subclass that defines nothing but ``__init__`` (:func:`configures`) takes its parent's rule.
 """
 
 from __future__ import annotations
@@ -141,3 +142,11 @@ def is_copy(cls: type, reference: type) -> bool:
     theirs = {k: v for k, v in vars(reference).items() if k not in _METADATA}
     owners = (cls, reference)
     return own.keys() == theirs.keys() and all(_same_member(own[k], theirs[k], owners) for k in own)
+
+
+def configures(cls: type, parent: type) -> bool:
+    """``cls`` subclasses ``parent`` alone and defines nothing but ``__init__`` (PoolFormer's
+    ``PoolFormerGroupNorm(nn.GroupNorm)`` fixes the number of groups): every call runs ``parent``'s code on
+    the attributes it reads, which ``__init__`` only sets."""
+    own = {k for k in vars(cls) if k not in _METADATA}
+    return cls.__bases__ == (parent,) and own <= {"__init__"}

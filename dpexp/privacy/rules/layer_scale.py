@@ -24,7 +24,9 @@ reads ``gamma`` once per block and step (a device synchronisation on GPU). Witho
 counted by the capture within each call of the layer) gives ``v = lambda_{k+1} * u`` (B, T, C) and ``dz``, so
 ``dlambda_{k+1, i} = (sum_t dz_i v_i) / lambda_{k+1}``, with the same floor on ``|lambda|``; the other lambda
 gets zero from that call. Without the rule, the fallback recomputed the whole layer per example (7.3x the
-non-private step, and it refused drop-path, which the recomputation could not reproduce).
+non-private step, and it refused drop-path, which the recomputation could not reproduce). PoolFormer's layer
+(Yu et al. 2022, MetaFormer; Hugging Face's ``PoolFormerLayer``) is the same with its ``layer_scale_1``,
+``layer_scale_2`` on channels-first (B, C, H, W) branches.
 
 *NFNet's block* (timm's ``NormFreeBlock`` with ``skipinit``: ``dm_nfnet_*``, Brock et al. 2021b sec. 4.1,
 the SkipInit of De & Smith 2020): the block owns a scalar gain g, started at 0, that scales its residual
@@ -108,43 +110,51 @@ def layer_scale_grads(module: nn.Module, v: torch.Tensor, dz: torch.Tensor) -> d
     return {"gamma": Dense(_unscale(module, "gamma", (dz * v).sum((2, 3))))}
 
 
-_BEIT_SCALES = ("lambda_1", "lambda_2")  # in the order of the layer's drop_path calls
+_BEIT = "transformers.models.beit.modeling_beit.BeitLayer"
+_DATA2VEC = "transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionLayer"
+_POOLFORMER = "transformers.models.poolformer.modeling_poolformer.PoolFormerLayer"
+_SCALES = {  # the layer's two scales in the order of its drop_path calls, and the axes of the positions
+    _BEIT: (("lambda_1", "lambda_2"), "channels_last"),  # (B, T, C)
+    _DATA2VEC: (("lambda_1", "lambda_2"), "channels_last"),
+    _POOLFORMER: (("layer_scale_1", "layer_scale_2"), "channels_first"),  # (B, C, H, W)
+}
 
 
-def _check_beit(module: nn.Module) -> None:
+def _scales_of(module: nn.Module) -> tuple[tuple[str, str], str]:
+    return _SCALES[f"{type(module).__module__}.{type(module).__qualname__}"]
+
+
+def _check_two_scales(module: nn.Module) -> None:
+    names, _ = _scales_of(module)
     own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    if not own <= set(_BEIT_SCALES) or not isinstance(getattr(module, "drop_path", None), nn.Module):
+    if not own <= set(names) or not isinstance(getattr(module, "drop_path", None), nn.Module):
         raise ValueError(
             f"{type(module).__name__}: the privacy engine's layer-scale rule expects the layer's own "
-            f"trainable parameters to be lambda_1, lambda_2 and a drop_path module after each; got "
+            f"trainable parameters to be {', '.join(names)} and a drop_path module after each; got "
             f"{sorted(own)}. Freeze these parameters or register a rule for the layer."
         )
 
 
-@register_rule(
-    "transformers.models.beit.modeling_beit.BeitLayer",
-    "transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionLayer",
-    check=_check_beit,
-    tap="drop_path",
-    numbered_tap=True,
-)
-def beit_layer_scale_grads(
+@register_rule(*_SCALES, check=_check_two_scales, tap="drop_path", numbered_tap=True)
+def two_scales_grads(
     module: nn.Module, call: tuple[torch.Tensor, int], dz: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
-    """``call = (v, k)``: ``v``, ``dz`` (B, T, C) at the input of ``module.drop_path`` in its call ``k`` of
-    the layer's call; returns ``dlambda_{k+1}`` (B, C) and zero for the other lambda (the engine keeps the
-    trainable ones: a parameter's ``requires_grad`` is off while the engine holds it)."""
+    """``call = (v, k)``: ``v``, ``dz`` (B, T, C), or (B, C, H, W) for PoolFormer's, at the input of
+    ``module.drop_path`` in its call ``k`` of the layer's call; returns the gradient of the k-th scale (B, C)
+    and zero for the other (the engine keeps the trainable ones: a parameter's ``requires_grad`` is off
+    while the engine holds it)."""
     v, k = call
-    if k >= len(_BEIT_SCALES):
+    names, layout = _scales_of(module)
+    if k >= len(names):
         raise RuntimeError(
             f"{type(module).__name__}: its drop_path was called {k + 1} times in one call of the layer; the "
-            "layer-scale rule knows two (lambda_1, lambda_2). Register a rule for this layer."
+            f"layer-scale rule knows two ({', '.join(names)}). Register a rule for this layer."
         )
-    name = _BEIT_SCALES[k]
-    grad = _unscale(module, name, as_sequence(dz * v).sum(1))
-    others = [
-        other for other in _BEIT_SCALES if other != name and isinstance(getattr(module, other), nn.Parameter)
-    ]
+    name = names[k]
+    product = dz * v
+    summed = as_sequence(product).sum(1) if layout == "channels_last" else product.flatten(2).sum(2)
+    grad = _unscale(module, name, summed)
+    others = [other for other in names if other != name and isinstance(getattr(module, other), nn.Parameter)]
     return {name: Dense(grad), **{other: Dense(torch.zeros_like(grad)) for other in others}}
 
 

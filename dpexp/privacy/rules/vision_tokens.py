@@ -87,16 +87,23 @@ def _check_hf(module: nn.Module) -> None:
         )
 
 
-@register_rule("transformers.models.vit.modeling_vit.ViTEmbeddings", check=_check_hf, tap="dropout")
+@register_rule(
+    "transformers.models.vit.modeling_vit.ViTEmbeddings",  # and its copies (ViT-MSN's)
+    "transformers.models.ijepa.modeling_ijepa.IJepaEmbeddings",  # no class token
+    check=_check_hf,
+    tap="dropout",
+    copies=True,
+)
 def hf_vit_token_grads(module: nn.Module, x: torch.Tensor, dz: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """Hugging Face ViT: ``dropout(cat(cls, patches) + position_embeddings)``, so with ``dz`` (B, T, d) at the
-    dropout's input, ``d cls_i = dz_i[0]`` and ``d pos_i = dz_i``. (Interpolated position encodings route the
-    gradient through a resampling this rule does not model; the engine's verification refuses them.)"""
+    """Hugging Face ViT: ``dropout(cat(cls, patches) + position_embeddings)`` (I-JEPA's without ``cls``), so
+    with ``dz`` (B, T, d) at the dropout's input, ``d cls_i = dz_i[0]`` and ``d pos_i = dz_i``. (Interpolated
+    position encodings route the gradient through a resampling this rule does not model; the engine's
+    verification refuses them.)"""
     batch = dz.shape[0]
-    return {
-        "cls_token": Dense(dz[:, :1].reshape(batch, *module.cls_token.shape)),
-        "position_embeddings": Dense(dz.reshape(batch, *module.position_embeddings.shape)),
-    }
+    grads = {"position_embeddings": Dense(dz.reshape(batch, *module.position_embeddings.shape))}
+    if getattr(module, "cls_token", None) is not None:
+        grads["cls_token"] = Dense(dz[:, :1].reshape(batch, *module.cls_token.shape))
+    return grads
 
 
 def _check_clip(module: nn.Module) -> None:
