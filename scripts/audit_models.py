@@ -1,0 +1,171 @@
+"""Hugging Face models nobody here chose, against the brute-force oracle: ``python scripts/audit_models.py``.
+
+Each architecture is built from a tiny random configuration of its ``model_type`` (``AutoConfig.for_model``:
+2 layers, width 16, dropout 0, eager attention, experts on their eager forward, float64) as a causal LM, a
+sequence classifier or an image classifier, and one step of two micro-batches of 3 examples runs under bk
+with flat clipping and under ghost with per-layer clipping, the thresholds at the median group norm (clipped
+and unclipped examples both), against the clipped mean of per-example gradients taken one example at a time.
+
+One line per model: ``EXACT`` (worst relative error of any parameter's update, and the modules left to the
+``torch.func`` fallback), ``REFUSED`` (the engine's one-line refusal: a ``VerificationError`` or
+``ValueError``), ``ERROR`` (anything else, including a configuration the tiny sizes do not fit) or
+``VIOLATION`` (an update off the oracle's by more than ``--tolerance``: the outcome that must never occur).
+Exits non-zero on a violation. ``--json`` writes the lines as records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
+
+CAUSAL = [  # the stop-46 audit's decoders
+    "qwen3_next", "falcon_h1", "olmo_hybrid", "kimi_linear", "smollm3", "ernie4_5", "exaone4", "apertus",
+    "arcee", "seed_oss", "lfm2", "hunyuan_v1_dense", "glm4", "glm4_moe", "minimax", "qwen3_moe", "olmoe",
+    "phimoe", "granitemoeshared", "hunyuan_v1_moe", "ernie4_5_moe", "flex_olmo", "jetmoe", "cohere2",
+    "gemma3_text", "stablelm", "nemotron",
+]  # fmt: skip
+TEXT = [
+    "modernbert",
+    "roberta-prelayernorm",
+    "xlm-roberta-xl",
+    "ernie",
+    "esm",
+    "nystromformer",
+    "yoso",
+    "fnet",
+]
+VISION = ["vit_msn", "ijepa", "poolformer", "focalnet", "swiftformer"]
+SIZES = {
+    "causal": {"vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+               "max_position_embeddings": 32, "pad_token_id": 1, "use_cache": False},
+    "text": {"vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 24, "max_position_embeddings": 32, "pad_token_id": 1, "num_labels": 2},
+    "vision": {"image_size": 16, "patch_size": 4, "num_channels": 3, "hidden_size": 16,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 24, "num_labels": 2},
+}  # fmt: skip
+SETTINGS = [("bk", "flat"), ("ghost", "per_layer")]
+
+
+def build(architecture: str, kind: str) -> tuple[nn.Module, dict, callable]:
+    """(model, batch of 6, per-example loss) for ``architecture`` as a ``kind`` model."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(architecture, **SIZES[kind])
+    for key, value in list(vars(config).items()):
+        if "drop" in key and isinstance(value, float):  # the fallback and the oracle need determinism
+            setattr(config, key, 0.0)
+    config._attn_implementation = "eager"
+    auto = {
+        "causal": transformers.AutoModelForCausalLM,
+        "text": transformers.AutoModelForSequenceClassification,
+        "vision": transformers.AutoModelForImageClassification,
+    }[kind]
+    model = auto.from_config(config).double().eval()
+    if hasattr(model, "set_experts_implementation"):
+        with contextlib.suppress(ValueError, NotImplementedError):  # a model without experts
+            model.set_experts_implementation("eager")
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 2, (6,), generator=generator)
+    if kind == "vision":
+        batch = {"pixel_values": torch.randn(6, 3, 16, 16, generator=generator, dtype=torch.float64)}
+    else:
+        ids = torch.randint(3, 40, (6, 8), generator=generator)
+        mask = torch.ones(6, 8, dtype=torch.long)
+        mask[0, -3:], ids[0, -3:] = 0, 1  # a padded example
+        batch = {"input_ids": ids, "attention_mask": mask}
+
+    def loss(m: nn.Module, b: dict) -> torch.Tensor:
+        inputs = {k: v for k, v in b.items() if k not in ("labels", "targets")}
+        logits = m(**inputs, **({"use_cache": False} if kind == "causal" else {})).logits
+        if kind != "causal":
+            return F.cross_entropy(logits, b["labels"], reduction="none")
+        targets = b["targets"][:, 1:]
+        tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
+        return tokens.view(targets.shape).sum(1)
+
+    if kind == "causal":
+        batch["targets"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    else:
+        batch["labels"] = labels
+    return model, batch, loss
+
+
+def audit(architecture: str, kind: str, tolerance: float) -> dict:
+    """One model's record: its outcome, the worst relative errors and the modules left to the fallback."""
+    from dpexp.privacy import PrivacyEngine
+    from dpexp.privacy.capture import unsupported_modules
+
+    record = {"model": architecture, "kind": kind}
+    try:
+        torch.manual_seed(0)
+        model, batch, loss = build(architecture, kind)
+        record["fallback"] = {name.rsplit(".", 1)[1]: p for name, p in unsupported_modules(model).items()}
+        grads = per_example_grads(model, loss, batch)
+        errors = []
+        for strategy, clipping in SETTINGS:
+            groups = PrivacyEngine(
+                copy.deepcopy(model), batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0,
+                clipping=clipping,
+            ).groups  # fmt: skip
+            thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-6).tolist()
+            expected = clipped_mean(grads, groups, thresholds, batch_size=6)
+            delta, _ = engine_update(
+                model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy,
+                clipping=clipping, thresholds=thresholds, max_grad_norm=1.0,
+            )  # fmt: skip
+            errors.append(
+                max(float((delta[k] - v).norm() / v.norm().clamp_min(1e-12)) for k, v in expected.items())
+            )
+        record["errors"] = errors
+        record["outcome"] = "EXACT" if max(errors) < tolerance else "VIOLATION"
+    except Exception as error:  # every outcome is reported
+        refused = type(error).__name__ in ("VerificationError", "ValueError")
+        record["outcome"] = "REFUSED" if refused else "ERROR"
+        record["message"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="*", help="model types (default: the stop-46 audit's 40)")
+    parser.add_argument("--kind", choices=list(SIZES), help="how to build the named models (default: causal)")
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--json", type=Path, help="write the records here")
+    args = parser.parse_args()
+    todo = (
+        [(name, args.kind or "causal") for name in args.models]
+        if args.models
+        else [(n, "causal") for n in CAUSAL] + [(n, "text") for n in TEXT] + [(n, "vision") for n in VISION]
+    )
+    warnings.filterwarnings("ignore")
+    records = []
+    for name, kind in todo:
+        record = audit(name, kind, args.tolerance)
+        records.append(record)
+        detail = (
+            f"errors {[f'{e:.1e}' for e in record['errors']]} fallback {record['fallback']}"
+            if "errors" in record
+            else record["message"]
+        )
+        print(f"{name} ({kind}): {record['outcome']} {detail}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return 1 if any(r["outcome"] == "VIOLATION" for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
