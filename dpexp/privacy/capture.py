@@ -257,6 +257,17 @@ def _leaves(value: Any) -> list:
     return [leaf for v in value for leaf in _leaves(v)] if isinstance(value, tuple) else [value]
 
 
+def _floating(leaf: Any) -> bool:
+    return torch.is_tensor(leaf) and leaf.is_floating_point()
+
+
+def _aligned(floating: list[bool], grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+    """The gradients of an output's floating-point leaves, in order, placed among all its leaves (which of
+    them are floating point: ``floating``); None at the others (an integer tensor, a None)."""
+    grads_iter = iter(grads)
+    return [next(grads_iter) if is_floating else None for is_floating in floating]
+
+
 def _rebuild(value: Any, leaves: Any) -> Any:
     """``value``'s nesting filled with the next items of the iterator ``leaves``."""
     return tuple(_rebuild(v, leaves) for v in value) if isinstance(value, tuple) else next(leaves)
@@ -452,19 +463,12 @@ class Capture:
         self._append(use)
         if self._replayed is not None:
             return None
-        leaves = _leaves(output)
-        slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.is_floating_point()]
+        floating = [_floating(leaf) for leaf in _leaves(output)]  # not the outputs: no reference kept
 
         def on_grads(grads: tuple[torch.Tensor, ...]) -> None:
-            aligned: list[torch.Tensor | None] = [None] * len(leaves)
-            for i, g in zip(slots, grads, strict=True):
-                aligned[i] = g
-            self._deliver(use, layout.output_grad(layer.module, aligned))
+            self._deliver(use, layout.output_grad(layer.module, _aligned(floating, grads)))
 
-        passed = _Outputs.apply(on_grads, self._anchor, *(leaves[i] for i in slots))
-        for i, tensor in zip(slots, passed, strict=True):
-            leaves[i] = tensor
-        return _rebuild(output, iter(leaves))
+        return self._through_outputs(output, on_grads)
 
     def _called_with_outputs(self, layer: Layer, args: tuple, kwargs: dict[str, Any], output: tuple) -> Any:
         """A call of a rule-less layer that returned several tensors (nested tuples): they are kept for the
@@ -474,11 +478,17 @@ class Capture:
         self._append(use)
         if self._replayed is not None:
             return None
-        leaves = _leaves(output)
-        slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.is_floating_point()]
-        use.output = tuple(leaves[i] for i in slots)  # the model changes only the passed copies in place
+        use.output = tensor_outputs(output)  # the model changes only the passed copies in place
         use.output_version = tuple(t._version for t in use.output)
-        passed = _Outputs.apply(partial(self._deliver, use), self._anchor, *use.output)
+        return self._through_outputs(output, partial(self._deliver, use))
+
+    def _through_outputs(self, output: Any, on_grads: Callable[[tuple[torch.Tensor, ...]], None]) -> Any:
+        """``output`` with its floating-point tensors (:func:`~dpexp.privacy.rules.functional.tensor_outputs`)
+        passed through one :class:`_Outputs`, whose backward hands their gradients, in order, to
+        ``on_grads``."""
+        leaves = _leaves(output)
+        slots = [i for i, leaf in enumerate(leaves) if _floating(leaf)]
+        passed = _Outputs.apply(on_grads, self._anchor, *(leaves[i] for i in slots))
         for i, tensor in zip(slots, passed, strict=True):
             leaves[i] = tensor
         return _rebuild(output, iter(leaves))
