@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.layers import WSConv2d
+from dpexp.privacy.rules import register_reads
 
 Batch = dict[str, torch.Tensor]
 
@@ -307,6 +308,41 @@ class TupleOutputNet(nn.Module):
         return self.head(y) * gate
 
 
+class CausalMixer(nn.Module):
+    """A state-space-style mixer that owns no parameter: it reads its depthwise causal convolution's weight
+    and bias itself (``F.conv1d(x, self.conv.weight, ..., groups=channels)``, as Mamba's ``causal_conv1d_fn``)
+    and also calls its ``gate`` Linear once as a module, and reads that Linear's weight a second time
+    (``F.linear``). Declared with :func:`register_reads`: its fallback covers both submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(6, 6, 3, groups=6, padding=2)
+        self.gate = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 6)
+        length = x.shape[1]
+        h = F.conv1d(x.transpose(1, 2), self.conv.weight, self.conv.bias, padding=2, groups=6)
+        h = F.silu(h[..., :length].transpose(1, 2))
+        return h * torch.sigmoid(self.gate(x)) + F.linear(h, self.gate.weight)
+
+
+register_reads(CausalMixer, "conv", "gate")
+
+
+class CausalMixerNet(nn.Module):
+    """Embedding -> :class:`CausalMixer` -> LayerNorm -> Linear on token sequences (padding id 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6, padding_idx=0)
+        self.mixer = CausalMixer()
+        self.norm = nn.LayerNorm(6)
+        self.out = nn.Linear(6, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.mixer(self.embed(ids))))
+
+
 class ScalarGain(nn.Module):
     """A residual branch scaled by a 0-dim gain it owns (ReZero, NFNet's ``skipinit_gain``): no rule, the
     fallback; called twice, so the gain's two uses meet in a cross term."""
@@ -537,6 +573,70 @@ def gpt_oss() -> nn.Module:
     return _routed(model)
 
 
+def mamba() -> nn.Module:
+    """Tiny random Mamba: each mixer owns ``A_log`` and ``D`` and reads its causal convolution's and
+    ``dt_proj``'s weights itself (``dpexp.privacy.rules.reads``), on the reference path (a scan over time)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(
+        vocab_size=40, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3,
+        time_step_rank=4, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    return MambaForCausalLM(config).double().eval()
+
+
+def jamba() -> nn.Module:
+    """Tiny random Jamba: a Mamba layer with a dense MLP, then an attention layer with a sparse MoE block
+    (a router whose top-2 softmax probabilities are not renormalised, Mixtral's experts); the mixer reads its
+    convolution's and ``dt_proj``'s weights itself (``dpexp.privacy.rules.reads``)."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    return _routed(
+        _decoder(
+            JambaConfig, JambaForCausalLM, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+            expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=3,
+            mamba_dt_rank=4, use_mamba_kernels=False, use_cache=False,
+        )
+    )  # fmt: skip
+
+
+def nemotron_h() -> nn.Module:
+    """Tiny random Nemotron-H: a Mamba-2 layer (its mixer reads its convolution's weight itself) and a
+    sparse MoE layer whose experts have no gate (``up_proj``, squared ReLU, ``down_proj``) behind a
+    DeepSeek-V3-style sigmoid router in float32, with a shared expert."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    model = _decoder(
+        NemotronHConfig, NemotronHForCausalLM, layers_block_type=["linear_attention", "moe"],
+        mamba_num_heads=4, mamba_head_dim=8, n_groups=1, ssm_state_size=4, conv_kernel=3, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=12, moe_shared_expert_intermediate_size=12,
+        use_mamba_kernels=False, use_cache=False,
+    )  # fmt: skip
+    return _routed(model)
+
+
+def qwen3_5() -> nn.Module:
+    """Tiny random Qwen3.5 (text): a gated delta net layer (its convolution read by the net itself, ``A_log``
+    and ``dt_bias`` its own, a gated RMSNorm) and a full-attention layer with a gated output."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return _decoder(
+        Qwen3_5TextConfig, Qwen3_5ForCausalLM, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=3, use_cache=False,
+    )  # fmt: skip
+
+
+def lfm2() -> nn.Module:
+    """Tiny random LFM2: a short-convolution layer (no parameter of its own: it reads its ``conv``'s weight)
+    and an attention layer."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    return _decoder(
+        Lfm2Config, Lfm2ForCausalLM, layer_types=["conv", "full_attention"], conv_L_cache=3, use_cache=False
+    )
+
+
 def ernie4_5_moe() -> nn.Module:
     """Tiny random ERNIE-4.5-MoE: a router with float32 logits (autocast off), its top 2 of 4 experts chosen
     by the softmax plus a frozen load-balancing bias (drawn here), weights renormalised; a shared expert."""
@@ -647,14 +747,21 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         ids = torch.randint(1, 11, (batch_size, 7), generator=gen)
         ids[:, -2:] = 0  # padding
         return SequenceNet().double(), sequence_loss, {"ids": ids}
+    if name == "causal_mixer":
+        ids = torch.randint(1, 11, (batch_size, 7), generator=gen)
+        ids[:, -2:] = 0  # padding
+        return CausalMixerNet().double(), sequence_loss, {"ids": ids}
     if name == "flattened":
         ids = torch.randint(1, 11, (batch_size, 7), generator=gen)
         ids[:, -2:] = 0  # padding
         return FlattenedMLPNet().double(), sequence_loss, {"ids": ids}
     if name == "opt":
         return opt(), lm_loss, _padded_text(batch_size, 10, 40, gen)
-    if name in ("falcon", "gemma2", "gemma4", "glm", "llama4", "gpt_oss"):
-        builders = {"falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm, "llama4": llama4}
+    if name in ("falcon", "gemma2", "gemma4", "glm", "llama4", "gpt_oss", "mamba", "qwen3_5", "lfm2"):
+        builders = {
+            "falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm, "llama4": llama4,
+            "mamba": mamba, "qwen3_5": qwen3_5, "lfm2": lfm2,
+        }  # fmt: skip
         model = builders.get(name, gpt_oss)()
         return model, lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("gpt2", "gpt2_lora"):
@@ -698,6 +805,10 @@ CASES = [
     "llama4",
     "gpt_oss",
     "deberta",
+    "causal_mixer",
+    "mamba",
+    "qwen3_5",
+    "lfm2",
     "roberta_infilling",
     "bert_infilling",
 ]

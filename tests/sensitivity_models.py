@@ -523,6 +523,10 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "llama4": {"padding": LM_PADDING},
     "glm": {"padding": LM_PADDING},
     "gpt_oss": {"padding": LM_PADDING},
+    "causal_mixer": {"padding": {"ids": 0}},
+    "mamba": {"padding": LM_PADDING},
+    "qwen3_5": {"padding": LM_PADDING},
+    "lfm2": {"padding": LM_PADDING},
     "deberta": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
     "roberta": {"class_label": ("labels", 3), "padding": {"input_ids": 1, "attention_mask": 0}},
     "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
@@ -604,6 +608,8 @@ NEW_CASES = [
     "gemma4_moe",  # a router with its own input scale and per-expert scales around a Linear child
     "granite_moe",  # a router that softmaxes its top-k logits
     "qwen3_5_moe",  # a router always renormalised, a gated shared expert
+    "jamba",  # a router not renormalised beside a Mamba mixer that reads its convolution's weight
+    "nemotron_h",  # experts without a gate behind a sigmoid router, beside a Mamba-2 mixer
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -636,6 +642,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "gemma4_moe",
         "granite_moe",
         "qwen3_5_moe",
+        "jamba",
+        "nemotron_h",
     ):
         builders = {
             "qwen2_moe": engine_models.qwen2_moe,
@@ -646,6 +654,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "gemma4_moe": engine_models.gemma4_moe,
             "granite_moe": engine_models.granite_moe,
             "qwen3_5_moe": engine_models.qwen3_5_moe,
+            "jamba": engine_models.jamba,
+            "nemotron_h": engine_models.nemotron_h,
         }
         model = builders.get(name, engine_models.mixtral)()
         batch = engine_models._padded_text(size, 8, 40, gen)

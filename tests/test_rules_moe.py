@@ -23,9 +23,11 @@ from tests.engine_models import (
     gemma4_moe,
     gpt_oss,
     granite_moe,
+    jamba,
     llama4,
     lm_loss,
     mixtral,
+    nemotron_h,
     qwen2_moe,
     qwen3_5_moe,
 )
@@ -46,6 +48,8 @@ MODELS = {
     "gpt_oss": gpt_oss,  # biased router, transposed biased experts with their own gate
     "aria": aria,  # transposed experts without biases
     "ernie4_5_moe": ernie4_5_moe,  # float32 router, frozen load-balancing bias in a child module
+    "jamba": jamba,  # top-k probabilities not renormalised; a Mamba layer on the fallback
+    "nemotron_h": nemotron_h,  # experts without a gate; a Mamba-2 layer on the fallback
 }
 # logits or norms in float32 whatever the model's dtype
 FLOAT32_ROUTERS = [
@@ -56,6 +60,7 @@ FLOAT32_ROUTERS = [
     "qwen3_5_moe",
     "gemma4_moe",
     "gpt_oss",
+    "nemotron_h",
 ]  # gpt_oss: RMSNorm in float32
 KERNEL_MODELS = ["mixtral", "qwen2_moe"]  # experts through transformers' kernels (Llama 4's: its own bmm)
 
@@ -166,8 +171,18 @@ def test_moe_models_match_oracle_under_kernels(name, implementation):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_no_module_is_left_to_the_fallback(name):
-    """GPT-OSS's attention owns its sinks and has no rule: it is the one module on the fallback."""
-    left = {"gpt_oss": {"transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention": ["sinks"]}}
+    """GPT-OSS's attention owns its sinks and has no rule, nor have Jamba's and Nemotron-H's Mamba mixers:
+    they are the only modules on the fallback."""
+    mixer = ["A_log", "D", "conv1d.bias", "conv1d.weight", "dt_proj.bias", "dt_proj.weight"]
+    left = {
+        "gpt_oss": {"transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention": ["sinks"]},
+        "jamba": {"transformers.models.jamba.modeling_jamba.JambaMambaMixer": mixer},
+        "nemotron_h": {
+            "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": [
+                "A_log", "D", "conv1d.bias", "conv1d.weight", "dt_bias",
+            ]
+        },
+    }  # fmt: skip
     assert unsupported_modules(MODELS[name]()) == left.get(name, {})
 
 
@@ -238,6 +253,10 @@ def _transposed_grouped(model: nn.Module) -> None:
     model.model.layers[0].mlp.experts.is_transposed = True
 
 
+def _ungated(model: nn.Module) -> None:
+    model.model.layers[0].mlp.experts.has_gate = False  # Mixtral's forward gates whatever the flag says
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -245,8 +264,9 @@ def _transposed_grouped(model: nn.Module) -> None:
         (_biased, "down_proj_bias"),
         (_jitter_in_training, "jitter"),
         (_transposed_grouped, "is_transposed"),
+        (_ungated, r"has_gate\) = \(False, False, False\) is not the \(False, False, True\)"),
     ],
-    ids=["activation", "bias", "jitter", "transposed"],
+    ids=["activation", "bias", "jitter", "transposed", "ungated"],
 )
 def test_what_the_rules_cannot_reproduce_is_refused_at_construction(change, message):
     model = mixtral()

@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.grouping import ParameterLayout
 from dpexp.privacy.per_example import PerExampleGrad
-from dpexp.privacy.rules import CallLayout, LayerRule, rule_for, supported_types
+from dpexp.privacy.rules import CallLayout, LayerRule, reads_for, rule_for, supported_types
 from dpexp.privacy.rules.functional import (
     check_deterministic,
     functional_per_example_grads,
@@ -56,9 +56,9 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
 
     Refuses BatchNorm anywhere (its batch statistics mix examples, even with frozen parameters) and a module
     without a rule when ``generic_fallback`` is off. The parameters of submodules a rule claims
-    (``LayerRule.claims``) are its layer's, under ``"submodule.attr"``; those submodules are no layers. A
-    parameter registered in a module and again in one of its submodules belongs to the innermost one
-    (:func:`_registered_below`).
+    (``LayerRule.claims``), or that a module without a rule is declared to read (:func:`reads_for`), are its
+    layer's, under ``"submodule.attr"``; those submodules are no layers. A parameter registered in a module
+    and again in one of its submodules belongs to the innermost one (:func:`_registered_below`).
     """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     below = _registered_below(model)
@@ -74,7 +74,7 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
         if id(module) in claimed:
             continue
         rule = rule_for(module)
-        parts = {"": module, **{sub: module.get_submodule(sub) for sub in (rule.claims if rule else ())}}
+        parts = _parts(mod_name, module, rule)
         claimed.update(id(part) for sub, part in parts.items() if sub)
         own = {
             f"{sub}.{attr}" if sub else attr: names[id(p)]
@@ -112,6 +112,19 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
     if not params:
         raise ValueError("the model has no trainable parameters")
     return layers, params
+
+
+def _parts(name: str, module: nn.Module, rule: LayerRule | None) -> dict[str, nn.Module]:
+    """``module`` under ``""`` and the submodules whose parameters its layer covers, by name: those its rule
+    claims, or without a rule those its forward is declared to read."""
+    subs = rule.claims if rule is not None else reads_for(module)
+    if rule is not None and reads_for(module):
+        raise ValueError(
+            f"module {name!r} ({type(module).__name__}) has a rule and is also declared to read the "
+            f"parameters of {list(reads_for(module))} (register_reads): a rule covers its own submodules "
+            "through LayerRule.claims; remove one of the two."
+        )
+    return {"": module, **{sub: module.get_submodule(sub) for sub in subs}}
 
 
 def _registered_below(model: nn.Module) -> dict[int, set[int]]:
@@ -158,14 +171,17 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
     """Module types owning trainable parameters that no rule covers (they take the fallback, or are refused
     without it): ``{qualified type name: sorted parameter attribute names}``, every offending type at once."""
     found: dict[str, set[str]] = {}
+    parts = {name: _parts(name, module, rule_for(module)) for name, module in model.named_modules()}
     claimed = shared_modules(model) | {  # a shared layer needs no rule (dpexp.privacy.shared)
-        id(module.get_submodule(sub))
-        for module in model.modules()
-        for sub in getattr(rule_for(module), "claims", ())
+        id(part) for subs in parts.values() for sub, part in subs.items() if sub
     }
     below = _registered_below(model)
-    for module in model.modules():
-        own = list(_own_trainable(module, below))
+    for name, module in model.named_modules():
+        own = [
+            f"{sub}.{attr}" if sub else attr
+            for sub, part in parts[name].items()
+            for attr in _own_trainable(part, below)
+        ]
         if own and rule_for(module) is None and id(module) not in claimed:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             found.setdefault(kind, set()).update(own)
@@ -214,8 +230,17 @@ class Forward:
 
     @property
     def path(self) -> tuple:
-        """(layer, input ranks) of every use in call order: the sequence a verification covers."""
-        return tuple((use.layer.name, tuple(t.dim() for t in use.tensors)) for use in self.uses)
+        """(layer, input ranks) of every use in call order: the sequence a verification covers. A layer
+        without a rule counts its floating-point inputs only: its fallback covers every use of its parameters
+        inside the call and establishes which inputs carry the example at every call, so an integer mask
+        passed or not (Hugging Face passes None where no example is padded) is the same path."""
+        return tuple(
+            (
+                use.layer.name,
+                tuple(t.dim() for t in use.tensors if use.layer.rule is not None or t.is_floating_point()),
+            )
+            for use in self.uses
+        )
 
     @property
     def calls(self) -> Counter[str]:

@@ -449,6 +449,17 @@ def moved_rows(real: torch.Tensor, replayed: torch.Tensor, batch_size: int, tol:
     )
 
 
+def _paired_tensors(real: Use, replayed: Use) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tensor arguments of a layer's call in training and in check 4's replay, paired by position and
+    keyword. An argument that is a tensor in one call only is left out: Hugging Face passes no attention
+    mask (None) where no example is padded, and replacing a padded example 0 can remove the batch's only
+    padding. What such an argument changes for the other examples shows in the inputs of the layers after,
+    and in the model's outputs, which are compared all the same."""
+    pairs = list(zip(real.args, replayed.args, strict=False))
+    pairs += [(value, replayed.kwargs[key]) for key, value in real.kwargs.items() if key in replayed.kwargs]
+    return [(t, r) for t, r in pairs if torch.is_tensor(t) and torch.is_tensor(r)]
+
+
 def _mixed_error(what: str) -> VerificationError:
     return VerificationError(
         f"{what}, which per-example clipping cannot bound. Compute every example on its own."
@@ -614,11 +625,11 @@ class Verifier:
         def compare(replayed: Use) -> None:
             i = next(position)
             real = uses[i] if i < len(uses) else None
-            if real is None or real.layer is not replayed.layer or len(real.tensors) != len(replayed.tensors):
+            if real is None or real.layer is not replayed.layer:
                 raise _control_flow_error(f"another sequence (call {i}: layer {replayed.layer.name!r})")
             if [t._version for t in real.tensors] != real.versions:
                 return  # changed in place after the call: check_use refuses it with its own message
-            for t, r in zip(real.tensors, replayed.tensors, strict=True):
+            for t, r in _paired_tensors(real, replayed):
                 moved = moved_rows(t, r, batch_size, tol)
                 if moved is not None:
                     layer = real.layer
@@ -783,7 +794,8 @@ class Verifier:
             f"{owners} do not add up to its gradient (relative difference {gap:.2g}): it is used outside "
             "their forward (e.g. F.linear(h, emb.weight) as a hand-tied output layer, or in the loss), "
             "where the engine cannot clip it, or a rule is wrong. Use it through a module (an nn.Linear "
-            "whose weight is the tied parameter is exact), or freeze it."
+            "whose weight is the tied parameter is exact), declare the module whose forward reads it "
+            "(dpexp.privacy.register_reads, for a module without a rule), or freeze it."
             + (f" Also: {[n for n, _ in mismatched[1:5]]}." if len(mismatched) > 1 else "")
         )
 

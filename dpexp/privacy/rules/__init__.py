@@ -12,6 +12,10 @@ registered by their qualified name, so that importing dpexp does not import thos
 registered with ``copies=True`` also covers the classes that are copies of its types (the same bases and
 class body but for ``__init__``, :mod:`dpexp.privacy.rules.copies`), as Hugging Face copies one RMSNorm into
 140 model files.
+
+A module without a rule whose forward reads a submodule's parameters directly, instead of calling it (the
+state-space and linear-attention mixers' ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1), ...)``), is
+declared with :func:`register_reads`: the exact fallback then takes those parameters with its own.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class LayerRule:
 
 
 _RULES: dict[str, LayerRule] = {}
+_READS: dict[str, tuple[str, ...]] = {}  # qualified type of a rule-less module -> submodules it reads
 _ORIGINALS: list[str] = []  # registered types whose copies take their rule (``copies=True``)
 _RULES_OF_COPIES: dict[type, LayerRule | None] = {}  # a class without a rule of its own -> its original's
 
@@ -150,6 +155,22 @@ def register_rule(
         return fn
 
     return decorate
+
+
+def register_reads(module_type: type[nn.Module] | str, *submodules: str) -> None:
+    """Declare that the forward of every module of ``module_type`` (a class or its qualified name), which has
+    no rule, reads the parameters of its ``submodules`` itself, e.g. ``F.conv1d(x, self.conv1d.weight)``.
+    The exact fallback then differentiates the module's forward with respect to those parameters too (keys
+    ``"conv1d.weight"``), and the submodules are no layers of their own: every use of their parameters
+    inside the module's calls is covered, a call of them as modules included. A use anywhere else is not,
+    and verification refuses it (the per-example gradients would not add up to the gradient)."""
+    key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
+    _READS[key] = (*_READS.get(key, ()), *submodules)
+
+
+def reads_for(module: nn.Module) -> tuple[str, ...]:
+    """The submodules whose parameters ``module``'s forward is declared to read (:func:`register_reads`)."""
+    return _READS.get(_qualified_name(type(module)), ())
 
 
 def rule_for(module: nn.Module) -> LayerRule | None:
@@ -214,6 +235,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     moe,
     norm,
     norm_act,
+    reads,
     recurrent,
     rms_norm,
     vision_tokens,

@@ -112,8 +112,10 @@ def functional_per_example_grads(
     name: str,
     known: dict[tuple, set[int]],
 ) -> dict[str, PerExampleGrad]:
-    """Per-example gradients of ``module``'s own parameters ``attrs`` for one call (``args``, ``kwargs``,
-    recorded ``output``, None if it was modified in place since; output gradient ``dy`` of shape (B, ...));
+    """Per-example gradients of ``module``'s own parameters ``attrs`` (and those of submodules its forward
+    reads, ``"conv1d.weight"``: :func:`~dpexp.privacy.rules.register_reads`) for one call (``args``,
+    ``kwargs``, recorded ``output``, None if it was modified in place since; output gradient ``dy`` of shape
+    (B, ...));
     ``name`` is the module's name in the model, for errors. A tuple ``output``: the module's
     :func:`tensor_outputs`, and ``dy`` their gradients packed by :func:`pack_output_grads`. ``known``, kept by
     the caller across calls: for every call structure (module name, argument nesting, shapes and dtypes), the
@@ -139,7 +141,7 @@ def functional_per_example_grads(
             f"{len(candidates)} tensor arguments with the batch size in dim 0; the fallback cannot establish "
             "which of them carry the example index. Register a rule for it or freeze its parameters."
         )
-    params = {attr: getattr(module, attr).detach() for attr in attrs}
+    params = {attr: module.get_parameter(attr).detach() for attr in attrs}  # "conv1d.weight": a read one
     if output is None:
         with torch.no_grad():
             output = functional_call(module, params, args, kwargs)

@@ -8,9 +8,11 @@ DeepSeek-V3's sigmoid router
 (:func:`deepseek_v3_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...), Qwen3.5-MoE's and
 Granite-MoE's routers, and Gemma 4's router (:func:`gemma4_router_grads`, at the end); GPT-OSS's router (a
 bias on its logits) and experts (OpenAI 2025: weights stored transposed, (E, d, 2I) and (E, I, d) applied as
-``x @ W``, a bias per expert after each projection, and the class's own gate on interleaved halves), and
-Aria's router and experts (transposed): the experts rule follows the layout that transformers'
-``use_experts_implementation`` declares (``is_transposed``, ``has_bias``) and the class's ``_apply_gate``.
+``x @ W``, a bias per expert after each projection, and the class's own gate on interleaved halves), Aria's
+router and experts (transposed), Jamba's router (its top-k softmax probabilities not renormalised) and
+Nemotron-H's experts (no gate: ``up_proj`` (E, I, d), ``act(u)``, ``down_proj``): the experts rule follows the
+layout that transformers' ``use_experts_implementation`` declares (``is_transposed``, ``has_bias``,
+``has_gate``) and the class's ``_apply_gate``.
 
 A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
 ``z_t = W x_t`` (E,), probabilities ``softmax(z_t)`` in float32 and their top k, the scores ``s_t``
@@ -71,6 +73,8 @@ GRANITE_MOE = "transformers.models.granitemoe.modeling_granitemoe"
 GEMMA4 = "transformers.models.gemma4.modeling_gemma4"
 GPT_OSS = "transformers.models.gpt_oss.modeling_gpt_oss"
 ARIA = "transformers.models.aria.modeling_aria"
+JAMBA = "transformers.models.jamba.modeling_jamba"
+NEMOTRON_H = "transformers.models.nemotron_h.modeling_nemotron_h"
 
 ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
     f"transformers.activations.{name}"
@@ -100,9 +104,11 @@ GROUPED_LAYOUT = {  # grouped_mm / batched_mm compute the eager forward's functi
     "has_post_expert_norm": False,
     "_is_expert_parallel": False,
 }
-EAGER_LAYOUTS = {  # (is_transposed, has_bias) of the eager forwards; Mixtral's and its copies' (False, False)
-    f"{GPT_OSS}.GptOssExperts": (True, True),
-    f"{ARIA}.AriaExperts": (True, False),
+EAGER_LAYOUTS = {  # (is_transposed, has_bias, has_gate) of the eager forwards; Mixtral's and its copies'
+    # (False, False, True)
+    f"{GPT_OSS}.GptOssExperts": (True, True, True),
+    f"{ARIA}.AriaExperts": (True, False, True),
+    f"{NEMOTRON_H}.NemotronHExperts": (False, False, False),  # up_proj, act, down_proj: no gate
 }
 ROW_GATES = {  # classes' own ``_apply_gate`` known to act on each row alone
     f"{GPT_OSS}.GptOssExperts._apply_gate",  # interleaved halves: clamped g * sigmoid(alpha g) * (u + 1)
@@ -120,10 +126,20 @@ def _extra_parameters(module: nn.Module, own: tuple[str, ...]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- experts
-def _layout(module: nn.Module) -> tuple[bool, bool]:
-    """(transposed, biased): weights stored (E, in, out) and applied as ``x @ W`` (else (E, out, in),
-    ``x W^T``), and a bias per expert after each projection; as ``use_experts_implementation`` declares."""
-    return bool(getattr(module, "is_transposed", False)), bool(getattr(module, "has_bias", False))
+def _layout(module: nn.Module) -> tuple[bool, bool, bool]:
+    """(transposed, biased, gated): weights stored (E, in, out) and applied as ``x @ W`` (else (E, out, in),
+    ``x W^T``), a bias per expert after each projection, and a gated first projection ``gate_up_proj`` (else
+    ``up_proj`` and ``act(up)``, Nemotron-H's); as ``use_experts_implementation`` declares."""
+    return (
+        bool(getattr(module, "is_transposed", False)),
+        bool(getattr(module, "has_bias", False)),
+        bool(getattr(module, "has_gate", True)),
+    )
+
+
+def _first_projection(module: nn.Module) -> str:
+    """The name of the experts' first 3-D weight: ``gate_up_proj`` (gated), or ``up_proj``."""
+    return "gate_up_proj" if _layout(module)[2] else "up_proj"
 
 
 def _custom_gate(module: nn.Module) -> Callable | None:
@@ -140,7 +156,8 @@ def _custom_gate(module: nn.Module) -> Callable | None:
 def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
     """(reason, fix) if an experts module has parameters besides its two 3-D weights (and their biases where
     its layout declares them), or a gate not known to act on each row alone, else None."""
-    own = ("gate_up_proj", "down_proj") + ("gate_up_proj_bias", "down_proj_bias") * _layout(module)[1]
+    first = _first_projection(module)
+    own = (first, "down_proj") + (f"{first}_bias", "down_proj_bias") * _layout(module)[1]
     extra = _extra_parameters(module, own)
     if extra is not None:
         return extra, "Freeze the experts or remove the extra parameters."
@@ -163,6 +180,13 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
 
 def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
     """(reason, fix) if the experts rule cannot reproduce ``module``'s forward, else None."""
+    eager = EAGER_LAYOUTS.get(_qualified(module), (False, False, True))
+    if _layout(module) != eager:
+        return (
+            f"its layout (is_transposed, has_bias, has_gate) = {_layout(module)} is not the {eager} its "
+            "eager forward computes",
+            "Keep the layout the class declares, or freeze the experts.",
+        )
     refusal = _weights_refusal(module)
     if refusal is not None:
         return refusal
@@ -173,19 +197,12 @@ def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
             f"experts implementation {implementation!r} may compute another function than the eager forward",
             "Set model.set_experts_implementation('eager') (or 'grouped_mm', 'batched_mm').",
         )
-    eager = EAGER_LAYOUTS.get(_qualified(module), (False, False))
-    if _layout(module) != eager:
-        return (
-            f"its layout (is_transposed, has_bias) = {_layout(module)} is not the {eager} its eager forward "
-            "computes",
-            "Keep the layout the class declares, or freeze the experts.",
-        )
     if implementation not in (None, "eager"):
         changed = {k: getattr(module, k, v) for k, v in GROUPED_LAYOUT.items() if getattr(module, k, v) != v}
         if changed:
             return (
-                f"under {implementation!r} its layout {changed} departs from the eager forward the rule "
-                "recomputes",
+                f"under {implementation!r} its layout {changed} is not one the rule is tested on (the "
+                "kernels' function is the eager forward's on a gated layout without post-expert norm)",
                 "Set model.set_experts_implementation('eager'), or freeze the experts.",
             )
     if module.training and getattr(config, "router_jitter_noise", 0.0):
@@ -241,11 +258,13 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``gate_up_proj`` and ``down_proj`` of one call, see the module docstring, and their biases where the
-    layout has them (:func:`_layout`: GPT-OSS). ``x`` is :func:`experts_inputs`' tuple, its tensors
-    (b, T, ...) folded or (b, ...) with one row per example, ``dy`` likewise; the recomputation runs in the
-    call's compute dtype."""
+    layout has them (:func:`_layout`: GPT-OSS); without a gate (Nemotron-H) ``up_proj`` and ``h_r =
+    act(u_r)``, ``d up_proj[e] = sum_r (act'(u_r) * dh_r) (x) x_t``. ``x`` is :func:`experts_inputs`' tuple,
+    its tensors (b, T, ...) folded or (b, ...) with one row per example, ``dy`` likewise; the recomputation
+    runs in the call's compute dtype."""
     hidden, index, weights, dtype = x
-    transposed, biased = _layout(module)
+    transposed, biased, gated = _layout(module)
+    first = _first_projection(module)
     batch, width = hidden.shape[0], hidden.shape[-1]
     rows = hidden.detach().reshape(-1, width).to(dtype)  # (N, d), N = b*T in example-major order
     length = rows.shape[0] // batch
@@ -258,20 +277,22 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
     token = slot // slots
     sizes = torch.bincount(expert, minlength=module.num_experts).tolist()
     inputs = rows[token]  # (n, d)
-    gate_up, down = module.gate_up_proj.detach().to(dtype), module.down_proj.detach().to(dtype)
+    gate_up, down = module.get_parameter(first).detach().to(dtype), module.down_proj.detach().to(dtype)
     if not transposed:  # (E, in, out) views: every product below is x @ W
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     projected = inputs.new_empty(len(token), gate_up.shape[2])
     for e, (a, out) in enumerate(zip(inputs.split(sizes), projected.split(sizes), strict=True)):
         torch.mm(a, gate_up[e], out=out)  # the expert's projection of its rows, as the eager forward
     if biased:
-        projected += module.gate_up_proj_bias.detach().to(dtype)[expert]
+        projected += module.get_parameter(f"{first}_bias").detach().to(dtype)[expert]
     # s_r dy_t, in the precision in which the eager forward multiplies the expert's output by its weight
     scaled = (dy.reshape(-1, width)[token] * weights.reshape(-1)[slot, None]).to(dtype)
     gate = _custom_gate(module)
     with torch.enable_grad():
         leaf = projected.requires_grad_()
-        if gate is None:
+        if not gated:
+            activated = module.act_fn(leaf)
+        elif gate is None:
             gate_half, up = leaf.chunk(2, dim=-1)
             activated = module.act_fn(gate_half) * up
         else:
@@ -281,17 +302,18 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
         torch.mm(g, down[e].T, out=out)  # the down projection's backward to its input
     (projected_grad,) = torch.autograd.grad(activated, leaf, hidden_grad)
     example, activated = token // length, activated.detach()
+    shape = module.get_parameter(first).shape
     if transposed:  # gate_up_proj[e] (d, 2I), down_proj[e] (I, d)
-        gate_up_grad = Routed(inputs, projected_grad, expert, example, batch, module.gate_up_proj.shape)
+        gate_up_grad = Routed(inputs, projected_grad, expert, example, batch, shape)
         down_grad = gate_up_grad.sibling(activated, scaled, module.down_proj.shape)
     else:  # gate_up_proj[e] (2I, d), down_proj[e] (d, I)
-        gate_up_grad = Routed(projected_grad, inputs, expert, example, batch, module.gate_up_proj.shape)
+        gate_up_grad = Routed(projected_grad, inputs, expert, example, batch, shape)
         down_grad = gate_up_grad.sibling(scaled, activated, module.down_proj.shape)
-    grads: dict[str, PerExampleGrad] = {"gate_up_proj": gate_up_grad, "down_proj": down_grad}
+    grads: dict[str, PerExampleGrad] = {first: gate_up_grad, "down_proj": down_grad}
     if biased:  # the biases' gradients: the rows' output gradients, summed per (example, expert)
         ones = projected_grad.new_ones(len(token), 1)
-        grads["gate_up_proj_bias"] = gate_up_grad.sibling(
-            ones, projected_grad, module.gate_up_proj_bias.shape
+        grads[f"{first}_bias"] = gate_up_grad.sibling(
+            ones, projected_grad, module.get_parameter(f"{first}_bias").shape
         )
         grads["down_proj_bias"] = gate_up_grad.sibling(ones, scaled, module.down_proj_bias.shape)
     return grads
@@ -301,6 +323,7 @@ register_rule(
     f"{MIXTRAL}.MixtralExperts",
     f"{GPT_OSS}.GptOssExperts",
     f"{ARIA}.AriaExperts",
+    f"{NEMOTRON_H}.NemotronHExperts",
     check=_check_experts,
     position_wise=True,
     call=CallLayout(experts_inputs, first_output, rows=(0, 1, 2)),
@@ -400,6 +423,12 @@ def qwen2_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``Qwen2MoeTopKRouter``'s scores: softmax in float32, top k, renormalised if ``norm_topk_prob``, cast
     back to the logits' dtype."""
     return _top_k_probabilities(logits, module.top_k, module.norm_topk_prob).to(logits.dtype)
+
+
+def jamba_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``JambaTopKRouter``'s scores: softmax in float32, top k, not renormalised, cast back to the logits'
+    dtype (the input's)."""
+    return _top_k_probabilities(logits, module.top_k, False).to(logits.dtype)
 
 
 def _check_router(module: nn.Module) -> None:
@@ -568,6 +597,7 @@ ROUTERS = {
     f"{GRANITE_MOE}.GraniteMoeTopKRouter": RouterForm(granite_moe_scores),  # logits returned in float32
     f"{GPT_OSS}.GptOssTopKRouter": RouterForm(top_k_softmax_scores, bias=True),
     f"{ARIA}.AriaTextTopKRouter": RouterForm(top_k_softmax_scores),
+    f"{JAMBA}.JambaTopKRouter": RouterForm(jamba_scores),
     f"{DEEPSEEK_V2}.DeepseekV2TopkRouter": RouterForm(deepseek_v2_scores, float32_logits=True),
     f"{ERNIE4_5_MOE}.Ernie4_5_MoeTopKRouter": RouterForm(
         ernie4_5_moe_scores, float32_logits=True, autocast_off=True

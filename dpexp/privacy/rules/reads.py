@@ -1,0 +1,46 @@
+"""Hugging Face modules whose forward reads a submodule's parameters instead of calling it
+(:func:`~dpexp.privacy.rules.register_reads`).
+
+The state-space mixers (Mamba, Mamba-2 and their hybrids), the gated delta nets of the linear-attention
+hybrids (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi Linear) and LFM2's short convolutions pass their causal
+depthwise convolution's weight to a kernel, ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1),
+self.conv1d.bias)`` (its reference implementation: ``F.conv1d`` with ``groups = channels``), never calling
+``self.conv1d``. Their exact fallback takes the convolution's parameters with their own (``A_log``, ``D``,
+``dt_bias``).
+"""
+
+from __future__ import annotations
+
+from dpexp.privacy.rules import register_reads
+
+_READS = {  # model family -> {its module class: the submodules its forward reads}
+    "mamba": {"MambaMixer": ("conv1d", "dt_proj")},  # time_step = self.dt_proj.weight @ ...
+    "falcon_mamba": {"FalconMambaMixer": ("conv1d", "dt_proj")},
+    "jamba": {"JambaMambaMixer": ("conv1d", "dt_proj")},
+    "mamba2": {"Mamba2Mixer": ("conv1d",)},
+    "bamba": {"BambaMixer": ("conv1d",)},
+    "falcon_h1": {"FalconH1Mixer": ("conv1d",)},
+    "granitemoehybrid": {"GraniteMoeHybridMambaLayer": ("conv1d",)},
+    "nemotron_h": {"NemotronHMamba2Mixer": ("conv1d",)},
+    "zamba": {"ZambaMambaMixer": ("conv1d",)},
+    "zamba2": {"Zamba2MambaMixer": ("conv1d",)},
+    "qwen3_next": {"Qwen3NextGatedDeltaNet": ("conv1d",)},
+    "qwen3_5": {"Qwen3_5GatedDeltaNet": ("conv1d",)},
+    "qwen3_5_moe": {"Qwen3_5MoeGatedDeltaNet": ("conv1d",)},
+    "qwen4_exp": {"Qwen4ExpTextGatedDeltaNet": ("conv1d",)},
+    "olmo_hybrid": {"OlmoHybridGatedDeltaNet": ("conv1d",)},
+    "lara_mini": {"LaraMiniGatedDeltaNet": ("conv1d",)},
+    "kimi_linear": {"KimiLinearDeltaAttention": ("conv1d",)},
+    "bailing_hybrid": {"BailingHybridDeltaAttention": ("conv1d",)},
+    "glm5_next": {"Glm5NextTextLinearAttention": ("conv1d",)},
+    "inkling": {"InklingShortConvolution": ("conv1d",)},
+    "inkling2": {"Inkling2ShortConvolution": ("conv1d",)},
+    "inkling2_loop": {"Inkling2LoopShortConvolution": ("conv1d",)},
+    "lfm2": {"Lfm2ShortConv": ("conv",)},
+    "lfm2_moe": {"Lfm2MoeShortConv": ("conv",)},
+    "lfm3": {"Lfm3ShortConv": ("conv",)},
+}
+
+for _family, _classes in _READS.items():
+    for _name, _submodules in _classes.items():
+        register_reads(f"transformers.models.{_family}.modeling_{_family}.{_name}", *_submodules)
