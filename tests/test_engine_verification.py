@@ -140,6 +140,38 @@ def test_flattened_input_of_a_layer_that_is_not_position_wise_is_refused():
         _step(FlatConv(), _cross_entropy, batch)
 
 
+class FlatRouter(nn.Module):
+    """A rule-less router on (B, T, d) tokens flattened to (B*T, d), returning its logits and top-1 indices,
+    as a mixture-of-experts router (Phi-MoE's) without a rule."""
+
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2, 3))
+
+        def forward(self, rows):
+            logits = rows @ self.weight.T
+            return logits, logits.argmax(-1)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = self.Router()
+
+    def forward(self, x):  # x: (B, T, 3)
+        logits, _ = self.router(x.flatten(0, 1))
+        return logits.view(x.shape[0], x.shape[1], 2).mean(1)
+
+
+def test_a_rule_less_layer_on_flattened_rows_is_refused_naming_the_flattening():
+    """Its tuple output has T x B rows: the refusal says what that may be and what folds it (a position-wise
+    rule), without deciding from the sizes that it is a flattening."""
+    batch = {"x": torch.randn(4, 5, 3), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(
+        VerificationError, match=r"'router' \(Router\).*5 x the batch size.*position_wise=True"
+    ):
+        _step(FlatRouter(), _cross_entropy, batch)
+
+
 class KeywordPositions(nn.Module):
     """BioGPT's position embedding: an Embedding subclass called on the (B, T) attention mask that looks up
     the (1, T) position ids it gets by keyword, its output broadcast over the batch."""

@@ -291,10 +291,18 @@ def check_outputs(use: Use, grads: tuple[torch.Tensor, ...], batch_size: int) ->
     where = f"layer {layer.name!r} ({type(layer.module).__name__}) has no per-example gradient rule and"
     rows = set(batch_outputs(outputs, batch_size))
     if not rows:
+        multiples = {y.shape[0] // batch_size for y in outputs if y.dim() and y.shape[0] % batch_size == 0}
+        flattened = (
+            f" (dim 0 holds {multiples.pop()} x the batch size: if that is its input flattened to "
+            "(B*T, ...), as a mixture-of-experts router's tokens, the fallback cannot fold it back per "
+            "example; a rule registered with position_wise=True can, once the probe establishes the layout)"
+            if len(multiples) == 1 and 0 not in multiples
+            else ""
+        )
         raise VerificationError(
             f"{where} none of its outputs {[tuple(y.shape) for y in outputs]} has dim 0 of the "
-            f"micro-batch's {batch_size} examples. Make its outputs batch-first, register a rule, or freeze "
-            "its parameters."
+            f"micro-batch's {batch_size} examples{flattened}. Make its outputs batch-first, register a rule, "
+            "or freeze its parameters."
         )
     for k, (y, g) in enumerate(zip(outputs, grads, strict=True)):
         if k not in rows and bool(g.any()):
