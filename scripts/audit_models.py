@@ -59,9 +59,10 @@ SIZES = {
     "vision": {"image_size": 16, "patch_size": 4, "num_channels": 3, "hidden_size": 16,
                "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 24, "num_labels": 2},
 }  # fmt: skip
-HYBRID = [  # the state-space and linear-attention hybrids (stop 47), each with a mixer layer
+HYBRID = [  # the state-space and linear-attention hybrids (stop 47), each with a mixer layer (and CAUSAL's
+    # lfm2, with a short-convolution layer since OVERRIDES)
     "mamba", "falcon_mamba", "mamba2", "bamba", "granitemoehybrid", "falcon_h1", "qwen3_5_text",
-    "lfm2", "jamba", "nemotron_h",
+    "jamba", "nemotron_h",
 ]  # fmt: skip
 OVERRIDES = {  # per model type: what its configuration needs beyond SIZES to build with a mixer at width 16
     "mamba2": {"num_heads": 4, "head_dim": 8, "n_groups": 1},
