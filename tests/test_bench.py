@@ -394,6 +394,8 @@ def test_fallback_suite_models_have_exactly_the_named_rule_less_modules() -> Non
         "mamba": {"MambaMixer"},  # with the conv1d and dt_proj weights it reads (register_reads, stop 47)
         "qwen3_5": {"Qwen3_5GatedDeltaNet"},  # A_log, dt_bias and the conv1d weight it reads (stop 47)
         "lfm2": {"Lfm2ShortConv"},  # the conv weight it reads (stop 47)
+        "jamba": {"JambaMambaMixer"},  # its router has a rule (stop 47), its experts are Mixtral's
+        "nemotron_h": {"NemotronHMamba2Mixer"},  # its ungated experts have a rule (stop 47)
         "nf_resnet": set(),  # ScaledStdConv2d has a rule now (stop 44)
         "gemma": set(),  # GemmaTextScaledWordEmbedding has a rule now (stop 44)
         "mixtral": set(),  # MixtralTopKRouter and MixtralExperts have rules now (stop 44)
