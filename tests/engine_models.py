@@ -177,9 +177,9 @@ def _encoder(config_cls, model_cls, num_labels: int) -> nn.Module:
 
 def deberta() -> nn.Module:
     """Tiny random DeBERTa (v1) with relative attention, c2p and p2c: its attention owns the biases
-    ``q_bias``, ``v_bias`` and returns a tuple (the fallback, on all its outputs); the relative embeddings are
-    read whole and projected in every layer by ``pos_proj``/``pos_q_proj`` (shared by all examples until they
-    meet the batch), the p2c projection scaled in place."""
+    ``q_bias``, ``v_bias`` (a rule reads their gradients at its ``in_proj``'s output); the relative
+    embeddings are read whole and projected in every layer by ``pos_proj``/``pos_q_proj`` (shared by all
+    examples until they meet the batch), the p2c projection scaled in place."""
     from transformers import DebertaConfig, DebertaForSequenceClassification
 
     config = DebertaConfig(
@@ -549,9 +549,9 @@ def qwen3_5_moe() -> nn.Module:
 def gpt_oss() -> nn.Module:
     """Tiny random GPT-OSS: a router with a bias that softmaxes its top-2 logits, experts stored transposed
     (E, in, out) with biases and their own gate (interleaved halves, clamped, ``g * sigmoid(alpha g) * (u +
-    1)``), and attention that owns its per-head sinks and returns a tuple (the fallback, on all its outputs);
-    sliding-window and full layers. The key/value cache is off, as in training: the fallback refuses a
-    cache, which its recomputation would extend."""
+    1)``), and attention that owns its per-head sinks and returns a tuple (``rules/sinks.py``); sliding-window
+    and full layers. The key/value cache is off, as in training: the rule refuses a cache, which its second
+    run of the attention would extend."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     model = _decoder(

@@ -151,15 +151,15 @@ def test_unbatched_bilinear_is_refused():
         engine.backward(model.pair(torch.randn(3), torch.randn(4)).sum().reshape(1))
 
 
-def test_deberta_takes_rules_but_for_its_attentions_own_biases():
-    """DeBERTa (v1): its float32 LayerNorm has a rule; only its attention, which owns ``q_bias`` and
-    ``v_bias`` and returns a tuple, is left to the fallback (exact: the ``deberta`` oracle case)."""
+def test_deberta_takes_rules_for_its_layer_norms_and_attentions_own_biases():
+    """DeBERTa (v1): its float32 LayerNorm has a rule, and so (since stop 48) has its attention, which owns
+    ``q_bias`` and ``v_bias``; nothing is left to the fallback (exact: the ``deberta`` oracle case)."""
     from dpexp.privacy.capture import unsupported_modules
-    from dpexp.privacy.rules import norm, rule_for
+    from dpexp.privacy.rules import norm, projection_bias, rule_for
     from tests.engine_models import deberta
 
     model = deberta()
     assert rule_for(model.deberta.embeddings.LayerNorm).per_example_grads is norm.deberta_layer_norm_grads
-    assert unsupported_modules(model) == {
-        "transformers.models.deberta.modeling_deberta.DisentangledSelfAttention": ["q_bias", "v_bias"]
-    }
+    attention = model.deberta.encoder.layer[0].attention.self
+    assert rule_for(attention).per_example_grads is projection_bias.projection_bias_grads
+    assert unsupported_modules(model) == {}

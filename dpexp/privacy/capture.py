@@ -76,11 +76,7 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
         rule = rule_for(module)
         parts = _parts(mod_name, module, rule)
         claimed.update(id(part) for sub, part in parts.items() if sub)
-        own = {
-            f"{sub}.{attr}" if sub else attr: names[id(p)]
-            for sub, part in parts.items()
-            for attr, p in _own_trainable(part, below).items()
-        }
+        own = {key: names[id(p)] for key, p in _layer_params(parts, below).items()}
         if not own:
             continue
         fallback = rule is None and id(module) not in shared  # a shared one: shared_per_example_grads
@@ -117,14 +113,25 @@ def discover_layers(model: nn.Module, generic_fallback: bool) -> tuple[list[Laye
 def _parts(name: str, module: nn.Module, rule: LayerRule | None) -> dict[str, nn.Module]:
     """``module`` under ``""`` and the submodules whose parameters its layer covers, by name: those its rule
     claims, or without a rule those its forward is declared to read."""
-    subs = rule.claims if rule is not None else reads_for(module)
-    if rule is not None and reads_for(module):
+    reads = reads_for(module)
+    if rule is not None and reads:
         raise ValueError(
             f"module {name!r} ({type(module).__name__}) has a rule and is also declared to read the "
-            f"parameters of {list(reads_for(module))} (register_reads): a rule covers its own submodules "
+            f"parameters of {list(reads)} (register_reads): a rule covers its own submodules "
             "through LayerRule.claims; remove one of the two."
         )
+    subs = rule.claims if rule is not None else reads
     return {"": module, **{sub: module.get_submodule(sub) for sub in subs}}
+
+
+def _layer_params(parts: dict[str, nn.Module], below: Mapping[int, set[int]]) -> dict[str, nn.Parameter]:
+    """The trainable parameters of a layer's ``parts`` (:func:`_parts`) by their key in the layer: ``attr``
+    for the module's own, ``"submodule.attr"`` for a claimed or read submodule's."""
+    return {
+        f"{sub}.{attr}" if sub else attr: p
+        for sub, part in parts.items()
+        for attr, p in _own_trainable(part, below).items()
+    }
 
 
 def _registered_below(model: nn.Module) -> dict[int, set[int]]:
@@ -177,11 +184,7 @@ def unsupported_modules(model: nn.Module) -> dict[str, list[str]]:
     }
     below = _registered_below(model)
     for name, module in model.named_modules():
-        own = [
-            f"{sub}.{attr}" if sub else attr
-            for sub, part in parts[name].items()
-            for attr in _own_trainable(part, below)
-        ]
+        own = list(_layer_params(parts[name], below))
         if own and rule_for(module) is None and id(module) not in claimed:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             found.setdefault(kind, set()).update(own)
@@ -339,9 +342,14 @@ class Capture:
             self._handles += [m.register_forward_pre_hook(hook, with_kwargs=True) for m in owner.modules()]
         for layer in layers:
             tap = layer.rule.tap if layer.rule is not None else None
-            if tap is None:
+            if tap is None:  # first of the module's hooks: the others (Hugging Face's output recorders) and
+                # the caller see the outputs as passed through the engine, so every use of them is captured
                 handle = layer.module.register_forward_hook(
-                    partial(self._layer_called, layer), with_kwargs=True
+                    partial(self._layer_called, layer), with_kwargs=True, prepend=True
+                )
+            elif layer.rule.tap_output:
+                handle = layer.module.get_submodule(tap).register_forward_hook(
+                    partial(self._tapped_output, layer)
                 )
             else:
                 handle = layer.module.get_submodule(tap).register_forward_pre_hook(
@@ -529,6 +537,17 @@ class Capture:
             recorded = (args[0], k)
         x = self._record(Use(layer, recorded, {}, _versions(args[:1], {})), args[0])
         return (x, *args[1:])
+
+    def _tapped_output(self, layer: Layer, tap: nn.Module, args: tuple, output: Any) -> Any:
+        """Forward hook of a rule's output tap: the gradient is captured at the tap's output."""
+        if not self._recording():
+            return None
+        if not torch.is_tensor(output):
+            raise TypeError(
+                f"layer {layer.name!r} ({type(layer.module).__name__}): its rule reads the output of its "
+                f"submodule, which returned {type(output).__name__}, not a tensor; register a rule for it."
+            )
+        return self._record(Use(layer, (output,), {}, _versions((output,), {})), output)
 
     def _count_taps(self, module: nn.Module, args: tuple) -> None:
         """Forward pre-hook of a numbered-tap layer: its tap calls are counted from 0 in every call."""

@@ -71,7 +71,9 @@ class LayerRule:
     ``x`` is the module's input and ``dy`` the gradient of the loss with respect to its output. A rule with a
     ``tap`` instead reads the input of the submodule of that name and the gradient with respect to that input:
     for parameters that enter the computation inside a larger module's forward (a Vision Transformer's class
-    token and position embedding are added just before its ``pos_drop``). A rule with a ``call`` layout
+    token and position embedding are added just before its ``pos_drop``); with ``tap_output``, the output of
+    that submodule and the gradient with respect to it (DeBERTa's query and value biases are added just after
+    its ``in_proj``). A rule with a ``call`` layout
     covers modules with several inputs and outputs (:class:`CallLayout`). ``claims`` names submodules whose
     parameters the rule covers as its own (keys ``"out_proj.weight"``): ``nn.MultiheadAttention`` reads its
     ``out_proj``'s weight and bias without calling it.
@@ -96,6 +98,7 @@ class LayerRule:
     claims: tuple[str, ...] = ()
     numbered_tap: bool = False  # the tap is called several times per module call; the rule gets (x, k)
     keep_output: KeepFn | None = None
+    tap_output: bool = False  # the tap's output and its gradient, instead of its input's
 
 
 _RULES: dict[str, LayerRule] = {}
@@ -134,6 +137,7 @@ def register_rule(
     numbered_tap: bool = False,
     keep_output: KeepFn | None = None,
     copies: bool = False,
+    tap_output: bool = False,
 ) -> Callable[[GradFn], GradFn]:
     """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
     qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`.
@@ -142,12 +146,23 @@ def register_rule(
 
     if keep_output is not None and (tap or call or position_wise):
         raise ValueError("keep_output is for rules of a module's own input and output (no tap, call, fold)")
+    if tap_output and (tap is None or numbered_tap):
+        raise ValueError("tap_output reads the output of a tap called once per module call: name the tap")
 
     def decorate(fn: GradFn) -> GradFn:
         for module_type in module_types:
             key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
             _RULES[key] = LayerRule(
-                fn, check, expand_broadcast_input, tap, position_wise, call, claims, numbered_tap, keep_output
+                fn,
+                check,
+                expand_broadcast_input,
+                tap,
+                position_wise,
+                call,
+                claims,
+                numbered_tap,
+                keep_output,
+                tap_output,
             )
             if copies:
                 _ORIGINALS.append(key)
@@ -235,9 +250,11 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     moe,
     norm,
     norm_act,
+    projection_bias,
     reads,
     recurrent,
     rms_norm,
+    sinks,
     vision_tokens,
     window_attention,
     ws_conv,

@@ -115,8 +115,7 @@ def functional_per_example_grads(
     """Per-example gradients of ``module``'s own parameters ``attrs`` (and those of submodules its forward
     reads, ``"conv1d.weight"``: :func:`~dpexp.privacy.rules.register_reads`) for one call (``args``,
     ``kwargs``, recorded ``output``, None if it was modified in place since; output gradient ``dy`` of shape
-    (B, ...));
-    ``name`` is the module's name in the model, for errors. A tuple ``output``: the module's
+    (B, ...)); ``name`` is the module's name in the model, for errors. A tuple ``output``: the module's
     :func:`tensor_outputs`, and ``dy`` their gradients packed by :func:`pack_output_grads`. ``known``, kept by
     the caller across calls: for every call structure (module name, argument nesting, shapes and dtypes), the
     batched leaves established when exactly one choice reproduced the output; tried first, and still checked

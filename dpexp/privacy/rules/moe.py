@@ -304,18 +304,18 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
     example, activated = token // length, activated.detach()
     shape = module.get_parameter(first).shape
     if transposed:  # gate_up_proj[e] (d, 2I), down_proj[e] (I, d)
-        gate_up_grad = Routed(inputs, projected_grad, expert, example, batch, shape)
-        down_grad = gate_up_grad.sibling(activated, scaled, module.down_proj.shape)
+        first_grad = Routed(inputs, projected_grad, expert, example, batch, shape)
+        down_grad = first_grad.sibling(activated, scaled, module.down_proj.shape)
     else:  # gate_up_proj[e] (2I, d), down_proj[e] (d, I)
-        gate_up_grad = Routed(projected_grad, inputs, expert, example, batch, shape)
-        down_grad = gate_up_grad.sibling(scaled, activated, module.down_proj.shape)
-    grads: dict[str, PerExampleGrad] = {first: gate_up_grad, "down_proj": down_grad}
+        first_grad = Routed(projected_grad, inputs, expert, example, batch, shape)
+        down_grad = first_grad.sibling(scaled, activated, module.down_proj.shape)
+    grads: dict[str, PerExampleGrad] = {first: first_grad, "down_proj": down_grad}
     if biased:  # the biases' gradients: the rows' output gradients, summed per (example, expert)
         ones = projected_grad.new_ones(len(token), 1)
-        grads[f"{first}_bias"] = gate_up_grad.sibling(
+        grads[f"{first}_bias"] = first_grad.sibling(
             ones, projected_grad, module.get_parameter(f"{first}_bias").shape
         )
-        grads["down_proj_bias"] = gate_up_grad.sibling(ones, scaled, module.down_proj_bias.shape)
+        grads["down_proj_bias"] = first_grad.sibling(ones, scaled, module.down_proj_bias.shape)
     return grads
 
 

@@ -1,0 +1,51 @@
+"""Biases a module adds to the output of its own bias-free projection: DeBERTa's (v1; He et al. 2021,
+DeBERTa: Decoding-enhanced BERT with Disentangled Attention, sec. 3.1) ``DisentangledSelfAttention``, whose
+``in_proj`` (an ``nn.Linear`` without bias, its own layer) computes the queries, keys and values of every
+head at once, and which adds ``q_bias`` to the queries and ``v_bias`` to the values:
+
+    qp = in_proj(x),   q[h, t] = qp[t, h, 0] + q_bias[h],   v[h, t] = qp[t, h, 2] + v_bias[h],
+
+with ``qp`` (B, T, heads * 3 * D) read per head as (heads, 3, D) (its ``transpose_for_scores`` and
+``chunk(3)``). A bias's gradient is the gradient of what it is added to, so example i's is a sum over its
+positions of the gradient at ``in_proj``'s output,
+
+    d q_bias_i[h] = sum_t dqp_i[t, h, 0],   d v_bias_i[h] = sum_t dqp_i[t, h, 2],
+
+which the rule reads there (an output tap): exact, whatever the attention does with them after (scaling,
+the disentangled content-to-position and position-to-content terms, the masked softmax). Without the rule
+the module took the exact fallback, which recomputed the whole attention per example. A forward that does
+not call ``in_proj`` (the ``query_states`` path, which reads its weight) is refused by the verification.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpexp.privacy.per_example import Dense, PerExampleGrad
+from dpexp.privacy.rules import refuse, register_rule
+
+_DEBERTA = "transformers.models.deberta.modeling_deberta.DisentangledSelfAttention"
+_BIASES = {"q_bias": 0, "v_bias": 2}  # parameter -> its block of each head's (query, key, value)
+
+
+def _check(module: nn.Module) -> None:
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    reason = None
+    if own - set(_BIASES):
+        reason = f"it owns parameters {sorted(own - set(_BIASES))} the rule does not know"
+    elif not isinstance(getattr(module, "in_proj", None), nn.Module):
+        reason = "it has no in_proj submodule, at whose output the rule reads the biases' gradients"
+    refuse(module, "projection-bias", "module", reason, "Otherwise freeze q_bias and v_bias.")
+
+
+@register_rule(_DEBERTA, check=_check, tap="in_proj", tap_output=True)
+def projection_bias_grads(
+    module: nn.Module, qp: torch.Tensor, d_qp: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """``d_qp``: (B, T, heads * 3 * D), the gradient at ``in_proj``'s output; returns ``d q_bias`` and
+    ``d v_bias`` (B, heads * D) by the sums of the module docstring."""
+    blocks = d_qp.unflatten(-1, (module.num_attention_heads, 3, -1)).sum(1)  # (B, heads, 3, D)
+    return {
+        name: Dense(blocks[:, :, k].flatten(1).to(getattr(module, name).dtype)) for name, k in _BIASES.items()
+    }
