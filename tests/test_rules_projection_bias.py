@@ -74,3 +74,37 @@ def test_an_output_tap_needs_a_named_tap():
 
     with pytest.raises(ValueError, match="tap_output reads the output of a tap"):
         register_rule(nn.Identity, tap_output=True)
+
+
+class _PairProjection(nn.Module):
+    """A projection that returns a tuple: an output tap needs one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.linear(x)
+        return y, y
+
+
+class _BiasAfterPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = _PairProjection()
+        self.bias = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)[0] + self.bias
+
+
+def test_an_output_tap_that_returns_no_tensor_is_refused_at_the_call():
+    from dpexp.privacy.per_example import Dense
+    from dpexp.privacy.rules import register_rule
+
+    rule = register_rule(_BiasAfterPair, tap="proj", tap_output=True)
+    rule(lambda module, y, dy: {"bias": Dense(dy.sum(1))})
+    model = _BiasAfterPair().double()
+    engine = PrivacyEngine(model, batch_size=3, sample_size=30, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(TypeError, match=r"reads the output of its submodule, which returned tuple"):
+        engine.backward(model(torch.randn(3, 5, 4, dtype=torch.float64)).square().sum((1, 2)))
