@@ -342,8 +342,9 @@ class Capture:
             self._handles += [m.register_forward_pre_hook(hook, with_kwargs=True) for m in owner.modules()]
         for layer in layers:
             tap = layer.rule.tap if layer.rule is not None else None
-            if tap is None:  # first of the module's hooks: the others (Hugging Face's output recorders) and
-                # the caller see the outputs as passed through the engine, so every use of them is captured
+            if tap is None:
+                # first of the module's hooks: the others (Hugging Face's output recorders) and the caller
+                # see the outputs as passed through the engine, so every use of them is captured
                 handle = layer.module.register_forward_hook(
                     partial(self._layer_called, layer), with_kwargs=True, prepend=True
                 )

@@ -29,7 +29,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
-from dpexp.privacy.rules.window_attention import attention_output_grad
+from dpexp.privacy.rules.window_attention import attention_output_grad, wrapped_o_proj
 
 _GPT_OSS = "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention"
 _FIX = "Otherwise freeze the sinks (requires_grad=False)."
@@ -37,15 +37,8 @@ _FIX = "Otherwise freeze the sinks (requires_grad=False)."
 
 def _check(module: nn.Module) -> None:
     own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    reason = None
-    if own - {"sinks"}:
-        reason = f"it owns parameters {sorted(own - {'sinks'})} the rule does not know"
-    elif type(getattr(module, "o_proj", None)) is not nn.Linear:
-        reason = (
-            f"its o_proj is a {type(getattr(module, 'o_proj', None)).__name__}, not an nn.Linear, so the "
-            "gradient at the attention's output (the rule reads it through o_proj's weight) is not known; "
-            "leave o_proj unwrapped (adapters on q_proj/k_proj/v_proj are fine)"
-        )
+    unknown = sorted(own - {"sinks"})
+    reason = f"it owns parameters {unknown} the rule does not know" if unknown else wrapped_o_proj(module)
     refuse(module, "attention-sinks", "module", reason, _FIX)
 
 
@@ -100,10 +93,11 @@ def sinks_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
     with torch.no_grad():
         probs = probs.to(dtype)  # (B, heads, T, S)
         out = kept[0].reshape(batch, length, heads, head_dim).to(dtype)
-        d_out = dy[:, : length * module.o_proj.out_features].reshape(batch, length, -1).to(dtype)
+        width = length * module.o_proj.out_features  # the output's part of each row of dy
+        d_out = dy[:, :width].reshape(batch, length, -1).to(dtype)
         d_heads = (d_out @ module.o_proj.weight.to(dtype)).reshape(batch, length, heads, head_dim)
         d_mass = (d_heads * out).sum(-1).transpose(1, 2)  # <do, o>: (B, heads, T)
-        d_returned = dy[:, length * module.o_proj.out_features :]
+        d_returned = dy[:, width:]
         if d_returned.shape[1]:
             d_mass = d_mass + (probs * d_returned.reshape(probs.shape).to(dtype)).sum(-1)
         sink = 1 - probs.sum(-1)  # p_sink: (B, heads, T)

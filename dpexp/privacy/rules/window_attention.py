@@ -109,6 +109,18 @@ _HF_TABLE = "relative_position_bias.relative_position_bias_table"
 _HF_IMPLEMENTATIONS = ("eager", "sdpa")  # the attention functions whose probabilities the rule recomputes
 
 
+def wrapped_o_proj(module: nn.Module) -> str | None:
+    """Why a rule that reads the attention's output gradient through ``o_proj``'s weight cannot run on
+    ``module``, or None where ``o_proj`` is a plain ``nn.Linear``."""
+    if type(getattr(module, "o_proj", None)) is nn.Linear:
+        return None
+    return (
+        f"its o_proj is a {type(getattr(module, 'o_proj', None)).__name__}, not an nn.Linear, so the "
+        "gradient at the attention's output (the rule reads it through o_proj's weight) is not known; "
+        "leave o_proj unwrapped (adapters on q_proj/k_proj/v_proj are fine)"
+    )
+
+
 def _check_hf(module: nn.Module) -> None:
     reason = None
     bias = getattr(module, "relative_position_bias", None)
@@ -118,12 +130,8 @@ def _check_hf(module: nn.Module) -> None:
         and torch.is_tensor(getattr(bias, "relative_position_index", None))
     ):
         reason = "it has no relative_position_bias module with a relative_position_bias_table and index"
-    elif type(getattr(module, "o_proj", None)) is not nn.Linear:
-        reason = (
-            f"its o_proj is a {type(getattr(module, 'o_proj', None)).__name__}, not an nn.Linear, so the "
-            "gradient at the attention's output (the rule reads it through o_proj's weight) is not known; "
-            "leave o_proj unwrapped (adapters on q_proj/k_proj/v_proj are fine)"
-        )
+    else:
+        reason = wrapped_o_proj(module)
     refuse(
         module,
         "relative-position-bias",
@@ -164,9 +172,10 @@ def hf_swin_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tu
 
 
 def attention_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
-    """The gradients of a window attention's output (B*nW, N, C) and, where returned (Swin's eager
-    ``attn_weights``, Swin V2's ``output_attentions``), of its probabilities (B*nW, heads, N, N), flattened
-    and concatenated per row: (B*nW, N*C [+ heads*N*N])."""
+    """The gradients of an attention's output (rows, N, C) and, where returned (Swin's eager
+    ``attn_weights``, Swin V2's ``output_attentions``, GPT-OSS's eager probabilities), of its probabilities
+    (rows, heads, N, S), flattened and concatenated per row: (rows, N*C [+ heads*N*S]). A window attention's
+    rows are its B*nW windows, a full attention's its B examples."""
     out, *rest = grads
     weights = rest[0] if rest else None
     parts = [out.flatten(1)] + ([] if weights is None else [weights.flatten(1).to(out.dtype)])
