@@ -780,14 +780,21 @@ def test_the_fallback_searches_which_inputs_carry_the_example_once_per_call_stru
 
     calls = []
     vmapped = functional._vmapped
-    monkeypatch.setattr(functional, "_vmapped", lambda *a: calls.append(a[4]) or vmapped(*a))
+
+    def counted(*a):  # (dims, examples): a choice is tried on one example before all six
+        calls.append((a[4], next(iter(a[5].values())).shape[0]))
+        return vmapped(*a)
+
+    monkeypatch.setattr(functional, "_vmapped", counted)
     model, loss_fn, batch = make_case("fallback_tuple", batch_size=6)
     engine = _engine(model, batch_size=6)
     engine.backward(loss_fn(model, batch))
-    assert calls == [[0, 0], [0, None], [None, 0], [None, None]]  # only (x batched, mask shared) reproduces
+    # only (x batched, mask shared) reproduces example 0, and then all six
+    assert calls == [([0, 0], 1), ([0, None], 1), ([0, None], 6), ([None, 0], 1), ([None, None], 1)]
     engine.backward(loss_fn(model, batch))
-    assert calls[4:] == [[0, None]]
+    assert calls[5:] == [([0, None], 6)]  # remembered: no search
     # a call whose output the remembered choice does not reproduce (forced here): the search runs again
-    monkeypatch.setattr(functional, "_reproduces", lambda recorded, recomputed: len(calls) > 6)
+    monkeypatch.setattr(functional, "_reproduces", lambda recorded, recomputed: len(calls) > 7)
     engine.backward(loss_fn(model, batch))
-    assert calls[5:] == [[0, None], [0, 0], [0, None]]
+    # (reproduction forced from here on: (0, 0) then passes too, and the search stops at the second choice)
+    assert calls[6:] == [([0, None], 6), ([0, 0], 1), ([0, 0], 6), ([0, None], 1), ([0, None], 6)]

@@ -147,16 +147,19 @@ def functional_per_example_grads(
     outputs = tensor_outputs(output)
     dys = unpack_output_grads(outputs, dy) if isinstance(output, tuple) else {0: dy}
 
-    def attempt(batched: set[int]) -> dict[str, torch.Tensor] | None:
-        """The gradients if vmapping the leaves at positions ``batched`` reproduces all outputs, or None."""
+    def attempt(batched: set[int], rows: int = size) -> dict[str, torch.Tensor] | None:
+        """The gradients if vmapping the leaves at positions ``batched`` reproduces all outputs, or None;
+        with ``rows`` < B, of the first ``rows`` examples only, as a cheap test of a choice."""
         dims = [0 if j in batched else None for j in range(len(values))]
+        head = [v[:rows] if d == 0 else v for v, d in zip(values, dims, strict=True)]
         try:
-            grads, recomputed = _vmapped(module, params, spec, values, dims, dys)
+            grads, recomputed = _vmapped(
+                module, params, spec, head, dims, {k: g[:rows] for k, g in dys.items()}
+            )
         except RuntimeError:
             return None  # shapes that do not fit this choice
-        return (
-            grads if all(_reproduces(outputs[k], y) for k, y in zip(dys, recomputed, strict=True)) else None
-        )
+        reproduced = all(_reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
+        return grads if reproduced else None
 
     signature = (name, str(spec), tuple(_describe(v) for v in values))
     if signature in known:  # established on an earlier call of the same structure: checked again
@@ -167,6 +170,10 @@ def functional_per_example_grads(
     for choice in product((0, None), repeat=len(candidates)):  # all batched first
         chosen = {i for i, d in zip(candidates, choice, strict=True) if d == 0}
         batched = {j for j, v in enumerate(values) if id(v) in chosen}
+        # first on one example: a wrong choice that takes an input of B rows as shared would otherwise
+        # backpropagate the whole batch once per example (B times the module's memory)
+        if size > 1 and attempt(batched, rows=1) is None:
+            continue
         grads = attempt(batched)
         if grads is not None:
             found.append((batched, grads))
