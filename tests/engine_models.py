@@ -575,7 +575,8 @@ def gpt_oss() -> nn.Module:
 
 def mamba() -> nn.Module:
     """Tiny random Mamba: each mixer owns ``A_log`` and ``D`` and reads its causal convolution's and
-    ``dt_proj``'s weights itself (``dpexp.privacy.rules.reads``), on the reference path (a scan over time)."""
+    ``dt_proj``'s weights itself (its rule, ``dpexp.privacy.rules.selective_scan``, claims them), on the
+    reference path (a scan over time)."""
     from transformers import MambaConfig, MambaForCausalLM
 
     config = MambaConfig(
@@ -585,10 +586,22 @@ def mamba() -> nn.Module:
     return MambaForCausalLM(config).double().eval()
 
 
+def falcon_mamba() -> nn.Module:
+    """Tiny random Falcon-Mamba: Mamba's mixer with weightless RMSNorms on the time step, B and C."""
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM
+
+    config = FalconMambaConfig(
+        vocab_size=40, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3,
+        time_step_rank=4, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    return FalconMambaForCausalLM(config).double()
+
+
 def jamba() -> nn.Module:
     """Tiny random Jamba: a Mamba layer with a dense MLP, then an attention layer with a sparse MoE block
     (a router whose top-2 softmax probabilities are not renormalised, Mixtral's experts); the mixer reads its
-    convolution's and ``dt_proj``'s weights itself (``dpexp.privacy.rules.reads``)."""
+    convolution's and ``dt_proj``'s weights itself and has RMSNorms (layers of their own) on the time step,
+    B and C (``dpexp.privacy.rules.selective_scan``)."""
     from transformers import JambaConfig, JambaForCausalLM
 
     return _routed(

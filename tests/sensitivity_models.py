@@ -608,7 +608,7 @@ NEW_CASES = [
     "gemma4_moe",  # a router with its own input scale and per-expert scales around a Linear child
     "granite_moe",  # a router that softmaxes its top-k logits
     "qwen3_5_moe",  # a router always renormalised, a gated shared expert
-    "jamba",  # a router not renormalised beside a Mamba mixer that reads its convolution's weight
+    "jamba",  # a router not renormalised beside a Mamba mixer (its selective-scan rule)
     "nemotron_h",  # experts without a gate behind a sigmoid router, beside a Mamba-2 mixer
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]

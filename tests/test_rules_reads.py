@@ -1,7 +1,7 @@
 """Modules whose forward reads a submodule's parameters instead of calling it (``register_reads``): the
 fallback covers them with the module's own, a read left undeclared or made elsewhere is refused, and a
 declaration that contradicts a rule is refused at construction. The oracle and sensitivity cases
-(``causal_mixer``, ``mamba``, ``qwen3_5``, ``lfm2`` in ``tests/engine_models.py``) check exactness."""
+(``causal_mixer``, ``qwen3_5``, ``lfm2`` in ``tests/engine_models.py``) check exactness."""
 
 from __future__ import annotations
 

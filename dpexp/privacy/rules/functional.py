@@ -94,7 +94,9 @@ def unpack_output_grads(outputs: tuple[torch.Tensor, ...], dy: torch.Tensor) -> 
     return {k: piece.reshape(outputs[k].shape) for k, piece in zip(parts, pieces, strict=True)}
 
 
-def _reproduces(recorded: torch.Tensor, recomputed: torch.Tensor) -> bool:
+def reproduces(recorded: torch.Tensor, recomputed: torch.Tensor) -> bool:
+    """Whether ``recomputed`` is ``recorded`` up to the rounding of ``recorded``'s dtype (relative to its
+    largest magnitude): the same computation, run again."""
     if recorded.shape != recomputed.shape:
         return False
     tol = tolerance(recorded.dtype)
@@ -158,7 +160,7 @@ def functional_per_example_grads(
             )
         except RuntimeError:
             return None  # shapes that do not fit this choice
-        reproduced = all(_reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
+        reproduced = all(reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
         return grads if reproduced else None
 
     signature = (name, str(spec), tuple(_describe(v) for v in values))
@@ -186,7 +188,7 @@ def functional_per_example_grads(
             "inputs are not batch-first, or its forward mixes examples. Register a rule, make it "
             "batch-first, or freeze its parameters."
         )
-    if len(found) > 1 and not all(_reproduces(found[0][1][attr], found[1][1][attr]) for attr in attrs):
+    if len(found) > 1 and not all(reproduces(found[0][1][attr], found[1][1][attr]) for attr in attrs):
         raise RuntimeError(
             f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and its tensor "
             "arguments with the batch size in dim 0 reproduce its output both as per-example and as shared "
@@ -246,7 +248,7 @@ def shared_per_example_grads(
     params = {attr: module.get_parameter(attr).detach().requires_grad_(True) for attr in attrs}
     with torch.enable_grad():
         recomputed = functional_call(module, params, args, kwargs)
-    if not torch.is_tensor(recomputed) or not _reproduces(output, recomputed):
+    if not torch.is_tensor(recomputed) or not reproduces(output, recomputed):
         raise RuntimeError(
             f"layer {name!r} ({type(module).__name__}) is shared by all examples and has no per-example "
             "gradient rule; recomputing its forward did not reproduce its output, so its per-example "

@@ -1,12 +1,13 @@
 """Hugging Face modules whose forward reads a submodule's parameters instead of calling it
 (:func:`~dpexp.privacy.rules.register_reads`).
 
-The state-space mixers (Mamba, Mamba-2 and their hybrids), the gated delta nets of the linear-attention
+The Mamba-2 mixers of the state-space hybrids, the gated delta nets of the linear-attention
 hybrids (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi Linear) and LFM2's short convolutions pass their causal
 depthwise convolution's weight to a kernel, ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1),
 self.conv1d.bias)`` (its reference implementation: ``F.conv1d`` with ``groups = channels``), never calling
 ``self.conv1d``. Their exact fallback takes the convolution's parameters with their own (``A_log``, ``D``,
-``dt_bias``).
+``dt_bias``). Mamba's, Falcon-Mamba's and Jamba's mixers (which also read ``dt_proj``'s weight) have a rule
+that claims both submodules (:mod:`dpexp.privacy.rules.selective_scan`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from __future__ import annotations
 from dpexp.privacy.rules import register_reads
 
 _READS = {  # model family -> {its module class: the submodules its forward reads}
-    "mamba": {"MambaMixer": ("conv1d", "dt_proj")},  # time_step = self.dt_proj.weight @ ...
-    "falcon_mamba": {"FalconMambaMixer": ("conv1d", "dt_proj")},
-    "jamba": {"JambaMambaMixer": ("conv1d", "dt_proj")},
     "mamba2": {"Mamba2Mixer": ("conv1d",)},
     "bamba": {"BambaMixer": ("conv1d",)},
     "falcon_h1": {"FalconH1Mixer": ("conv1d",)},

@@ -1,0 +1,131 @@
+"""Mamba's selective-scan mixer (``MambaMixer``, Falcon-Mamba's and Jamba's forms: ``A_log``, ``D`` and the
+``conv1d`` and ``dt_proj`` weights the mixer reads itself) against the brute-force oracle: the ``mamba`` case
+of ``test_engine_oracle`` runs every strategy x clipping mode (padding, two micro-batches, float64) and the
+``mamba`` and ``jamba`` cases of ``test_sensitivity`` the released sums; here the rule alone (the fallback
+must not be taken) on the three forms, in training mode and float32, frozen parameters, and the refusals of
+what the rule cannot recompute."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.capture import unsupported_modules
+from tests.engine_models import _padded_text, falcon_mamba, jamba, lm_loss, mamba
+from tests.oracle import check_clipped_step
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+
+MICRO = [[0, 1, 2], [3, 4, 5]]
+BUILDERS = {"mamba": mamba, "falcon_mamba": falcon_mamba, "jamba": jamba}
+MIXER = ["A_log", "D", "conv1d.bias", "conv1d.weight", "dt_proj.bias", "dt_proj.weight"]
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    return _padded_text(6, 10, 40, torch.Generator().manual_seed(0))  # examples padded to different lengths
+
+
+def _mixers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("MambaMixer")]
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_no_mixer_is_left_to_the_fallback(name):
+    assert unsupported_modules(BUILDERS[name]()) == {}
+
+
+@pytest.mark.parametrize(
+    "name,strategy,clipping",
+    [
+        ("mamba", "bk", "flat"),
+        ("mamba", "ghost", "per_layer"),
+        ("mamba", "instantiate", "flat"),
+        ("falcon_mamba", "bk", "per_layer"),
+        ("falcon_mamba", "instantiate", "flat"),
+        ("jamba", "bk", "flat"),
+        ("jamba", "ghost", "per_layer"),
+    ],
+)
+def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
+    """Training mode (the forward tries the fused kernels' path first, which is absent here) and padding:
+    Hugging Face masks the padded positions before ``in_proj`` and after the convolution."""
+    torch.manual_seed(0)
+    model = BUILDERS[name]().train()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*torch.func fallback")  # the mixers must not take it
+        check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
+
+
+def test_float32_matches_oracle():
+    torch.manual_seed(0)
+    check_clipped_step(mamba().float(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-4, floor=1e-6)
+
+
+def test_frozen_state_space_parameters_leave_the_convolution_and_time_step_to_the_rule():
+    model = mamba()
+    for mixer in _mixers(model):
+        mixer.A_log.requires_grad_(False)
+        mixer.D.requires_grad_(False)
+    check_clipped_step(model, lm_loss, _batch(), MICRO, "instantiate", "per_layer", rel=1e-6)
+
+
+def test_a_cache_is_refused_at_the_call():
+    model = mamba()
+    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
+    batch = _batch()
+    with pytest.raises(ValueError, match=r"MambaMixer was given a cache.*use_cache=False"):
+        engine.backward(lm_loss_with_cache(model, batch))
+
+
+def lm_loss_with_cache(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=True)
+    return out.logits.sum((1, 2))
+
+
+def test_a_wrapped_x_proj_is_refused_at_construction():
+    class Adapter(nn.Module):
+        def __init__(self, inner: nn.Linear) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    model = mamba()
+    mixer = _mixers(model)[0]
+    mixer.x_proj = Adapter(mixer.x_proj)
+    with pytest.raises(ValueError, match=r"selective-scan rule.*x_proj is a Adapter.*leave them unwrapped"):
+        PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_the_fused_kernels_path_is_refused(monkeypatch):
+    """With mamba_ssm installed, a training forward returns the fused kernel's output and never calls
+    x_proj: simulated by a kernel that computes the same output through the reference path."""
+    from transformers.models.mamba import modeling_mamba
+
+    model = mamba().train()
+
+    def fused(xz, *args, **kwargs):  # stands for mamba_inner_fn: the mixer's output, no call of x_proj
+        return xz.transpose(1, 2)[..., : model.config.hidden_size]
+
+    monkeypatch.setattr(modeling_mamba, "mamba_inner_fn", fused)
+    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(Exception, match=r"called its submodules .*fused kernels of mamba_ssm"):
+        engine.backward(lm_loss(model, _batch()))
+
+
+def test_a_mixer_whose_forward_differs_is_refused(monkeypatch):
+    """A scan that is not Mamba's (here its output scaled) is not reproduced by the rule's recomputation:
+    refused, not approximated."""
+    from transformers.models.mamba import modeling_mamba
+
+    scan = modeling_mamba.mamba_selective_scan
+    monkeypatch.setattr(modeling_mamba, "mamba_selective_scan", lambda *a, **k: 1.5 * scan(*a, **k))
+    model = mamba()
+    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(Exception, match=r"recomputation of out_proj's input does not reproduce"):
+        engine.backward(lm_loss(model, _batch()))
