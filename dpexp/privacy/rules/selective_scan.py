@@ -88,8 +88,8 @@ def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
 
 def _recorded(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The mixer's intermediate values from its own forward, run again without recording: ``P`` (in_proj's
-    output), ``u`` (x_proj's input), ``sBC`` (x_proj's output), ``s``, ``B``, ``C`` (the norms' outputs,
-    where present) and ``y`` (out_proj's input)."""
+    output), ``u`` (x_proj's input) and ``y`` (out_proj's input); each submodule, the norms included where
+    present, must be called exactly once."""
     seen: dict[str, list[torch.Tensor]] = {}
 
     def keep(key: str, value: torch.Tensor) -> None:
@@ -97,7 +97,7 @@ def _recorded(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[st
 
     hooks = [
         module.in_proj.register_forward_hook(lambda _, __, out: keep("P", out)),
-        module.x_proj.register_forward_hook(lambda _, inputs, out: keep("u", inputs[0]) or keep("sBC", out)),
+        module.x_proj.register_forward_pre_hook(lambda _, inputs: keep("u", inputs[0])),
         module.out_proj.register_forward_pre_hook(lambda _, inputs: keep("y", inputs[0])),
     ]
     hooks += [
@@ -111,7 +111,7 @@ def _recorded(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[st
     finally:
         for hook in hooks:
             hook.remove()
-    expected = {"P", "u", "sBC", "y"} | {
+    expected = {"P", "u", "y"} | {
         key for name, key in zip(NORMS, "sBC", strict=True) if hasattr(module, name)
     }
     counts = {key: len(seen.get(key, [])) for key in sorted(expected)}
@@ -206,6 +206,6 @@ def _same(module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torc
     if not reproduces(recorded.to(coarse), recomputed.detach().to(coarse)):
         raise RuntimeError(
             f"{type(module).__name__}: the selective-scan rule's recomputation of {what} does not reproduce "
-            "the module's (its forward differs from Mamba's); register a rule for this mixer, or take the "
-            f"fallback by declaring its reads (dpexp.privacy.register_reads). {_FIX}"
+            "the module's (its forward differs from Mamba's); register a rule for its type "
+            f"(dpexp.privacy.rules.register_rule). {_FIX}"
         )
