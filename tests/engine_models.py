@@ -586,6 +586,19 @@ def mamba() -> nn.Module:
     return MambaForCausalLM(config).double().eval()
 
 
+def mamba2() -> nn.Module:
+    """Tiny random Mamba-2: per-head ``A_log``, ``D`` and ``dt_bias``, two groups of B and C, the causal
+    convolution's weight read by the mixer itself, and chunks of 4 positions (sequences of 10: three chunks,
+    the last padded), through the module's own chunked scan (``dpexp.privacy.rules.selective_scan``)."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(
+        vocab_size=40, hidden_size=16, state_size=4, num_heads=4, head_dim=8, expand=2, n_groups=2,
+        conv_kernel=3, num_hidden_layers=2, chunk_size=4, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    return Mamba2ForCausalLM(config).double()
+
+
 def falcon_mamba() -> nn.Module:
     """Tiny random Falcon-Mamba: Mamba's mixer with weightless RMSNorms on the time step, B and C."""
     from transformers import FalconMambaConfig, FalconMambaForCausalLM
@@ -770,10 +783,21 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         return FlattenedMLPNet().double(), sequence_loss, {"ids": ids}
     if name == "opt":
         return opt(), lm_loss, _padded_text(batch_size, 10, 40, gen)
-    if name in ("falcon", "gemma2", "gemma4", "glm", "llama4", "gpt_oss", "mamba", "qwen3_5", "lfm2"):
+    if name in (
+        "falcon",
+        "gemma2",
+        "gemma4",
+        "glm",
+        "llama4",
+        "gpt_oss",
+        "mamba",
+        "mamba2",
+        "qwen3_5",
+        "lfm2",
+    ):
         builders = {
             "falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm, "llama4": llama4,
-            "mamba": mamba, "qwen3_5": qwen3_5, "lfm2": lfm2,
+            "mamba": mamba, "mamba2": mamba2, "qwen3_5": qwen3_5, "lfm2": lfm2,
         }  # fmt: skip
         model = builders.get(name, gpt_oss)()
         return model, lm_loss, _padded_text(batch_size, 10, 40, gen)
@@ -820,6 +844,7 @@ CASES = [
     "deberta",
     "causal_mixer",
     "mamba",
+    "mamba2",
     "qwen3_5",
     "lfm2",
     "roberta_infilling",

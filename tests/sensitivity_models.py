@@ -525,6 +525,7 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "gpt_oss": {"padding": LM_PADDING},
     "causal_mixer": {"padding": {"ids": 0}},
     "mamba": {"padding": LM_PADDING},
+    "mamba2": {"padding": LM_PADDING},
     "qwen3_5": {"padding": LM_PADDING},
     "lfm2": {"padding": LM_PADDING},
     "deberta": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},

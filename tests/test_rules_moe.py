@@ -49,7 +49,7 @@ MODELS = {
     "aria": aria,  # transposed experts without biases
     "ernie4_5_moe": ernie4_5_moe,  # float32 router, frozen load-balancing bias in a child module
     "jamba": jamba,  # top-k probabilities not renormalised; a Mamba layer (rules/selective_scan.py)
-    "nemotron_h": nemotron_h,  # experts without a gate; a Mamba-2 layer on the fallback
+    "nemotron_h": nemotron_h,  # experts without a gate; a Mamba-2 layer (rules/selective_scan.py)
 }
 # logits or norms in float32 whatever the model's dtype
 FLOAT32_ROUTERS = [
@@ -171,16 +171,9 @@ def test_moe_models_match_oracle_under_kernels(name, implementation):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_no_module_is_left_to_the_fallback(name):
-    """Nemotron-H's Mamba-2 mixer has no rule: it is the only module on the fallback (GPT-OSS's attention,
-    which owns its sinks, has one since stop 48; Jamba's Mamba mixer since stop 49)."""
-    left = {
-        "nemotron_h": {
-            "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": [
-                "A_log", "D", "conv1d.bias", "conv1d.weight", "dt_bias",
-            ]
-        },
-    }  # fmt: skip
-    assert unsupported_modules(MODELS[name]()) == left.get(name, {})
+    """Every module of the MoE models has a rule: GPT-OSS's attention, which owns its sinks, since stop 48;
+    Jamba's Mamba mixer and Nemotron-H's Mamba-2 mixer since stop 49."""
+    assert unsupported_modules(MODELS[name]()) == {}
 
 
 def test_copies_of_the_mixtral_and_qwen2_moe_classes_take_their_rules():

@@ -1,9 +1,11 @@
-"""Mamba's selective-scan mixer (``MambaMixer``, Falcon-Mamba's and Jamba's forms: ``A_log``, ``D`` and the
-``conv1d`` and ``dt_proj`` weights the mixer reads itself) against the brute-force oracle: the ``mamba`` case
-of ``test_engine_oracle`` runs every strategy x clipping mode (padding, two micro-batches, float64) and the
-``mamba`` and ``jamba`` cases of ``test_sensitivity`` the released sums; here the rule alone (the fallback
-must not be taken) on the three forms, in training mode and float32, frozen parameters, and the refusals of
-what the rule cannot recompute."""
+"""The state-space mixers' rules against the brute-force oracle: Mamba's selective scan (``MambaMixer``,
+Falcon-Mamba's and Jamba's forms: ``A_log``, ``D`` and the ``conv1d`` and ``dt_proj`` weights the mixer reads
+itself) and Mamba-2's (``Mamba2Mixer`` and its copies in Bamba, Nemotron-H, Granite-hybrid and Zamba2:
+``A_log``, ``D``, ``dt_bias`` and ``conv1d``). The ``mamba`` and ``mamba2`` cases of ``test_engine_oracle``
+run every strategy x clipping mode (padding, two micro-batches, float64), and those cases with ``jamba`` and
+``nemotron_h`` in ``test_sensitivity`` the released sums; here the rules alone (the fallback must not be
+taken) on every form, in training mode and float32, frozen parameters, and the refusals of what the rules
+cannot recompute."""
 
 from __future__ import annotations
 
@@ -15,13 +17,60 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import _padded_text, falcon_mamba, jamba, lm_loss, mamba
+from tests.engine_models import _padded_text, falcon_mamba, jamba, lm_loss, mamba, mamba2, nemotron_h
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
 MICRO = [[0, 1, 2], [3, 4, 5]]
-BUILDERS = {"mamba": mamba, "falcon_mamba": falcon_mamba, "jamba": jamba}
+
+
+def bamba() -> nn.Module:
+    from transformers import BambaConfig, BambaForCausalLM
+
+    config = BambaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
+        mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4, pad_token_id=1,
+        use_cache=False,
+    )  # fmt: skip
+    return BambaForCausalLM(config).double()
+
+
+def granite_hybrid() -> nn.Module:
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=8,
+        mamba_n_groups=1, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4,
+        num_local_experts=0, shared_intermediate_size=32, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    return GraniteMoeHybridForCausalLM(config).double()
+
+
+def zamba2() -> nn.Module:
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    config = Zamba2Config(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, layers_block_type=["mamba", "mamba"],
+        mamba_d_state=4, mamba_headdim=8, mamba_ngroups=1, mamba_d_conv=3, mamba_expand=2, n_mamba_heads=4,
+        num_attention_heads=2, num_key_value_heads=2, attention_head_dim=8, intermediate_size=32,
+        chunk_size=4, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    return Zamba2ForCausalLM(config).double()
+
+
+BUILDERS = {
+    "mamba": mamba,
+    "falcon_mamba": falcon_mamba,
+    "jamba": jamba,
+    "mamba2": mamba2,
+    "bamba": bamba,
+    "nemotron_h": nemotron_h,
+    "granite_hybrid": granite_hybrid,
+    "zamba2": zamba2,
+}
 MIXER = ["A_log", "D", "conv1d.bias", "conv1d.weight", "dt_proj.bias", "dt_proj.weight"]
 
 
@@ -30,12 +79,14 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _mixers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__.endswith("MambaMixer")]
+    return [m for m in model.modules() if hasattr(m, "A_log")]
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_no_mixer_is_left_to_the_fallback(name):
-    assert unsupported_modules(BUILDERS[name]()) == {}
+    model = BUILDERS[name]()
+    assert _mixers(model)
+    assert unsupported_modules(model) == {}
 
 
 @pytest.mark.parametrize(
@@ -48,6 +99,12 @@ def test_no_mixer_is_left_to_the_fallback(name):
         ("falcon_mamba", "instantiate", "flat"),
         ("jamba", "bk", "flat"),
         ("jamba", "ghost", "per_layer"),
+        ("mamba2", "bk", "flat"),
+        ("mamba2", "instantiate", "per_layer"),
+        ("bamba", "bk", "per_layer"),
+        ("nemotron_h", "bk", "flat"),
+        ("granite_hybrid", "ghost", "flat"),
+        ("zamba2", "bk", "flat"),
     ],
 )
 def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
@@ -60,13 +117,15 @@ def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
-def test_float32_matches_oracle():
+@pytest.mark.parametrize("build", [mamba, mamba2])
+def test_float32_matches_oracle(build):
     torch.manual_seed(0)
-    check_clipped_step(mamba().float(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-4, floor=1e-6)
+    check_clipped_step(build().float(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-4, floor=1e-6)
 
 
-def test_frozen_state_space_parameters_leave_the_convolution_and_time_step_to_the_rule():
-    model = mamba()
+@pytest.mark.parametrize("build", [mamba, mamba2])
+def test_frozen_state_space_parameters_leave_the_convolution_to_the_rule(build):
+    model = build()
     for mixer in _mixers(model):
         mixer.A_log.requires_grad_(False)
         mixer.D.requires_grad_(False)
@@ -129,3 +188,24 @@ def test_a_mixer_whose_forward_differs_is_refused(monkeypatch):
     engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(Exception, match=r"recomputation of out_proj's input does not reproduce"):
         engine.backward(lm_loss(model, _batch()))
+
+
+def test_a_mamba2_mixer_whose_convolution_differs_is_refused(monkeypatch):
+    """Mamba-2's rule runs the module's own scan, but computes the convolution itself: a module whose
+    convolution differs (here its activation) is refused at the scan's output."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    conv = modeling_mamba2.causal_conv1d_fn
+    monkeypatch.setattr(modeling_mamba2, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
+    model = mamba2()
+    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(Exception, match=r"recomputation of the norm's input does not reproduce"):
+        engine.backward(lm_loss(model, _batch()))
+
+
+def test_a_mamba2_mixer_without_its_scan_function_is_refused_at_construction(monkeypatch):
+    from transformers.models.mamba2 import modeling_mamba2
+
+    monkeypatch.delattr(modeling_mamba2, "mamba2_chunk_scan")
+    with pytest.raises(ValueError, match=r"state-space-duality rule.*has no mamba2_chunk_scan function"):
+        PrivacyEngine(mamba2(), batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0)

@@ -1,13 +1,14 @@
 """Hugging Face modules whose forward reads a submodule's parameters instead of calling it
 (:func:`~dpexp.privacy.rules.register_reads`).
 
-The Mamba-2 mixers of the state-space hybrids, the gated delta nets of the linear-attention
+The state-space mixers of Falcon-H1 and Zamba, the gated delta nets of the linear-attention
 hybrids (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi Linear) and LFM2's short convolutions pass their causal
 depthwise convolution's weight to a kernel, ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1),
 self.conv1d.bias)`` (its reference implementation: ``F.conv1d`` with ``groups = channels``), never calling
 ``self.conv1d``. Their exact fallback takes the convolution's parameters with their own (``A_log``, ``D``,
-``dt_bias``). Mamba's, Falcon-Mamba's and Jamba's mixers (which also read ``dt_proj``'s weight) have a rule
-that claims both submodules (:mod:`dpexp.privacy.rules.selective_scan`).
+``dt_bias``). Mamba's, Falcon-Mamba's and Jamba's mixers (which also read ``dt_proj``'s weight) and the
+Mamba-2 mixers of Mamba-2, Bamba, Nemotron-H, Granite-hybrid and Zamba2 have rules that claim what they read
+(:mod:`dpexp.privacy.rules.selective_scan`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,8 @@ from __future__ import annotations
 from dpexp.privacy.rules import register_reads
 
 _READS = {  # model family -> {its module class: the submodules its forward reads}
-    "mamba2": {"Mamba2Mixer": ("conv1d",)},
-    "bamba": {"BambaMixer": ("conv1d",)},
     "falcon_h1": {"FalconH1Mixer": ("conv1d",)},
-    "granitemoehybrid": {"GraniteMoeHybridMambaLayer": ("conv1d",)},
-    "nemotron_h": {"NemotronHMamba2Mixer": ("conv1d",)},
     "zamba": {"ZambaMambaMixer": ("conv1d",)},
-    "zamba2": {"Zamba2MambaMixer": ("conv1d",)},
     "qwen3_next": {"Qwen3NextGatedDeltaNet": ("conv1d",)},
     "qwen3_5": {"Qwen3_5GatedDeltaNet": ("conv1d",)},
     "qwen3_5_moe": {"Qwen3_5MoeGatedDeltaNet": ("conv1d",)},

@@ -1,8 +1,9 @@
-"""Per-example gradients of a Mamba mixer's state-space parameters: Hugging Face's ``MambaMixer`` and its
-Falcon-Mamba and Jamba forms (Gu & Dao 2023, "Mamba", sec. 3.2 and Algorithm 2; Falcon-Mamba and Jamba add
-RMSNorms on the time step, B and C).
+"""Per-example gradients of the state-space mixers' parameters: Mamba's ``MambaMixer`` with its Falcon-Mamba
+and Jamba forms (Gu & Dao 2023, "Mamba", sec. 3.2 and Algorithm 2; Falcon-Mamba and Jamba add RMSNorms on
+the time step, B and C), and Mamba-2's ``Mamba2Mixer`` with its copies in Bamba, Nemotron-H, Granite-hybrid
+and Zamba2 (Dao & Gu 2024, "Transformers are SSMs", sec. 7, the SSD layer).
 
-The mixer owns ``A_log`` (d, n) and ``D`` (d,) and reads its depthwise causal ``conv1d``'s and its
+**Mamba.** The mixer owns ``A_log`` (d, n) and ``D`` (d,) and reads its depthwise causal ``conv1d``'s and its
 ``dt_proj``'s weights itself (it passes them to the scan's kernels), so the rule claims those two
 submodules; ``in_proj``, ``x_proj``, ``out_proj`` and Jamba's norms are layers of their own. For one example,
 with ``P = in_proj(x)`` split into the scan's input ``p`` and its gate ``z`` (each (d, T)):
@@ -21,14 +22,26 @@ approximated), and takes every copy's gradient of ``sum_t <y_t, dy_t W_out>`` in
 example i's copy only enters example i's output. The time loop keeps one state per step, so its backward
 is linear in T (the reference scan's indexing makes the module's own backward quadratic in T).
 
+**Mamba-2.** The mixer owns ``A_log``, ``D`` and ``dt_bias`` (one per head) and reads its ``conv1d``'s
+weights (claimed); ``in_proj``, the gated RMSNorm ``norm`` and ``out_proj`` are layers of their own. With
+``P = in_proj(x)`` split into the gate ``z``, the convolution's input ``xBC`` and the time step ``dt``:
+``(x, B, C) = mask * act(conv1d(xBC))``, then the module's own chunked scan function (``mamba2_chunk_scan``
+of its modeling file: ``h_t = exp(delta_t A) h_{t-1} + delta_t x_t B_t^T``, ``y_t = h_t C_t + D x_t``,
+``delta = clamp(softplus(dt + dt_bias))``, per head), then ``norm(y, z)`` and ``out_proj``. The rule calls
+that same scan function with the per-example copies shaped (B, 1, heads), which its broadcasting takes as
+one parameter per example, checks its output against the norm's input in the module's run, and runs the
+norm's forward on it to reach ``out_proj``'s input.
+
 Refused, with the cause: a key/value cache (a second run would extend it), the fused kernels' path
-(``mamba_ssm`` installed in training: ``x_proj`` is then never called), a wrapped ``x_proj`` or ``out_proj``
-(the rule reads their weights), norms with submodules, trainable parameters the rule does not know.
+(``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
+``out_proj`` (the rule reads their weights), norms with submodules, trainable parameters the rule does not
+know, a forward the recomputation does not reproduce.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -45,32 +58,53 @@ MIXERS = (
     f"{_HF}.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer",
     f"{_HF}.jamba.modeling_jamba.JambaMambaMixer",
 )
+MAMBA2_MIXERS = (
+    f"{_HF}.mamba2.modeling_mamba2.Mamba2Mixer",
+    f"{_HF}.bamba.modeling_bamba.BambaMixer",
+    f"{_HF}.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
+    f"{_HF}.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+    f"{_HF}.zamba2.modeling_zamba2.Zamba2MambaMixer",
+)
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")  # Falcon-Mamba's and Jamba's, on s, B and C
-_FIX = "Otherwise freeze A_log, D, conv1d and dt_proj (requires_grad=False)."
+_FIX = "Otherwise freeze the mixer's own parameters and its conv1d (and dt_proj) (requires_grad=False)."
 
 
-def _check(module: nn.Module) -> None:
-    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    unknown = sorted(own - {"A_log", "D"})
+def _refusal(module: nn.Module, own: set[str], plain: dict[str, type], norms: tuple[str, ...]) -> str | None:
+    """Why a mixer cannot take its rule: trainable parameters other than ``own``, a submodule of ``plain``
+    (name -> type) that is wrapped or replaced, or a norm of ``norms`` (run outside the hooks) with
+    submodules; None if it can."""
+    trainable = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    unknown = sorted(trainable - own)
     wrapped = [
         f"{name} is a {type(getattr(module, name, None)).__name__}"
-        for name, kind in (("x_proj", nn.Linear), ("out_proj", nn.Linear), ("dt_proj", nn.Linear))
+        for name, kind in plain.items()
         if type(getattr(module, name, None)) is not kind
     ]
-    if type(getattr(module, "conv1d", None)) is not nn.Conv1d:
-        wrapped.append(f"conv1d is a {type(getattr(module, 'conv1d', None)).__name__}")
-    nested = [name for name in NORMS if hasattr(module, name) and any(getattr(module, name).children())]
-    reason = None
+    nested = [name for name in norms if hasattr(module, name) and any(getattr(module, name).children())]
     if unknown:
-        reason = f"it owns parameters {unknown} the rule does not know"
-    elif wrapped:
-        reason = (
+        return f"it owns parameters {unknown} the rule does not know"
+    if wrapped:
+        return (
             f"{', '.join(wrapped)}, not the plain nn.Linear / nn.Conv1d whose weights the rule reads; leave "
             "them unwrapped (adapters on in_proj are fine)"
         )
-    elif nested:
-        reason = f"its norms {nested} have submodules, which the rule cannot run outside the model's hooks"
-    refuse(module, "selective-scan", "mixer", reason, _FIX)
+    if nested:
+        return f"its norms {nested} have submodules, which the rule cannot run outside the model's hooks"
+    return None
+
+
+def _check(module: nn.Module) -> None:
+    plain = {"x_proj": nn.Linear, "out_proj": nn.Linear, "dt_proj": nn.Linear, "conv1d": nn.Conv1d}
+    refuse(module, "selective-scan", "mixer", _refusal(module, {"A_log", "D"}, plain, NORMS), _FIX)
+
+
+def _check_mamba2(module: nn.Module) -> None:
+    reason = _refusal(
+        module, {"A_log", "D", "dt_bias"}, {"out_proj": nn.Linear, "conv1d": nn.Conv1d}, ("norm",)
+    )
+    if reason is None and not callable(getattr(sys.modules[type(module).__module__], _SCAN, None)):
+        reason = f"its modeling file has no {_SCAN} function"
+    refuse(module, "state-space-duality", "mixer", reason, _FIX)
 
 
 def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -79,31 +113,29 @@ def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
     call = inspect.signature(module.forward).bind(*args, **kwargs)
     if any(call.arguments.get(name) is not None for name in ("cache", "cache_params")):
         raise ValueError(
-            f"{type(module).__name__} was given a cache, which the selective-scan rule's second run of the "
-            "mixer would extend; call the model with use_cache=False in training, or freeze the mixer's "
-            "A_log, D, conv1d and dt_proj"
+            f"{type(module).__name__} was given a cache, which the rule's second run of the mixer would "
+            "extend; call the model with use_cache=False in training, or freeze the mixer's own parameters "
+            "and its conv1d"
         )
     return call.arguments["hidden_states"], args, kwargs
 
 
-def _recorded(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The mixer's intermediate values from its own forward, run again without recording: ``P`` (in_proj's
-    output), ``u`` (x_proj's input) and ``y`` (out_proj's input); each submodule, the norms included where
-    present, must be called exactly once."""
-    seen: dict[str, list[torch.Tensor]] = {}
+def _recorded(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any], taps: dict[str, tuple[str, str]]
+) -> dict[str, Any]:
+    """The values ``taps`` names (key -> (submodule, "input" or "output"); an input is the call's argument
+    tuple) from the mixer's own forward, run again without recording; each tapped submodule must be called
+    exactly once."""
+    seen: dict[str, list[Any]] = {}
 
-    def keep(key: str, value: torch.Tensor) -> None:
+    def keep(key: str, value: Any) -> None:
         seen.setdefault(key, []).append(value)
 
     hooks = [
-        module.in_proj.register_forward_hook(lambda _, __, out: keep("P", out)),
-        module.x_proj.register_forward_pre_hook(lambda _, inputs: keep("u", inputs[0])),
-        module.out_proj.register_forward_pre_hook(lambda _, inputs: keep("y", inputs[0])),
-    ]
-    hooks += [
-        getattr(module, name).register_forward_hook(lambda _, __, out, key=key: keep(key, out))
-        for name, key in zip(NORMS, "sBC", strict=True)
-        if hasattr(module, name)
+        module.get_submodule(name).register_forward_pre_hook(lambda _, inputs, key=key: keep(key, inputs))
+        if where == "input"
+        else module.get_submodule(name).register_forward_hook(lambda _, __, out, key=key: keep(key, out))
+        for key, (name, where) in taps.items()
     ]
     try:
         with torch.no_grad():
@@ -111,15 +143,12 @@ def _recorded(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[st
     finally:
         for hook in hooks:
             hook.remove()
-    expected = {"P", "u", "y"} | {
-        key for name, key in zip(NORMS, "sBC", strict=True) if hasattr(module, name)
-    }
-    counts = {key: len(seen.get(key, [])) for key in sorted(expected)}
+    counts = {taps[key][0]: len(seen.get(key, [])) for key in taps}
     if any(count != 1 for count in counts.values()):
         raise RuntimeError(
-            f"{type(module).__name__}: its second run called its submodules {counts} times, where the "
-            "selective-scan rule needs each once (the fused kernels of mamba_ssm skip x_proj in training: "
-            f"uninstall them for private training). {_FIX}"
+            f"{type(module).__name__}: its second run called its submodules {counts} times, where the rule "
+            "needs each once (the fused kernels of mamba_ssm skip them in training: uninstall them for "
+            f"private training). {_FIX}"
         )
     return {key: values[0] for key, values in seen.items()}
 
@@ -129,46 +158,73 @@ def _per_example(param: torch.Tensor, batch: int) -> torch.Tensor:
     return param.detach().unsqueeze(0).repeat(batch, *([1] * param.dim())).requires_grad_(True)
 
 
+def _conv_leaves(conv: nn.Conv1d, batch: int) -> dict[str, torch.Tensor]:
+    leaves = {"conv1d.weight": _per_example(conv.weight, batch)}
+    if conv.bias is not None:
+        leaves["conv1d.bias"] = _per_example(conv.bias, batch)
+    return leaves
+
+
+def _convolved(
+    module: nn.Module, x: torch.Tensor, leaves: dict[str, torch.Tensor], mask: torch.Tensor | None
+) -> torch.Tensor:
+    """``mask * act(conv1d(x))`` (B, T, C) for the convolution's input ``x`` (B, C, T), each example
+    through its own copy of the causal depthwise convolution (one group per example and channel)."""
+    from transformers.activations import ACT2FN  # only Hugging Face mixers take these rules
+
+    batch, channels, length = x.shape
+    kernel = module.conv1d.kernel_size[0]
+    weight = leaves["conv1d.weight"].to(x.dtype).reshape(batch * channels, 1, kernel)
+    bias = leaves["conv1d.bias"].to(x.dtype).reshape(-1) if "conv1d.bias" in leaves else None
+    out = F.conv1d(
+        x.reshape(1, batch * channels, length), weight, bias, padding=kernel - 1, groups=batch * channels
+    )
+    # the activation as the module's convolution applies it (its ``act`` attribute may differ)
+    out = ACT2FN[module.activation](out[..., :length].reshape(batch, channels, length)).transpose(1, 2)
+    return out if mask is None else out * mask[:, :, None].to(out.dtype)
+
+
+def _mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    return inspect.signature(module.forward).bind(*args, **kwargs).arguments.get("attention_mask")
+
+
+def _dtype(param: torch.Tensor) -> torch.dtype:
+    """The rules' working precision: float64 for a float64 mixer, else float32."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def _grads(leaves: dict[str, torch.Tensor], loss: torch.Tensor) -> dict[str, PerExampleGrad]:
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return {name: Dense(g.to(leaves[name].dtype)) for name, g in zip(leaves, grads, strict=True)}
+
+
 @register_rule(
     *MIXERS, check=_check, call=CallLayout(scan_inputs, first_output), claims=("conv1d", "dt_proj")
 )
 def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """Per-example gradients of ``A_log``, ``D``, ``conv1d.*`` and ``dt_proj.*`` by the recomputation of the
-    module docstring; ``dy`` (B, T, d_model) the gradient of the mixer's output. Computed in float64 for a
-    float64 mixer, else in float32; ``A_log``, ``D`` and ``dt_proj``'s bias pass through float32 as in the
-    module."""
-    from transformers.activations import ACT2FN  # only Hugging Face mixers take this rule
-
+    """Per-example gradients of ``A_log``, ``D``, ``conv1d.*`` and ``dt_proj.*`` of a Mamba mixer by the
+    recomputation of the module docstring; ``dy`` (B, T, d_model) the gradient of the mixer's output.
+    ``A_log``, ``D`` and ``dt_proj``'s bias pass through float32 as in the module."""
     hidden, args, kwargs = call
-    seen = _recorded(module, args, kwargs)
-    batch, length = hidden.shape[:2]
-    dtype = torch.float64 if module.A_log.dtype == torch.float64 else torch.float32
-    mask = inspect.signature(module.forward).bind(*args, **kwargs).arguments.get("attention_mask")
-    conv, dt_proj = module.conv1d, module.dt_proj
+    taps = {"P": ("in_proj", "output"), "u": ("x_proj", "input"), "y": ("out_proj", "input")}
+    taps |= {name: (name, "output") for name in NORMS if hasattr(module, name)}  # counted only
+    seen = _recorded(module, args, kwargs, taps)
+    batch = hidden.shape[0]
+    dtype = _dtype(module.A_log)
+    dt_proj = module.dt_proj
     leaves = {
         "A_log": _per_example(module.A_log, batch),
         "D": _per_example(module.D, batch),
-        "conv1d.weight": _per_example(conv.weight, batch),
         "dt_proj.weight": _per_example(dt_proj.weight, batch),
+        **_conv_leaves(module.conv1d, batch),
     }
-    if conv.bias is not None:
-        leaves["conv1d.bias"] = _per_example(conv.bias, batch)
     if dt_proj.bias is not None:
         leaves["dt_proj.bias"] = _per_example(dt_proj.bias, batch)
     p, z = seen["P"].to(dtype).transpose(1, 2).chunk(2, dim=1)  # (B, d, T) each
-    width, kernel = p.shape[1], conv.kernel_size[0]
-    rank, state = module.time_step_rank, module.ssm_state_size
+    width, rank, state = p.shape[1], module.time_step_rank, module.ssm_state_size
     with torch.enable_grad():
-        weight = leaves["conv1d.weight"].to(dtype).reshape(batch * width, 1, kernel)
-        bias = leaves["conv1d.bias"].to(dtype).reshape(-1) if "conv1d.bias" in leaves else None
-        grouped = F.conv1d(
-            p.reshape(1, batch * width, length), weight, bias, padding=kernel - 1, groups=batch * width
-        )
-        act = ACT2FN[module.activation]  # as the module's convolution applies it (module.act may differ)
-        u = act(grouped[..., :length].reshape(batch, width, length)).transpose(1, 2)  # (B, T, d)
-        if mask is not None:
-            u = u * mask[:, :, None].to(dtype)
-        _same(module, "x_proj's input", seen["u"], u)
+        u = _convolved(module, p, leaves, _mask(module, args, kwargs))  # (B, T, d)
+        _same(module, "x_proj's input", seen["u"][0], u)
         s, b, c = F.linear(u, module.x_proj.weight.to(dtype)).split([rank, state, state], dim=-1)
         if hasattr(module, NORMS[0]):  # Falcon-Mamba's, Jamba's: called outside the model's hooks
             s, b, c = (getattr(module, name).forward(t) for name, t in zip(NORMS, (s, b, c), strict=True))
@@ -191,21 +247,63 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
             outputs.append(torch.einsum("bdn,bn->bd", h, c_t))
         y = torch.stack(outputs, dim=-1) + u.transpose(1, 2) * leaves["D"].float().to(dtype)[:, :, None]
         y = (y * F.silu(z)).transpose(1, 2)  # (B, T, d)
-        _same(module, "out_proj's input", seen["y"], y)
-        d_y = dy.to(dtype) @ module.out_proj.weight.to(dtype)
-        grads = torch.autograd.grad((y * d_y).sum(), list(leaves.values()))
-    return {name: Dense(g.to(leaves[name].dtype)) for name, g in zip(leaves, grads, strict=True)}
+        _same(module, "out_proj's input", seen["y"][0], y)
+        return _grads(leaves, (y * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
+
+
+_SCAN = "mamba2_chunk_scan"  # the chunked SSD scan of each Mamba-2 modeling file
+
+
+@register_rule(
+    *MAMBA2_MIXERS, check=_check_mamba2, call=CallLayout(scan_inputs, first_output), claims=("conv1d",)
+)
+def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``A_log``, ``D``, ``dt_bias`` and ``conv1d.*`` of a Mamba-2 mixer by the
+    module's own scan on per-example copies (module docstring); ``dy`` (B, T, d_model) the gradient of the
+    mixer's output. The scan computes in float32 whatever the mixer's dtype, as in the module."""
+    hidden, args, kwargs = call
+    seen = _recorded(module, args, kwargs, {"P": ("in_proj", "output"), "y": ("norm", "input")})
+    batch, length = hidden.shape[:2]
+    dtype = _dtype(module.A_log)
+    heads, head_dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    leaves = {
+        "A_log": _per_example(module.A_log, batch),
+        "D": _per_example(module.D, batch),
+        "dt_bias": _per_example(module.dt_bias, batch),
+        **_conv_leaves(module.conv1d, batch),
+    }
+    _, xbc, dt = seen["P"].to(dtype).split([module.intermediate_size, module.conv_dim, heads], dim=-1)
+    scan = getattr(sys.modules[type(module).__module__], _SCAN)
+    with torch.enable_grad():
+        xbc = _convolved(module, xbc.transpose(1, 2), leaves, _mask(module, args, kwargs))
+        x, b, c = xbc.split([module.intermediate_size, groups * state, groups * state], dim=-1)
+        y = scan(  # the copies as (B, 1, heads): one parameter per example under the scan's broadcasting
+            x.reshape(batch, length, heads, head_dim),
+            dt,
+            -torch.exp(leaves["A_log"].float())[:, None],
+            b.reshape(batch, length, groups, state),
+            c.reshape(batch, length, groups, state),
+            chunk_size=module.chunk_size,
+            D=leaves["D"][:, None],
+            dt_bias=leaves["dt_bias"][:, None],
+            dt_softplus=True,
+            dt_limit=module.time_step_limit,
+        ).reshape(batch, length, -1)
+        recorded, gate = seen["y"]  # the norm's arguments: the scan's output and the gate
+        _same(module, "the norm's input", recorded, y)
+        out = module.norm.forward(y.to(recorded.dtype), gate)  # outside the model's hooks
+        return _grads(leaves, (out.to(dtype) * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
 
 
 def _same(module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor) -> None:
     """Refuse a mixer whose forward the rule's recomputation does not reproduce, to float32's precision at
-    best: the module rounds ``A``, ``D``, ``B`` and ``u`` (Falcon-Mamba's norms also ``s``, ``B``, ``C``) to
-    float32 whatever its dtype, and a recomputation equal to float64's rounding may round them the other
-    way."""
+    best: the modules round ``A``, ``D``, ``B`` and ``u`` (Falcon-Mamba's norms also ``s``, ``B``, ``C``;
+    Mamba-2's scan all of it) to float32 whatever their dtype, and a recomputation equal to float64's
+    rounding may round them the other way."""
     coarse = torch.float32 if recorded.dtype == torch.float64 else recorded.dtype
     if not reproduces(recorded.to(coarse), recomputed.detach().to(coarse)):
         raise RuntimeError(
-            f"{type(module).__name__}: the selective-scan rule's recomputation of {what} does not reproduce "
-            "the module's (its forward differs from Mamba's); register a rule for its type "
+            f"{type(module).__name__}: the rule's recomputation of {what} does not reproduce the module's "
+            "(its forward differs from the one the rule follows); register a rule for its type "
             f"(dpexp.privacy.rules.register_rule). {_FIX}"
         )
