@@ -575,7 +575,7 @@ def gpt_oss() -> nn.Module:
 
 def mamba() -> nn.Module:
     """Tiny random Mamba: each mixer owns ``A_log`` and ``D`` and reads its causal convolution's and
-    ``dt_proj``'s weights itself (its rule, ``dpexp.privacy.rules.selective_scan``, claims them), on the
+    ``dt_proj``'s weights itself (its rule, ``dpexp.privacy.rules.scan_mixers``, claims them), on the
     reference path (a scan over time)."""
     from transformers import MambaConfig, MambaForCausalLM
 
@@ -589,7 +589,7 @@ def mamba() -> nn.Module:
 def mamba2() -> nn.Module:
     """Tiny random Mamba-2: per-head ``A_log``, ``D`` and ``dt_bias``, two groups of B and C, the causal
     convolution's weight read by the mixer itself, and chunks of 4 positions (sequences of 10: three chunks,
-    the last padded), through the module's own chunked scan (``dpexp.privacy.rules.selective_scan``)."""
+    the last padded), through the module's own chunked scan (``dpexp.privacy.rules.scan_mixers``)."""
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
     config = Mamba2Config(
@@ -614,7 +614,7 @@ def jamba() -> nn.Module:
     """Tiny random Jamba: a Mamba layer with a dense MLP, then an attention layer with a sparse MoE block
     (a router whose top-2 softmax probabilities are not renormalised, Mixtral's experts); the mixer reads its
     convolution's and ``dt_proj``'s weights itself and has RMSNorms (layers of their own) on the time step,
-    B and C (``dpexp.privacy.rules.selective_scan``)."""
+    B and C (``dpexp.privacy.rules.scan_mixers``)."""
     from transformers import JambaConfig, JambaForCausalLM
 
     return _routed(

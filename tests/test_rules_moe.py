@@ -48,8 +48,8 @@ MODELS = {
     "gpt_oss": gpt_oss,  # biased router, transposed biased experts with their own gate
     "aria": aria,  # transposed experts without biases
     "ernie4_5_moe": ernie4_5_moe,  # float32 router, frozen load-balancing bias in a child module
-    "jamba": jamba,  # top-k probabilities not renormalised; a Mamba layer (rules/selective_scan.py)
-    "nemotron_h": nemotron_h,  # experts without a gate; a Mamba-2 layer (rules/selective_scan.py)
+    "jamba": jamba,  # top-k probabilities not renormalised; a Mamba layer (rules/scan_mixers.py)
+    "nemotron_h": nemotron_h,  # experts without a gate; a Mamba-2 layer (rules/scan_mixers.py)
 }
 # logits or norms in float32 whatever the model's dtype
 FLOAT32_ROUTERS = [

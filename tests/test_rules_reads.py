@@ -1,7 +1,7 @@
 """Modules whose forward reads a submodule's parameters instead of calling it (``register_reads``): the
 fallback covers them with the module's own, a read left undeclared or made elsewhere is refused, and a
 declaration that contradicts a rule is refused at construction. The oracle and sensitivity cases
-(``causal_mixer``, ``qwen3_5``, ``lfm2`` in ``tests/engine_models.py``) check exactness."""
+(``causal_mixer``, ``lfm2`` in ``tests/engine_models.py``) check exactness."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.rules import register_reads
 from dpexp.privacy.verification import VerificationError
-from tests.engine_models import CausalMixer, CausalMixerNet, lm_loss, make_case, qwen3_5, sequence_loss
+from tests.engine_models import CausalMixer, CausalMixerNet, lfm2, lm_loss, make_case, qwen3_5, sequence_loss
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
@@ -76,12 +76,14 @@ def test_a_declaration_on_a_type_with_a_rule_is_refused():
         PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
 
 
-def test_hybrid_with_one_padded_example_across_micro_batches_matches_oracle():
-    """Qwen3.5's gated delta net gets the attention mask only where an example is padded (None otherwise):
-    with example 0 the only padded one, the second micro-batch passes None (the same verified path: a
-    rule-less layer's path counts its floating-point inputs), and check 4's replay, which replaces example
-    0, passes None too (its arguments are compared where both calls have a tensor)."""
-    model = qwen3_5()
+@pytest.mark.parametrize("build", [lfm2, qwen3_5])
+def test_hybrid_with_one_padded_example_across_micro_batches_matches_oracle(build):
+    """LFM2's short convolution (on the fallback) and Qwen3.5's gated delta net (a rule since stop 49) get
+    the attention mask only where an example is padded (None otherwise): with example 0 the only padded one,
+    the second micro-batch passes None (the same verified path: a rule-less layer's path counts its
+    floating-point inputs), and check 4's replay, which replaces example 0, passes None too (its arguments
+    are compared where both calls have a tensor)."""
+    model = build()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 40, (4, 8), generator=gen)
     mask = torch.ones(4, 8, dtype=torch.long)

@@ -254,7 +254,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     reads,
     recurrent,
     rms_norm,
-    selective_scan,
+    scan_mixers,
     sinks,
     vision_tokens,
     window_attention,

@@ -2,13 +2,13 @@
 (:func:`~dpexp.privacy.rules.register_reads`).
 
 The state-space mixers of Falcon-H1 and Zamba, the gated delta nets of the linear-attention
-hybrids (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi Linear) and LFM2's short convolutions pass their causal
+hybrids (Qwen3-Next, OLMo-hybrid, Kimi Linear) and LFM2's short convolutions pass their causal
 depthwise convolution's weight to a kernel, ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1),
 self.conv1d.bias)`` (its reference implementation: ``F.conv1d`` with ``groups = channels``), never calling
 ``self.conv1d``. Their exact fallback takes the convolution's parameters with their own (``A_log``, ``D``,
 ``dt_bias``). Mamba's, Falcon-Mamba's and Jamba's mixers (which also read ``dt_proj``'s weight) and the
-Mamba-2 mixers of Mamba-2, Bamba, Nemotron-H, Granite-hybrid and Zamba2 have rules that claim what they read
-(:mod:`dpexp.privacy.rules.selective_scan`).
+Mamba-2 mixers of Mamba-2, Bamba, Nemotron-H, Granite-hybrid and Zamba2, and the gated delta nets of the
+Qwen3.5 form, have rules that claim what they read (:mod:`dpexp.privacy.rules.scan_mixers`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,7 @@ _READS = {  # model family -> {its module class: the submodules its forward read
     "falcon_h1": {"FalconH1Mixer": ("conv1d",)},
     "zamba": {"ZambaMambaMixer": ("conv1d",)},
     "qwen3_next": {"Qwen3NextGatedDeltaNet": ("conv1d",)},
-    "qwen3_5": {"Qwen3_5GatedDeltaNet": ("conv1d",)},
-    "qwen3_5_moe": {"Qwen3_5MoeGatedDeltaNet": ("conv1d",)},
-    "qwen4_exp": {"Qwen4ExpTextGatedDeltaNet": ("conv1d",)},
     "olmo_hybrid": {"OlmoHybridGatedDeltaNet": ("conv1d",)},
-    "lara_mini": {"LaraMiniGatedDeltaNet": ("conv1d",)},
     "kimi_linear": {"KimiLinearDeltaAttention": ("conv1d",)},
     "bailing_hybrid": {"BailingHybridDeltaAttention": ("conv1d",)},
     "glm5_next": {"Glm5NextTextLinearAttention": ("conv1d",)},

@@ -1,7 +1,15 @@
-"""Per-example gradients of the state-space mixers' parameters: Mamba's ``MambaMixer`` with its Falcon-Mamba
-and Jamba forms (Gu & Dao 2023, "Mamba", sec. 3.2 and Algorithm 2; Falcon-Mamba and Jamba add RMSNorms on
-the time step, B and C), and Mamba-2's ``Mamba2Mixer`` with its copies in Bamba, Nemotron-H, Granite-hybrid
-and Zamba2 (Dao & Gu 2024, "Transformers are SSMs", sec. 7, the SSD layer).
+"""Per-example gradients of the mixers that scan over time with a state: Mamba's ``MambaMixer`` with its
+Falcon-Mamba and Jamba forms (Gu & Dao 2023, "Mamba", sec. 3.2 and Algorithm 2; Falcon-Mamba and Jamba add
+RMSNorms on the time step, B and C), Mamba-2's ``Mamba2Mixer`` with its copies in Bamba, Nemotron-H,
+Granite-hybrid and Zamba2 (Dao & Gu 2024, "Transformers are SSMs", sec. 7, the SSD layer), and Qwen3.5's
+gated delta net with its copies (Yang et al. 2025, "Gated Delta Networks", eq. 10).
+
+Each mixer reads its causal depthwise ``conv1d``'s weights itself (it passes them to a kernel), so its rule
+claims that submodule. The rules share one pattern: the mixer's own forward runs once more without recording,
+with hooks that read what enters and leaves its submodules; the rule computes the mixer's output again from
+there with one copy of each parameter per example, checks it against the module's (a module whose forward
+differs is refused, not approximated), and takes every copy's gradient of ``<output, dy>`` in one batched
+backward: example i's copy only enters example i's output.
 
 **Mamba.** The mixer owns ``A_log`` (d, n) and ``D`` (d,) and reads its depthwise causal ``conv1d``'s and its
 ``dt_proj``'s weights itself (it passes them to the scan's kernels), so the rule claims those two
@@ -31,6 +39,13 @@ of its modeling file: ``h_t = exp(delta_t A) h_{t-1} + delta_t x_t B_t^T``, ``y_
 that same scan function with the per-example copies shaped (B, 1, heads), which its broadcasting takes as
 one parameter per example, checks its output against the norm's input in the module's run, and runs the
 norm's forward on it to reach ``out_proj``'s input.
+
+**Gated delta net** (Qwen3.5, Qwen3.5-MoE, Qwen4-exp, LaraMini: the same forward). It owns ``A_log`` and
+``dt_bias`` (one per value head). ``(q, k, v) = act(conv1d(in_proj_qkv(x)))``,
+``beta = sigmoid(in_proj_b(x))``, ``g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)``, then the module's
+own chunked delta rule
+(``torch_chunk_gated_delta_rule`` of its modeling file), its gated RMSNorm with ``in_proj_z(x)`` and
+``out_proj``. The rule recomputes the convolution and ``g`` with the copies and calls the same function.
 
 Refused, with the cause: a key/value cache (a second run would extend it), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
@@ -105,6 +120,13 @@ def _check_mamba2(module: nn.Module) -> None:
     if reason is None and not callable(getattr(sys.modules[type(module).__module__], _SCAN, None)):
         reason = f"its modeling file has no {_SCAN} function"
     refuse(module, "state-space-duality", "mixer", reason, _FIX)
+
+
+def _check_delta_net(module: nn.Module) -> None:
+    reason = _refusal(module, {"A_log", "dt_bias"}, {"out_proj": nn.Linear, "conv1d": nn.Conv1d}, ("norm",))
+    if reason is None and not callable(getattr(sys.modules[type(module).__module__], _DELTA_RULE, None)):
+        reason = f"its modeling file has no {_DELTA_RULE} function"
+    refuse(module, "gated-delta-rule", "mixer", reason, _FIX)
 
 
 def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -252,6 +274,7 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
 
 
 _SCAN = "mamba2_chunk_scan"  # the chunked SSD scan of each Mamba-2 modeling file
+_DELTA_RULE = "torch_chunk_gated_delta_rule"  # the chunked gated delta rule of each Qwen3.5-form file
 
 
 @register_rule(
@@ -293,6 +316,64 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
         _same(module, "the norm's input", recorded, y)
         out = module.norm.forward(y.to(recorded.dtype), gate)  # outside the model's hooks
         return _grads(leaves, (out.to(dtype) * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
+
+
+DELTA_NETS = tuple(
+    f"{_HF}.{family}.modeling_{family}.{name}GatedDeltaNet"
+    for family, name in (
+        ("qwen3_5", "Qwen3_5"),
+        ("qwen3_5_moe", "Qwen3_5Moe"),
+        ("qwen4_exp", "Qwen4ExpText"),
+        ("lara_mini", "LaraMini"),
+    )
+)
+
+
+@register_rule(
+    *DELTA_NETS, check=_check_delta_net, call=CallLayout(scan_inputs, first_output), claims=("conv1d",)
+)
+def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``A_log``, ``dt_bias`` and ``conv1d.*`` of a gated delta net by the module's
+    own delta rule on the recomputed convolution and gates (module docstring); ``dy`` (B, T, d_model) the
+    gradient of the mixer's output. ``A_log`` passes through float32 and the gate's input ``a`` is float32,
+    as in the module."""
+    hidden, args, kwargs = call
+    taps = {
+        "qkv": ("in_proj_qkv", "output"),
+        "a": ("in_proj_a", "output"),
+        "b": ("in_proj_b", "output"),
+        "norm": ("norm", "input"),
+    }
+    seen = _recorded(module, args, kwargs, taps)
+    batch, length = hidden.shape[:2]
+    dtype = _dtype(module.A_log)
+    leaves = {
+        "A_log": _per_example(module.A_log, batch),
+        "dt_bias": _per_example(module.dt_bias, batch),
+        **_conv_leaves(module.conv1d, batch),
+    }
+    rule = getattr(sys.modules[type(module).__module__], _DELTA_RULE)
+    recorded, gate = seen["norm"]  # the norm's arguments: the delta rule's output and the gate, per head
+    with torch.enable_grad():
+        qkv = _convolved(module, seen["qkv"].to(dtype).transpose(1, 2), leaves, None)  # the input was masked
+        q, k, v = qkv.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        g = -leaves["A_log"].float().exp()[:, None] * F.softplus(
+            seen["a"].float() + leaves["dt_bias"][:, None]
+        )
+        out, _ = rule(
+            q.reshape(batch, length, -1, module.head_k_dim),
+            k.reshape(batch, length, -1, module.head_k_dim),
+            v.reshape(batch, length, -1, module.head_v_dim),
+            g=g,
+            beta=seen["b"].sigmoid(),
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+        )
+        out = out.reshape(-1, module.head_v_dim)
+        _same(module, "the norm's input", recorded, out)
+        normed = module.norm.forward(out.to(recorded.dtype), gate).reshape(batch, length, -1)
+        return _grads(leaves, (normed.to(dtype) * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
 
 
 def _same(module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor) -> None:

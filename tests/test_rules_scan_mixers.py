@@ -17,7 +17,18 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import _padded_text, falcon_mamba, jamba, lm_loss, mamba, mamba2, nemotron_h
+from tests.engine_models import (
+    _decoder,
+    _padded_text,
+    _routed,
+    falcon_mamba,
+    jamba,
+    lm_loss,
+    mamba,
+    mamba2,
+    nemotron_h,
+    qwen3_5,
+)
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -61,6 +72,21 @@ def zamba2() -> nn.Module:
     return Zamba2ForCausalLM(config).double()
 
 
+def qwen3_5_moe_hybrid() -> nn.Module:
+    """Qwen3.5-MoE with a gated delta net layer whose value heads outnumber its key heads (2 to 1)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    return _routed(
+        _decoder(
+            Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=12, shared_expert_intermediate_size=12,
+            layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
+            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=3, use_cache=False,
+        )
+    )  # fmt: skip
+
+
 BUILDERS = {
     "mamba": mamba,
     "falcon_mamba": falcon_mamba,
@@ -70,6 +96,8 @@ BUILDERS = {
     "nemotron_h": nemotron_h,
     "granite_hybrid": granite_hybrid,
     "zamba2": zamba2,
+    "qwen3_5": qwen3_5,
+    "qwen3_5_moe": qwen3_5_moe_hybrid,
 }
 MIXER = ["A_log", "D", "conv1d.bias", "conv1d.weight", "dt_proj.bias", "dt_proj.weight"]
 
@@ -105,6 +133,9 @@ def test_no_mixer_is_left_to_the_fallback(name):
         ("nemotron_h", "bk", "flat"),
         ("granite_hybrid", "ghost", "flat"),
         ("zamba2", "bk", "flat"),
+        ("qwen3_5", "bk", "flat"),
+        ("qwen3_5", "ghost", "per_layer"),
+        ("qwen3_5_moe", "bk", "per_layer"),
     ],
 )
 def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
@@ -117,18 +148,18 @@ def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
-@pytest.mark.parametrize("build", [mamba, mamba2])
+@pytest.mark.parametrize("build", [mamba, mamba2, qwen3_5])
 def test_float32_matches_oracle(build):
     torch.manual_seed(0)
     check_clipped_step(build().float(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-4, floor=1e-6)
 
 
-@pytest.mark.parametrize("build", [mamba, mamba2])
+@pytest.mark.parametrize("build", [mamba, mamba2, qwen3_5])
 def test_frozen_state_space_parameters_leave_the_convolution_to_the_rule(build):
     model = build()
     for mixer in _mixers(model):
         mixer.A_log.requires_grad_(False)
-        mixer.D.requires_grad_(False)
+        (mixer.D if hasattr(mixer, "D") else mixer.dt_bias).requires_grad_(False)
     check_clipped_step(model, lm_loss, _batch(), MICRO, "instantiate", "per_layer", rel=1e-6)
 
 
@@ -198,6 +229,19 @@ def test_a_mamba2_mixer_whose_convolution_differs_is_refused(monkeypatch):
     conv = modeling_mamba2.causal_conv1d_fn
     monkeypatch.setattr(modeling_mamba2, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
     model = mamba2()
+    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(Exception, match=r"recomputation of the norm's input does not reproduce"):
+        engine.backward(lm_loss(model, _batch()))
+
+
+def test_a_delta_net_whose_convolution_differs_is_refused(monkeypatch):
+    """The delta-net rule computes the convolution itself: a module whose convolution differs (here
+    scaled) is refused at the delta rule's output."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    conv = modeling_qwen3_5.causal_conv1d_fn
+    monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
+    model = qwen3_5()
     engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(Exception, match=r"recomputation of the norm's input does not reproduce"):
         engine.backward(lm_loss(model, _batch()))
