@@ -22,13 +22,10 @@ with ``P = in_proj(x)`` split into the scan's input ``p`` and its gate ``z`` (ea
     h_t = exp(delta_t A) * h_{t-1} + delta_t B_t u_t,   A = -exp(A_log),  h_0 = 0      (Algorithm 2)
     y_t = (<h_t, C_t> + D u_t) * silu(z_t),        the input of out_proj
 
-``P``, ``x_proj``'s input ``u`` and the inputs of the scan (``s``, ``B``, ``C`` after the norms) are read from
-the module's own forward, run once more without recording (hooks on those submodules); the rule computes
-``u`` and ``y`` again from ``P`` with one copy of ``A_log``, ``D``, ``conv1d`` and ``dt_proj``'s parameters
-per example, checks them against what the module computed (a module whose forward differs is refused, not
-approximated), and takes every copy's gradient of ``sum_t <y_t, dy_t W_out>`` in one batched backward:
-example i's copy only enters example i's output. The time loop keeps one state per step, so its backward
-is linear in T (the reference scan's indexing makes the module's own backward quadratic in T).
+The rule reads ``P``, ``u`` and ``y`` in the module's run, computes ``u`` and ``y`` again from ``P`` (the
+scan written out: it has no function a per-example ``A`` could pass through) and takes the copies' gradients
+of ``sum_t <y_t, dy_t W_out>``. Its time loop keeps one state per step, so its backward is linear in T (the
+reference scan's indexing makes the module's own backward quadratic in T).
 
 **Mamba-2.** The mixer owns ``A_log``, ``D`` and ``dt_bias`` (one per head) and reads its ``conv1d``'s
 weights (claimed); ``in_proj``, the gated RMSNorm ``norm`` and ``out_proj`` are layers of their own. With
@@ -43,9 +40,9 @@ norm's forward on it to reach ``out_proj``'s input.
 **Gated delta net** (Qwen3.5, Qwen3.5-MoE, Qwen4-exp, LaraMini: the same forward). It owns ``A_log`` and
 ``dt_bias`` (one per value head). ``(q, k, v) = act(conv1d(in_proj_qkv(x)))``,
 ``beta = sigmoid(in_proj_b(x))``, ``g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)``, then the module's
-own chunked delta rule
-(``torch_chunk_gated_delta_rule`` of its modeling file), its gated RMSNorm with ``in_proj_z(x)`` and
-``out_proj``. The rule recomputes the convolution and ``g`` with the copies and calls the same function.
+own chunked delta rule (``torch_chunk_gated_delta_rule`` of its modeling file), its gated RMSNorm with
+``in_proj_z(x)`` and ``out_proj``. The rule recomputes the convolution and ``g`` with the copies and calls the
+same function.
 
 Refused, with the cause: a key/value cache (a second run would extend it), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
@@ -64,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, CheckFn, first_output, refuse, register_rule
 from dpexp.privacy.rules.functional import reproduces
 
 _HF = "transformers.models"
@@ -80,7 +77,18 @@ MAMBA2_MIXERS = (
     f"{_HF}.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
     f"{_HF}.zamba2.modeling_zamba2.Zamba2MambaMixer",
 )
+DELTA_NETS = tuple(
+    f"{_HF}.{family}.modeling_{family}.{name}GatedDeltaNet"
+    for family, name in (
+        ("qwen3_5", "Qwen3_5"),
+        ("qwen3_5_moe", "Qwen3_5Moe"),
+        ("qwen4_exp", "Qwen4ExpText"),
+        ("lara_mini", "LaraMini"),
+    )
+)
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")  # Falcon-Mamba's and Jamba's, on s, B and C
+_SCAN = "mamba2_chunk_scan"  # the chunked SSD scan of each Mamba-2 modeling file
+_DELTA_RULE = "torch_chunk_gated_delta_rule"  # the chunked gated delta rule of each Qwen3.5-form file
 _FIX = "Otherwise freeze the mixer's own parameters and its conv1d (and dt_proj) (requires_grad=False)."
 
 
@@ -113,20 +121,16 @@ def _check(module: nn.Module) -> None:
     refuse(module, "selective-scan", "mixer", _refusal(module, {"A_log", "D"}, plain, NORMS), _FIX)
 
 
-def _check_mamba2(module: nn.Module) -> None:
-    reason = _refusal(
-        module, {"A_log", "D", "dt_bias"}, {"out_proj": nn.Linear, "conv1d": nn.Conv1d}, ("norm",)
-    )
-    if reason is None and not callable(getattr(sys.modules[type(module).__module__], _SCAN, None)):
-        reason = f"its modeling file has no {_SCAN} function"
-    refuse(module, "state-space-duality", "mixer", reason, _FIX)
+def _check_calling(rule: str, own: set[str], function: str) -> CheckFn:
+    """The check of a rule that calls ``function`` of the mixer's modeling file and runs its ``norm``."""
 
+    def check(module: nn.Module) -> None:
+        reason = _refusal(module, own, {"out_proj": nn.Linear, "conv1d": nn.Conv1d}, ("norm",))
+        if reason is None and not callable(getattr(sys.modules[type(module).__module__], function, None)):
+            reason = f"its modeling file has no {function} function"
+        refuse(module, rule, "mixer", reason, _FIX)
 
-def _check_delta_net(module: nn.Module) -> None:
-    reason = _refusal(module, {"A_log", "dt_bias"}, {"out_proj": nn.Linear, "conv1d": nn.Conv1d}, ("norm",))
-    if reason is None and not callable(getattr(sys.modules[type(module).__module__], _DELTA_RULE, None)):
-        reason = f"its modeling file has no {_DELTA_RULE} function"
-    refuse(module, "gated-delta-rule", "mixer", reason, _FIX)
+    return check
 
 
 def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -273,12 +277,11 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
         return _grads(leaves, (y * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
 
 
-_SCAN = "mamba2_chunk_scan"  # the chunked SSD scan of each Mamba-2 modeling file
-_DELTA_RULE = "torch_chunk_gated_delta_rule"  # the chunked gated delta rule of each Qwen3.5-form file
-
-
 @register_rule(
-    *MAMBA2_MIXERS, check=_check_mamba2, call=CallLayout(scan_inputs, first_output), claims=("conv1d",)
+    *MAMBA2_MIXERS,
+    check=_check_calling("state-space-duality", {"A_log", "D", "dt_bias"}, _SCAN),
+    call=CallLayout(scan_inputs, first_output),
+    claims=("conv1d",),
 )
 def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``A_log``, ``D``, ``dt_bias`` and ``conv1d.*`` of a Mamba-2 mixer by the
@@ -318,19 +321,11 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
         return _grads(leaves, (out.to(dtype) * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
 
 
-DELTA_NETS = tuple(
-    f"{_HF}.{family}.modeling_{family}.{name}GatedDeltaNet"
-    for family, name in (
-        ("qwen3_5", "Qwen3_5"),
-        ("qwen3_5_moe", "Qwen3_5Moe"),
-        ("qwen4_exp", "Qwen4ExpText"),
-        ("lara_mini", "LaraMini"),
-    )
-)
-
-
 @register_rule(
-    *DELTA_NETS, check=_check_delta_net, call=CallLayout(scan_inputs, first_output), claims=("conv1d",)
+    *DELTA_NETS,
+    check=_check_calling("gated-delta-rule", {"A_log", "dt_bias"}, _DELTA_RULE),
+    call=CallLayout(scan_inputs, first_output),
+    claims=("conv1d",),
 )
 def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``A_log``, ``dt_bias`` and ``conv1d.*`` of a gated delta net by the module's
