@@ -783,24 +783,12 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         return FlattenedMLPNet().double(), sequence_loss, {"ids": ids}
     if name == "opt":
         return opt(), lm_loss, _padded_text(batch_size, 10, 40, gen)
-    if name in (
-        "falcon",
-        "gemma2",
-        "gemma4",
-        "glm",
-        "llama4",
-        "gpt_oss",
-        "mamba",
-        "mamba2",
-        "qwen3_5",
-        "lfm2",
-    ):
-        builders = {
-            "falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm, "llama4": llama4,
-            "mamba": mamba, "mamba2": mamba2, "qwen3_5": qwen3_5, "lfm2": lfm2,
-        }  # fmt: skip
-        model = builders.get(name, gpt_oss)()
-        return model, lm_loss, _padded_text(batch_size, 10, 40, gen)
+    decoders = {
+        "falcon": falcon, "gemma2": gemma2, "gemma4": gemma4, "glm": glm, "llama4": llama4,
+        "gpt_oss": gpt_oss, "mamba": mamba, "mamba2": mamba2, "qwen3_5": qwen3_5, "lfm2": lfm2,
+    }  # fmt: skip
+    if name in decoders:
+        return decoders[name](), lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("gpt2", "gpt2_lora"):
         return gpt2(lora=name == "gpt2_lora"), lm_loss, _padded_text(batch_size, 10, 40, gen)
     if name in ("roberta", "bert", "deberta"):

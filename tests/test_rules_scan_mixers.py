@@ -221,27 +221,16 @@ def test_a_mixer_whose_forward_differs_is_refused(monkeypatch):
         engine.backward(lm_loss(model, _batch()))
 
 
-def test_a_mamba2_mixer_whose_convolution_differs_is_refused(monkeypatch):
-    """Mamba-2's rule runs the module's own scan, but computes the convolution itself: a module whose
-    convolution differs (here its activation) is refused at the scan's output."""
-    from transformers.models.mamba2 import modeling_mamba2
+@pytest.mark.parametrize("family,build", [("mamba2", mamba2), ("qwen3_5", qwen3_5)])
+def test_a_mixer_whose_convolution_differs_is_refused(monkeypatch, family, build):
+    """Mamba-2's and the delta net's rules run the module's own scan function but compute the convolution
+    themselves: a module whose convolution differs (here scaled) is refused at the scan's output."""
+    import importlib
 
-    conv = modeling_mamba2.causal_conv1d_fn
-    monkeypatch.setattr(modeling_mamba2, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
-    model = mamba2()
-    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
-    with pytest.raises(Exception, match=r"recomputation of the norm's input does not reproduce"):
-        engine.backward(lm_loss(model, _batch()))
-
-
-def test_a_delta_net_whose_convolution_differs_is_refused(monkeypatch):
-    """The delta-net rule computes the convolution itself: a module whose convolution differs (here
-    scaled) is refused at the delta rule's output."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-
-    conv = modeling_qwen3_5.causal_conv1d_fn
-    monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
-    model = qwen3_5()
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    conv = modeling.causal_conv1d_fn
+    monkeypatch.setattr(modeling, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
+    model = build()
     engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(Exception, match=r"recomputation of the norm's input does not reproduce"):
         engine.backward(lm_loss(model, _batch()))
