@@ -99,11 +99,16 @@ BUILDERS = {
     "qwen3_5": qwen3_5,
     "qwen3_5_moe": qwen3_5_moe_hybrid,
 }
-MIXER = ["A_log", "D", "conv1d.bias", "conv1d.weight", "dt_proj.bias", "dt_proj.weight"]
 
 
 def _batch() -> dict[str, torch.Tensor]:
     return _padded_text(6, 10, 40, torch.Generator().manual_seed(0))  # examples padded to different lengths
+
+
+def _first_step(model: nn.Module, loss=lm_loss) -> None:
+    """One private step's backward on the usual batch (noise off): where the rules' run-time refusals fire."""
+    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(loss(model, _batch()))
 
 
 def _mixers(model: nn.Module) -> list[nn.Module]:
@@ -164,11 +169,8 @@ def test_frozen_state_space_parameters_leave_the_convolution_to_the_rule(build):
 
 
 def test_a_cache_is_refused_at_the_call():
-    model = mamba()
-    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
-    batch = _batch()
     with pytest.raises(ValueError, match=r"MambaMixer was given a cache.*use_cache=False"):
-        engine.backward(lm_loss_with_cache(model, batch))
+        _first_step(mamba(), lm_loss_with_cache)
 
 
 def lm_loss_with_cache(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -194,7 +196,7 @@ def test_a_wrapped_x_proj_is_refused_at_construction():
 
 def test_the_fused_kernels_path_is_refused(monkeypatch):
     """With mamba_ssm installed, a training forward returns the fused kernel's output and never calls
-    x_proj: simulated by a kernel that computes the same output through the reference path."""
+    x_proj: simulated by a stand-in kernel that returns an output of the right shape."""
     from transformers.models.mamba import modeling_mamba
 
     model = mamba().train()
@@ -203,9 +205,8 @@ def test_the_fused_kernels_path_is_refused(monkeypatch):
         return xz.transpose(1, 2)[..., : model.config.hidden_size]
 
     monkeypatch.setattr(modeling_mamba, "mamba_inner_fn", fused)
-    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(Exception, match=r"called its submodules .*fused kernels of mamba_ssm"):
-        engine.backward(lm_loss(model, _batch()))
+        _first_step(model)
 
 
 def test_a_mixer_whose_forward_differs_is_refused(monkeypatch):
@@ -216,9 +217,8 @@ def test_a_mixer_whose_forward_differs_is_refused(monkeypatch):
     scan = modeling_mamba.mamba_selective_scan
     monkeypatch.setattr(modeling_mamba, "mamba_selective_scan", lambda *a, **k: 1.5 * scan(*a, **k))
     model = mamba()
-    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(Exception, match=r"recomputation of out_proj's input does not reproduce"):
-        engine.backward(lm_loss(model, _batch()))
+        _first_step(model)
 
 
 @pytest.mark.parametrize("family,build", [("mamba2", mamba2), ("qwen3_5", qwen3_5)])
@@ -231,9 +231,8 @@ def test_a_mixer_whose_convolution_differs_is_refused(monkeypatch, family, build
     conv = modeling.causal_conv1d_fn
     monkeypatch.setattr(modeling, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
     model = build()
-    engine = PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(Exception, match=r"recomputation of the norm's input does not reproduce"):
-        engine.backward(lm_loss(model, _batch()))
+        _first_step(model)
 
 
 def test_a_mamba2_mixer_without_its_scan_function_is_refused_at_construction(monkeypatch):
