@@ -63,6 +63,7 @@ from torch import nn
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, CheckFn, first_output, refuse, register_rule
 from dpexp.privacy.rules.functional import reproduces
+from dpexp.privacy.rules.rerun import rerun
 
 _HF = "transformers.models"
 MIXERS = (
@@ -134,8 +135,10 @@ def _check_calling(rule: str, own: set[str], function: str) -> CheckFn:
 
 
 def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(hidden_states (B, T, d_model), args, kwargs)``: the main input and the call as given, which the
-    rule runs again; a call with a cache is refused (the second run would extend it)."""
+    """``(hidden_states (B, T, d_model), args, kwargs, arguments)``: the main input, the call as given (the
+    rule runs it again) and its arguments by name (where the rule finds the padding mask: a tensor of the
+    tuple would count as an input of the verified path, which would then differ between micro-batches with
+    and without padding); a call with a cache is refused (the second run would extend it)."""
     call = inspect.signature(module.forward).bind(*args, **kwargs)
     if any(call.arguments.get(name) is not None for name in ("cache", "cache_params")):
         raise ValueError(
@@ -143,40 +146,15 @@ def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
             "extend; call the model with use_cache=False in training, or freeze the mixer's own parameters "
             "and its conv1d"
         )
-    return call.arguments["hidden_states"], args, kwargs
+    return call.arguments["hidden_states"], args, kwargs, call.arguments
 
 
 def _recorded(
     module: nn.Module, args: tuple, kwargs: dict[str, Any], taps: dict[str, tuple[str, str]]
-) -> dict[str, Any]:
-    """The values ``taps`` names (key -> (submodule, "input" or "output"); an input is the call's argument
-    tuple) from the mixer's own forward, run again without recording; each tapped submodule must be called
-    exactly once."""
-    seen: dict[str, list[Any]] = {}
-
-    def keep(key: str, value: Any) -> None:
-        seen.setdefault(key, []).append(value)
-
-    hooks = [
-        module.get_submodule(name).register_forward_pre_hook(lambda _, inputs, key=key: keep(key, inputs))
-        if where == "input"
-        else module.get_submodule(name).register_forward_hook(lambda _, __, out, key=key: keep(key, out))
-        for key, (name, where) in taps.items()
-    ]
-    try:
-        with torch.no_grad():
-            module(*args, **kwargs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    counts = {taps[key][0]: len(seen.get(key, [])) for key in taps}
-    if any(count != 1 for count in counts.values()):
-        raise RuntimeError(
-            f"{type(module).__name__}: its second run called its submodules {counts} times, where the rule "
-            "needs each once (the fused kernels of mamba_ssm skip them in training: uninstall them for "
-            f"private training). {_FIX}"
-        )
-    return {key: values[0] for key, values in seen.items()}
+) -> dict:
+    """The values ``taps`` names in the mixer's second run (``rerun``)."""
+    why = "the fused kernels of mamba_ssm skip them in training: uninstall them for private training."
+    return rerun(module, args, kwargs, taps, f"{why} {_FIX}")[1]
 
 
 def _per_example(param: torch.Tensor, batch: int) -> torch.Tensor:
@@ -210,16 +188,17 @@ def _convolved(
     return out if mask is None else out * mask[:, :, None].to(out.dtype)
 
 
-def _mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
-    return inspect.signature(module.forward).bind(*args, **kwargs).arguments.get("attention_mask")
-
-
 def _dtype(param: torch.Tensor) -> torch.dtype:
     """The rules' working precision: float64 for a float64 mixer, else float32."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def _grads(leaves: dict[str, torch.Tensor], loss: torch.Tensor) -> dict[str, PerExampleGrad]:
+def _grads(
+    leaves: dict[str, torch.Tensor], module: nn.Module, y: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Every copy's gradient of ``<out_proj(y), dy>`` for ``out_proj``'s input ``y`` (B, T, d) computed from
+    the copies, in ``y``'s dtype; ``dy`` (B, T, d_model)."""
+    loss = (y * (dy.to(y.dtype) @ module.out_proj.weight.to(y.dtype))).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return {name: Dense(g.to(leaves[name].dtype)) for name, g in zip(leaves, grads, strict=True)}
 
@@ -231,7 +210,7 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
     """Per-example gradients of ``A_log``, ``D``, ``conv1d.*`` and ``dt_proj.*`` of a Mamba mixer by the
     recomputation of the module docstring; ``dy`` (B, T, d_model) the gradient of the mixer's output.
     ``A_log``, ``D`` and ``dt_proj``'s bias pass through float32 as in the module."""
-    hidden, args, kwargs = call
+    hidden, args, kwargs, arguments = call
     taps = {"P": ("in_proj", "output"), "u": ("x_proj", "input"), "y": ("out_proj", "input")}
     taps |= {name: (name, "output") for name in NORMS if hasattr(module, name)}  # counted only
     seen = _recorded(module, args, kwargs, taps)
@@ -249,7 +228,7 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
     p, z = seen["P"].to(dtype).transpose(1, 2).chunk(2, dim=1)  # (B, d, T) each
     width, rank, state = p.shape[1], module.time_step_rank, module.ssm_state_size
     with torch.enable_grad():
-        u = _convolved(module, p, leaves, _mask(module, args, kwargs))  # (B, T, d)
+        u = _convolved(module, p, leaves, arguments.get("attention_mask"))  # (B, T, d)
         _same(module, "x_proj's input", seen["u"][0], u)
         s, b, c = F.linear(u, module.x_proj.weight.to(dtype)).split([rank, state, state], dim=-1)
         if hasattr(module, NORMS[0]):  # Falcon-Mamba's, Jamba's: called outside the model's hooks
@@ -274,7 +253,7 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
         y = torch.stack(outputs, dim=-1) + u.transpose(1, 2) * leaves["D"].float().to(dtype)[:, :, None]
         y = (y * F.silu(z)).transpose(1, 2)  # (B, T, d)
         _same(module, "out_proj's input", seen["y"][0], y)
-        return _grads(leaves, (y * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
+        return _grads(leaves, module, y, dy)
 
 
 @register_rule(
@@ -287,7 +266,7 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
     """Per-example gradients of ``A_log``, ``D``, ``dt_bias`` and ``conv1d.*`` of a Mamba-2 mixer by the
     module's own scan on per-example copies (module docstring); ``dy`` (B, T, d_model) the gradient of the
     mixer's output. The scan computes in float32 whatever the mixer's dtype, as in the module."""
-    hidden, args, kwargs = call
+    hidden, args, kwargs, arguments = call
     seen = _recorded(module, args, kwargs, {"P": ("in_proj", "output"), "y": ("norm", "input")})
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
@@ -301,7 +280,7 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
     _, xbc, dt = seen["P"].to(dtype).split([module.intermediate_size, module.conv_dim, heads], dim=-1)
     scan = getattr(sys.modules[type(module).__module__], _SCAN)
     with torch.enable_grad():
-        xbc = _convolved(module, xbc.transpose(1, 2), leaves, _mask(module, args, kwargs))
+        xbc = _convolved(module, xbc.transpose(1, 2), leaves, arguments.get("attention_mask"))
         x, b, c = xbc.split([module.intermediate_size, groups * state, groups * state], dim=-1)
         y = scan(  # the copies as (B, 1, heads): one parameter per example under the scan's broadcasting
             x.reshape(batch, length, heads, head_dim),
@@ -318,7 +297,7 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
         recorded, gate = seen["y"]  # the norm's arguments: the scan's output and the gate
         _same(module, "the norm's input", recorded, y)
         out = module.norm.forward(y.to(recorded.dtype), gate)  # outside the model's hooks
-        return _grads(leaves, (out.to(dtype) * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
+        return _grads(leaves, module, out.to(dtype), dy)
 
 
 @register_rule(
@@ -332,7 +311,7 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     own delta rule on the recomputed convolution and gates (module docstring); ``dy`` (B, T, d_model) the
     gradient of the mixer's output. ``A_log`` passes through float32 and the gate's input ``a`` is float32,
     as in the module."""
-    hidden, args, kwargs = call
+    hidden, args, kwargs, _ = call  # the convolution's input comes masked
     taps = {
         "qkv": ("in_proj_qkv", "output"),
         "a": ("in_proj_a", "output"),
@@ -350,7 +329,7 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     rule = getattr(sys.modules[type(module).__module__], _DELTA_RULE)
     recorded, gate = seen["norm"]  # the norm's arguments: the delta rule's output and the gate, per head
     with torch.enable_grad():
-        qkv = _convolved(module, seen["qkv"].to(dtype).transpose(1, 2), leaves, None)  # the input was masked
+        qkv = _convolved(module, seen["qkv"].to(dtype).transpose(1, 2), leaves, None)
         q, k, v = qkv.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
         g = -leaves["A_log"].float().exp()[:, None] * F.softplus(
             seen["a"].float() + leaves["dt_bias"][:, None]
@@ -368,7 +347,7 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
         out = out.reshape(-1, module.head_v_dim)
         _same(module, "the norm's input", recorded, out)
         normed = module.norm.forward(out.to(recorded.dtype), gate).reshape(batch, length, -1)
-        return _grads(leaves, (normed.to(dtype) * (dy.to(dtype) @ module.out_proj.weight.to(dtype))).sum())
+        return _grads(leaves, module, normed.to(dtype), dy)
 
 
 def _same(module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor) -> None:

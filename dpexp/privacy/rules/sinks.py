@@ -29,6 +29,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
+from dpexp.privacy.rules.rerun import rerun
 from dpexp.privacy.rules.window_attention import attention_output_grad, wrapped_o_proj
 
 _GPT_OSS = "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention"
@@ -77,22 +78,22 @@ def sinks_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
     batch, length = hidden.shape[:2]
     heads, head_dim = module.sinks.shape[0], module.head_dim
     dtype = torch.float64 if module.sinks.dtype == torch.float64 else torch.float32
-    kept: list[torch.Tensor] = []
-    handle = module.o_proj.register_forward_pre_hook(lambda _, inputs: kept.append(inputs[0]))
-    try:
-        with torch.no_grad():
-            probs = module(*args, **kwargs)[1]
-    finally:
-        handle.remove()
-    if len(kept) != 1 or not torch.is_tensor(probs):
+    output, seen = rerun(
+        module,
+        args,
+        kwargs,
+        {"out": ("o_proj", "input")},
+        "register a rule for this attention, or freeze the sinks",
+    )
+    probs = output[1]
+    if not torch.is_tensor(probs):
         raise RuntimeError(
-            f"{type(module).__name__}: its second run called o_proj {len(kept)} times and returned "
-            f"{type(probs).__name__} probabilities, where the rule needs one call and eager's probabilities; "
-            "register a rule for this attention, or freeze the sinks."
+            f"{type(module).__name__}: its second run returned {type(probs).__name__} probabilities, where "
+            "the rule needs eager's; register a rule for this attention, or freeze the sinks."
         )
     with torch.no_grad():
         probs = probs.to(dtype)  # (B, heads, T, S)
-        out = kept[0].reshape(batch, length, heads, head_dim).to(dtype)
+        out = seen["out"][0].reshape(batch, length, heads, head_dim).to(dtype)
         width = length * module.o_proj.out_features  # the output's part of each row of dy
         d_out = dy[:, :width].reshape(batch, length, -1).to(dtype)
         d_heads = (d_out @ module.o_proj.weight.to(dtype)).reshape(batch, length, heads, head_dim)
