@@ -798,3 +798,30 @@ def test_the_fallback_searches_which_inputs_carry_the_example_once_per_call_stru
     engine.backward(loss_fn(model, batch))
     # (reproduction forced from here on: (0, 0) then passes too, and the search stops at the second choice)
     assert calls[6:] == [([0, None], 6), ([0, 0], 1), ([0, 0], 6), ([0, None], 1), ([0, None], 6)]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000 bytes."),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    ],
+    ids=["cpu", "cuda"],
+)
+def test_the_fallback_reports_running_out_of_memory_not_mixed_examples(monkeypatch, failure):
+    """An allocation failure while the fallback tries a choice of batched inputs says nothing about the
+    choice: it is reported as memory, with the fix, and never as a forward that mixes examples."""
+    from dpexp.privacy.rules import functional
+    from tests.engine_models import make_case
+
+    def out_of_memory(*a):
+        raise failure
+
+    monkeypatch.setattr(functional, "_vmapped", out_of_memory)
+    model, loss_fn, batch = make_case("fallback_tuple", batch_size=6)
+    engine = _engine(model, batch_size=6)
+    with pytest.raises(
+        RuntimeError, match=r"GatedPair.*ran out of memory.*Lower physical_batch_size"
+    ) as caught:
+        engine.backward(loss_fn(model, batch))
+    assert "mixes examples" not in str(caught.value)

@@ -104,6 +104,12 @@ def reproduces(recorded: torch.Tensor, recomputed: torch.Tensor) -> bool:
     return bool(torch.allclose(recomputed, recorded.detach(), rtol=tol, atol=tol * scale))
 
 
+def _out_of_memory(error: RuntimeError) -> bool:
+    """Whether ``error`` is an allocation failure: CUDA's ``OutOfMemoryError``, or the CPU allocator's
+    plain RuntimeError."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
 def functional_per_example_grads(
     module: nn.Module,
     attrs: list[str],
@@ -158,7 +164,13 @@ def functional_per_example_grads(
             grads, recomputed = _vmapped(
                 module, params, spec, head, dims, {k: g[:rows] for k, g in dys.items()}
             )
-        except RuntimeError:
+        except RuntimeError as error:
+            if _out_of_memory(error):  # not a sign of a wrong choice: say so, not "mixes examples"
+                raise RuntimeError(
+                    f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and its "
+                    "exact fallback ran out of memory recomputing it per example. Lower physical_batch_size, "
+                    f"register a rule for it, or freeze its parameters. ({str(error).splitlines()[0]})"
+                ) from error
             return None  # shapes that do not fit this choice
         reproduced = all(reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
         return grads if reproduced else None
