@@ -599,6 +599,21 @@ def mamba2() -> nn.Module:
     return Mamba2ForCausalLM(config).double()
 
 
+def falcon_h1(rms_norm: bool = False) -> nn.Module:
+    """Tiny random Falcon-H1: attention and a Mamba-2 mixer side by side in each layer, µP multipliers away
+    from 1 (the mixer's rule must apply them: ``dpexp.privacy.rules.scan_mixers``), the mixer's output gated
+    without its norm (Falcon-H1's default) or through it."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    config = FalconH1Config(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+        mamba_n_groups=1, mamba_d_state=4, mamba_d_conv=3, mamba_chunk_size=4, mamba_rms_norm=rms_norm,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 2.0], ssm_in_multiplier=0.7, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    return FalconH1ForCausalLM(config).double()
+
+
 def falcon_mamba() -> nn.Module:
     """Tiny random Falcon-Mamba: Mamba's mixer with weightless RMSNorms on the time step, B and C."""
     from transformers import FalconMambaConfig, FalconMambaForCausalLM

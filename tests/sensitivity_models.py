@@ -611,6 +611,7 @@ NEW_CASES = [
     "qwen3_5_moe",  # a router always renormalised, a gated shared expert
     "jamba",  # a router not renormalised beside a Mamba mixer (its selective-scan rule)
     "nemotron_h",  # experts without a gate behind a sigmoid router, beside a Mamba-2 mixer
+    "falcon_h1",  # attention beside a Mamba-2 mixer with µP multipliers, gated without its norm
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -645,6 +646,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "qwen3_5_moe",
         "jamba",
         "nemotron_h",
+        "falcon_h1",
     ):
         builders = {
             "qwen2_moe": engine_models.qwen2_moe,
@@ -657,6 +659,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "qwen3_5_moe": engine_models.qwen3_5_moe,
             "jamba": engine_models.jamba,
             "nemotron_h": engine_models.nemotron_h,
+            "falcon_h1": engine_models.falcon_h1,
         }
         model = builders.get(name, engine_models.mixtral)()
         batch = engine_models._padded_text(size, 8, 40, gen)

@@ -1,11 +1,11 @@
 """The state-space mixers' rules against the brute-force oracle: Mamba's selective scan (``MambaMixer``,
 Falcon-Mamba's and Jamba's forms: ``A_log``, ``D`` and the ``conv1d`` and ``dt_proj`` weights the mixer reads
-itself) and Mamba-2's (``Mamba2Mixer`` and its copies in Bamba, Nemotron-H, Granite-hybrid and Zamba2:
-``A_log``, ``D``, ``dt_bias`` and ``conv1d``). The ``mamba`` and ``mamba2`` cases of ``test_engine_oracle``
-run every strategy x clipping mode (padding, two micro-batches, float64), and those cases with ``jamba`` and
-``nemotron_h`` in ``test_sensitivity`` the released sums; here the rules alone (the fallback must not be
-taken) on every form, in training mode and float32, frozen parameters, and the refusals of what the rules
-cannot recompute."""
+itself) and Mamba-2's (``Mamba2Mixer`` and its copies in Bamba, Nemotron-H, Granite-hybrid, Zamba2 and
+Falcon-H1: ``A_log``, ``D``, ``dt_bias`` and ``conv1d``). The ``mamba`` and ``mamba2`` cases of
+``test_engine_oracle`` run every strategy x clipping mode (padding, two micro-batches, float64), and those
+cases with ``jamba`` and ``nemotron_h`` in ``test_sensitivity`` the released sums; here the rules alone (the
+fallback must not be taken) on every form, in training mode and float32, frozen parameters, and the refusals
+of what the rules cannot recompute."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.engine_models import (
     _decoder,
     _padded_text,
     _routed,
+    falcon_h1,
     falcon_mamba,
     jamba,
     lm_loss,
@@ -96,6 +97,8 @@ BUILDERS = {
     "nemotron_h": nemotron_h,
     "granite_hybrid": granite_hybrid,
     "zamba2": zamba2,
+    "falcon_h1": falcon_h1,
+    "falcon_h1_norm": lambda: falcon_h1(rms_norm=True),
     "qwen3_5": qwen3_5,
     "qwen3_5_moe": qwen3_5_moe_hybrid,
 }
@@ -138,6 +141,9 @@ def test_no_mixer_is_left_to_the_fallback(name):
         ("nemotron_h", "bk", "flat"),
         ("granite_hybrid", "ghost", "flat"),
         ("zamba2", "bk", "flat"),
+        ("falcon_h1", "bk", "flat"),
+        ("falcon_h1", "ghost", "per_layer"),
+        ("falcon_h1_norm", "bk", "per_layer"),
         ("qwen3_5", "bk", "flat"),
         ("qwen3_5", "ghost", "per_layer"),
         ("qwen3_5_moe", "bk", "per_layer"),

@@ -1,8 +1,8 @@
 """Per-example gradients of the mixers that scan over time with a state: Mamba's ``MambaMixer`` with its
 Falcon-Mamba and Jamba forms (Gu & Dao 2023, "Mamba", sec. 3.2 and Algorithm 2; Falcon-Mamba and Jamba add
 RMSNorms on the time step, B and C), Mamba-2's ``Mamba2Mixer`` with its copies in Bamba, Nemotron-H,
-Granite-hybrid and Zamba2 (Dao & Gu 2024, "Transformers are SSMs", sec. 7, the SSD layer), and Qwen3.5's
-gated delta net with its copies (Yang et al. 2025, "Gated Delta Networks", eq. 10).
+Granite-hybrid, Zamba2 and Falcon-H1 (Dao & Gu 2024, "Transformers are SSMs", sec. 7, the SSD layer), and
+Qwen3.5's gated delta net with its copies (Yang et al. 2025, "Gated Delta Networks", eq. 10).
 
 Each mixer reads its causal depthwise ``conv1d``'s weights itself (it passes them to a kernel), so its rule
 claims that submodule. The rules share one pattern: the mixer's own forward runs once more without recording,
@@ -35,7 +35,9 @@ of its modeling file: ``h_t = exp(delta_t A) h_{t-1} + delta_t x_t B_t^T``, ``y_
 ``delta = clamp(softplus(dt + dt_bias))``, per head), then ``norm(y, z)`` and ``out_proj``. The rule calls
 that same scan function with the per-example copies shaped (B, 1, heads), which its broadcasting takes as
 one parameter per example, checks its output against the norm's input in the module's run, and runs the
-norm's forward on it to reach ``out_proj``'s input.
+norm's forward on it to reach ``out_proj``'s input. Falcon-H1's mixer (``FalconH1Mixer.forward``) scales ``P``
+by its µP multipliers (the buffer ``mup_vector``) and, without its norm (``mamba_rms_norm`` false), gates the
+scan's output as ``y * silu(z)``; the rule follows both and checks at ``out_proj``'s input then.
 
 **Gated delta net** (Qwen3.5, Qwen3.5-MoE, Qwen4-exp, LaraMini: the same forward). It owns ``A_log`` and
 ``dt_bias`` (one per value head). ``(q, k, v) = act(conv1d(in_proj_qkv(x)))``,
@@ -77,6 +79,7 @@ MAMBA2_MIXERS = (
     f"{_HF}.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
     f"{_HF}.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
     f"{_HF}.zamba2.modeling_zamba2.Zamba2MambaMixer",
+    f"{_HF}.falcon_h1.modeling_falcon_h1.FalconH1Mixer",
 )
 DELTA_NETS = tuple(
     f"{_HF}.{family}.modeling_{family}.{name}GatedDeltaNet"
@@ -267,7 +270,9 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
     module's own scan on per-example copies (module docstring); ``dy`` (B, T, d_model) the gradient of the
     mixer's output. The scan computes in float32 whatever the mixer's dtype, as in the module."""
     hidden, args, kwargs, arguments = call
-    seen = _recorded(module, args, kwargs, {"P": ("in_proj", "output"), "y": ("norm", "input")})
+    normed = getattr(module, "mamba_rms_norm", True)  # Falcon-H1's may gate without its norm
+    taps = {"P": ("in_proj", "output"), "y": ("norm", "input") if normed else ("out_proj", "input")}
+    seen = _recorded(module, args, kwargs, taps)
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
     heads, head_dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
@@ -277,7 +282,8 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
         "dt_bias": _per_example(module.dt_bias, batch),
         **_conv_leaves(module.conv1d, batch),
     }
-    _, xbc, dt = seen["P"].to(dtype).split([module.intermediate_size, module.conv_dim, heads], dim=-1)
+    projected = seen["P"] * getattr(module, "mup_vector", 1.0)  # Falcon-H1's µP multipliers (a buffer)
+    z, xbc, dt = projected.to(dtype).split([module.intermediate_size, module.conv_dim, heads], dim=-1)
     scan = getattr(sys.modules[type(module).__module__], _SCAN)
     with torch.enable_grad():
         xbc = _convolved(module, xbc.transpose(1, 2), leaves, arguments.get("attention_mask"))
@@ -294,6 +300,10 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
             dt_softplus=True,
             dt_limit=module.time_step_limit,
         ).reshape(batch, length, -1)
+        if not normed:
+            out = y * F.silu(z)
+            _same(module, "out_proj's input", seen["y"][0], out)
+            return _grads(leaves, module, out, dy)
         recorded, gate = seen["y"]  # the norm's arguments: the scan's output and the gate
         _same(module, "the norm's input", recorded, y)
         out = module.norm.forward(y.to(recorded.dtype), gate)  # outside the model's hooks
