@@ -668,6 +668,35 @@ def qwen3_5() -> nn.Module:
     )  # fmt: skip
 
 
+def qwen3_next() -> nn.Module:
+    """Tiny random Qwen3-Next: a gated delta net whose fused ``in_proj_qkvz`` and ``in_proj_ba`` interleave
+    q, k, v, z and b, a per key head, with twice as many value heads as key heads, beside a full-attention
+    layer; sparse MoE blocks (4 experts, top 2, a gated shared expert)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    return _routed(
+        _decoder(
+            Qwen3NextConfig, Qwen3NextForCausalLM, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+            shared_expert_intermediate_size=12, use_cache=False,
+        )
+    )  # fmt: skip
+
+
+def olmo_hybrid() -> nn.Module:
+    """Tiny random OLMo-hybrid: a gated delta net with separate q, k, v, a, b and gate projections and
+    ``beta`` doubled (negative eigenvalues allowed), its norm ``o_norm`` and output ``o_proj``, beside a
+    full-attention layer."""
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+    return _decoder(
+        OlmoHybridConfig, OlmoHybridForCausalLM, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=3, linear_allow_neg_eigval=True, use_cache=False,
+    )  # fmt: skip
+
+
 def lfm2() -> nn.Module:
     """Tiny random LFM2: a short-convolution layer (no parameter of its own: it reads its ``conv``'s weight)
     and an attention layer."""

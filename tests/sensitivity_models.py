@@ -612,6 +612,7 @@ NEW_CASES = [
     "jamba",  # a router not renormalised beside a Mamba mixer (its selective-scan rule)
     "nemotron_h",  # experts without a gate behind a sigmoid router, beside a Mamba-2 mixer
     "falcon_h1",  # attention beside a Mamba-2 mixer with µP multipliers, gated without its norm
+    "qwen3_next",  # a gated delta net with q, k, v, z and b, a interleaved per key head, beside MoE blocks
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -647,6 +648,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "jamba",
         "nemotron_h",
         "falcon_h1",
+        "qwen3_next",
     ):
         builders = {
             "qwen2_moe": engine_models.qwen2_moe,
@@ -660,6 +662,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "jamba": engine_models.jamba,
             "nemotron_h": engine_models.nemotron_h,
             "falcon_h1": engine_models.falcon_h1,
+            "qwen3_next": engine_models.qwen3_next,
         }
         model = builders.get(name, engine_models.mixtral)()
         batch = engine_models._padded_text(size, 8, 40, gen)

@@ -1,11 +1,12 @@
-"""The state-space mixers' rules against the brute-force oracle: Mamba's selective scan (``MambaMixer``,
-Falcon-Mamba's and Jamba's forms: ``A_log``, ``D`` and the ``conv1d`` and ``dt_proj`` weights the mixer reads
-itself) and Mamba-2's (``Mamba2Mixer`` and its copies in Bamba, Nemotron-H, Granite-hybrid, Zamba2 and
-Falcon-H1: ``A_log``, ``D``, ``dt_bias`` and ``conv1d``). The ``mamba`` and ``mamba2`` cases of
-``test_engine_oracle`` run every strategy x clipping mode (padding, two micro-batches, float64), and those
-cases with ``jamba`` and ``nemotron_h`` in ``test_sensitivity`` the released sums; here the rules alone (the
-fallback must not be taken) on every form, in training mode and float32, frozen parameters, and the refusals
-of what the rules cannot recompute."""
+"""The state-space and delta-net mixers' rules against the brute-force oracle: Mamba's selective scan
+(``MambaMixer``, Falcon-Mamba's and Jamba's forms: ``A_log``, ``D`` and the ``conv1d`` and ``dt_proj`` weights
+the mixer reads itself), Mamba-2's (``Mamba2Mixer`` and its copies in Bamba, Nemotron-H, Granite-hybrid,
+Zamba2 and Falcon-H1: ``A_log``, ``D``, ``dt_bias`` and ``conv1d``) and the gated delta rule (Qwen3.5's,
+Qwen3-Next's and OLMo-hybrid's forms: ``A_log``, ``dt_bias`` and ``conv1d``). The ``mamba``, ``mamba2`` and
+``qwen3_5`` cases of ``test_engine_oracle`` run every strategy x clipping mode (padding, two micro-batches,
+float64), and those cases with ``jamba``, ``nemotron_h``, ``falcon_h1`` and ``qwen3_next`` in
+``test_sensitivity`` the released sums; here the rules alone (the fallback must not be taken) on every form,
+in training mode and float32, frozen parameters, and the refusals of what the rules cannot recompute."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ from tests.engine_models import (
     mamba,
     mamba2,
     nemotron_h,
+    olmo_hybrid,
     qwen3_5,
+    qwen3_next,
 )
 from tests.oracle import check_clipped_step
 
@@ -101,6 +104,8 @@ BUILDERS = {
     "falcon_h1_norm": lambda: falcon_h1(rms_norm=True),
     "qwen3_5": qwen3_5,
     "qwen3_5_moe": qwen3_5_moe_hybrid,
+    "qwen3_next": qwen3_next,
+    "olmo_hybrid": olmo_hybrid,
 }
 
 
@@ -147,6 +152,10 @@ def test_no_mixer_is_left_to_the_fallback(name):
         ("qwen3_5", "bk", "flat"),
         ("qwen3_5", "ghost", "per_layer"),
         ("qwen3_5_moe", "bk", "per_layer"),
+        ("qwen3_next", "bk", "flat"),
+        ("qwen3_next", "ghost", "per_layer"),
+        ("olmo_hybrid", "bk", "per_layer"),
+        ("olmo_hybrid", "instantiate", "flat"),
     ],
 )
 def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
@@ -247,3 +256,16 @@ def test_a_mamba2_mixer_without_its_scan_function_is_refused_at_construction(mon
     monkeypatch.delattr(modeling_mamba2, "mamba2_chunk_scan")
     with pytest.raises(ValueError, match=r"state-space-duality rule.*has no mamba2_chunk_scan function"):
         PrivacyEngine(mamba2(), batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_a_delta_net_of_an_unknown_form_is_refused_at_construction():
+    """The rule tells the form by its input projections (``DELTA_FORMS``): a net with none of them (here
+    Qwen3.5's fused projection renamed) is refused, naming the rule, not run on a guess."""
+    model = qwen3_5()
+    mixer = _mixers(model)[0]
+    mixer.qkv_proj = mixer.in_proj_qkv
+    del mixer.in_proj_qkv
+    with pytest.raises(
+        ValueError, match=r"gated-delta-rule rule.*none of the input projections the rule knows"
+    ):
+        PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0)

@@ -44,7 +44,11 @@ scan's output as ``y * silu(z)``; the rule follows both and checks at ``out_proj
 ``beta = sigmoid(in_proj_b(x))``, ``g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)``, then the module's
 own chunked delta rule (``torch_chunk_gated_delta_rule`` of its modeling file), its gated RMSNorm with
 ``in_proj_z(x)`` and ``out_proj``. The rule recomputes the convolution and ``g`` with the copies and calls the
-same function.
+same function. Two other forms differ only in where ``q, k, v``, ``a`` and ``b`` come from
+(:data:`DELTA_FORMS`): Qwen3-Next's fused ``in_proj_qkvz`` and ``in_proj_ba``, interleaved per key head and
+taken apart by the module's own ``fix_query_key_value_ordering``; OLMo-hybrid's separate projections, its
+``beta`` doubled where ``allow_neg_eigval`` (eigenvalues in [-1, 1]), its norm ``o_norm`` and output
+``o_proj``.
 
 Refused, with the cause: a key/value cache (a second run would extend it), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
@@ -56,6 +60,8 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,6 +94,8 @@ DELTA_NETS = tuple(
         ("qwen3_5_moe", "Qwen3_5Moe"),
         ("qwen4_exp", "Qwen4ExpText"),
         ("lara_mini", "LaraMini"),
+        ("qwen3_next", "Qwen3Next"),
+        ("olmo_hybrid", "OlmoHybrid"),
     )
 )
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")  # Falcon-Mamba's and Jamba's, on s, B and C
@@ -125,11 +133,19 @@ def _check(module: nn.Module) -> None:
     refuse(module, "selective-scan", "mixer", _refusal(module, {"A_log", "D"}, plain, NORMS), _FIX)
 
 
-def _check_calling(rule: str, own: set[str], function: str) -> CheckFn:
-    """The check of a rule that calls ``function`` of the mixer's modeling file and runs its ``norm``."""
+def _check_calling(
+    rule: str, own: set[str], function: str, parts: Callable[[nn.Module], tuple[str, str] | None]
+) -> CheckFn:
+    """The check of a rule that calls ``function`` of the mixer's modeling file and runs its norm; ``parts``
+    names the mixer's output projection and norm (None: a form the rule does not know)."""
 
     def check(module: nn.Module) -> None:
-        reason = _refusal(module, own, {"out_proj": nn.Linear, "conv1d": nn.Conv1d}, ("norm",))
+        named = parts(module)
+        if named is None:
+            reason = "it has none of the input projections the rule knows"
+        else:
+            out, norm = named
+            reason = _refusal(module, own, {out: nn.Linear, "conv1d": nn.Conv1d}, (norm,))
         if reason is None and not callable(getattr(sys.modules[type(module).__module__], function, None)):
             reason = f"its modeling file has no {function} function"
         refuse(module, rule, "mixer", reason, _FIX)
@@ -197,11 +213,11 @@ def _dtype(param: torch.Tensor) -> torch.dtype:
 
 
 def _grads(
-    leaves: dict[str, torch.Tensor], module: nn.Module, y: torch.Tensor, dy: torch.Tensor
+    leaves: dict[str, torch.Tensor], out: nn.Linear, y: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
-    """Every copy's gradient of ``<out_proj(y), dy>`` for ``out_proj``'s input ``y`` (B, T, d) computed from
-    the copies, in ``y``'s dtype; ``dy`` (B, T, d_model)."""
-    loss = (y * (dy.to(y.dtype) @ module.out_proj.weight.to(y.dtype))).sum()
+    """Every copy's gradient of ``<out(y), dy>`` for the output projection's input ``y`` (B, T, d) computed
+    from the copies, in ``y``'s dtype; ``dy`` (B, T, d_model)."""
+    loss = (y * (dy.to(y.dtype) @ out.weight.to(y.dtype))).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return {name: Dense(g.to(leaves[name].dtype)) for name, g in zip(leaves, grads, strict=True)}
 
@@ -256,12 +272,14 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
         y = torch.stack(outputs, dim=-1) + u.transpose(1, 2) * leaves["D"].float().to(dtype)[:, :, None]
         y = (y * F.silu(z)).transpose(1, 2)  # (B, T, d)
         _same(module, "out_proj's input", seen["y"][0], y)
-        return _grads(leaves, module, y, dy)
+        return _grads(leaves, module.out_proj, y, dy)
 
 
 @register_rule(
     *MAMBA2_MIXERS,
-    check=_check_calling("state-space-duality", {"A_log", "D", "dt_bias"}, _SCAN),
+    check=_check_calling(
+        "state-space-duality", {"A_log", "D", "dt_bias"}, _SCAN, lambda _: ("out_proj", "norm")
+    ),
     call=CallLayout(scan_inputs, first_output),
     claims=("conv1d",),
 )
@@ -303,32 +321,77 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
         if not normed:
             out = y * F.silu(z)
             _same(module, "out_proj's input", seen["y"][0], out)
-            return _grads(leaves, module, out, dy)
+            return _grads(leaves, module.out_proj, out, dy)
         recorded, gate = seen["y"]  # the norm's arguments: the scan's output and the gate
         _same(module, "the norm's input", recorded, y)
         out = module.norm.forward(y.to(recorded.dtype), gate)  # outside the model's hooks
-        return _grads(leaves, module, out.to(dtype), dy)
+        return _grads(leaves, module.out_proj, out.to(dtype), dy)
+
+
+@dataclass(frozen=True)
+class DeltaForm:
+    """Where one form of gated delta net takes its convolution's input and its gates from: the values ``taps``
+    names in its run (as for :func:`~dpexp.privacy.rules.rerun.rerun`), ``inputs(module, seen)`` ->
+    ``(qkv (B, T, 2 key_dim + value_dim), a (B, T, heads), beta (B, T, heads))``, and the names of its gated
+    norm and output projection."""
+
+    taps: dict[str, tuple[str, str]]
+    inputs: Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    norm: str = "norm"
+    out: str = "out_proj"
+
+
+def _fused_qkvz(module: nn.Module, seen: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's: q, k, v, z and b, a interleaved per key head, taken apart by the module's own method."""
+    batch, length = seen["qkvz"].shape[:2]
+    q, k, v, _, b, a = module.fix_query_key_value_ordering(seen["qkvz"], seen["ba"])
+    return torch.cat([t.reshape(batch, length, -1) for t in (q, k, v)], dim=-1), a, b.sigmoid()
+
+
+def _separate(module: nn.Module, seen: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """OLMo-hybrid's: one projection each, ``beta`` doubled where negative eigenvalues are allowed."""
+    beta = seen["b"].sigmoid() * (2.0 if module.allow_neg_eigval else 1.0)
+    return torch.cat([seen["q"], seen["k"], seen["v"]], dim=-1), seen["a"], beta
+
+
+DELTA_FORMS = {  # the input projection that tells the form -> the form
+    "in_proj_qkv": DeltaForm(
+        {"qkv": ("in_proj_qkv", "output"), "a": ("in_proj_a", "output"), "b": ("in_proj_b", "output")},
+        lambda _, seen: (seen["qkv"], seen["a"], seen["b"].sigmoid()),
+    ),
+    "in_proj_qkvz": DeltaForm(
+        {"qkvz": ("in_proj_qkvz", "output"), "ba": ("in_proj_ba", "output")}, _fused_qkvz
+    ),
+    "q_proj": DeltaForm(
+        {name: (f"{name}_proj", "output") for name in "qkvab"}, _separate, norm="o_norm", out="o_proj"
+    ),
+}
+
+
+def _delta_form(module: nn.Module) -> DeltaForm | None:
+    return next((form for name, form in DELTA_FORMS.items() if hasattr(module, name)), None)
+
+
+def _delta_parts(module: nn.Module) -> tuple[str, str] | None:
+    form = _delta_form(module)
+    return None if form is None else (form.out, form.norm)
 
 
 @register_rule(
     *DELTA_NETS,
-    check=_check_calling("gated-delta-rule", {"A_log", "dt_bias"}, _DELTA_RULE),
+    check=_check_calling("gated-delta-rule", {"A_log", "dt_bias"}, _DELTA_RULE, _delta_parts),
     call=CallLayout(scan_inputs, first_output),
     claims=("conv1d",),
 )
 def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``A_log``, ``dt_bias`` and ``conv1d.*`` of a gated delta net by the module's
-    own delta rule on the recomputed convolution and gates (module docstring); ``dy`` (B, T, d_model) the
-    gradient of the mixer's output. ``A_log`` passes through float32 and the gate's input ``a`` is float32,
-    as in the module."""
+    own delta rule on the recomputed convolution and gates (module docstring, :data:`DELTA_FORMS`); ``dy``
+    (B, T, d_model) the gradient of the mixer's output. ``A_log`` passes through float32 and the gate's input
+    ``a`` is float32, as in the module."""
     hidden, args, kwargs, _ = call  # the convolution's input comes masked
-    taps = {
-        "qkv": ("in_proj_qkv", "output"),
-        "a": ("in_proj_a", "output"),
-        "b": ("in_proj_b", "output"),
-        "norm": ("norm", "input"),
-    }
-    seen = _recorded(module, args, kwargs, taps)
+    form = _delta_form(module)
+    seen = _recorded(module, args, kwargs, form.taps | {"norm": (form.norm, "input")})
+    qkv, a, beta = form.inputs(module, seen)
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
     leaves = {
@@ -339,25 +402,23 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     rule = getattr(sys.modules[type(module).__module__], _DELTA_RULE)
     recorded, gate = seen["norm"]  # the norm's arguments: the delta rule's output and the gate, per head
     with torch.enable_grad():
-        qkv = _convolved(module, seen["qkv"].to(dtype).transpose(1, 2), leaves, None)
+        qkv = _convolved(module, qkv.to(dtype).transpose(1, 2), leaves, None)
         q, k, v = qkv.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        g = -leaves["A_log"].float().exp()[:, None] * F.softplus(
-            seen["a"].float() + leaves["dt_bias"][:, None]
-        )
+        g = -leaves["A_log"].float().exp()[:, None] * F.softplus(a.float() + leaves["dt_bias"][:, None])
         out, _ = rule(
             q.reshape(batch, length, -1, module.head_k_dim),
             k.reshape(batch, length, -1, module.head_k_dim),
             v.reshape(batch, length, -1, module.head_v_dim),
             g=g,
-            beta=seen["b"].sigmoid(),
+            beta=beta,
             initial_state=None,
             output_final_state=False,
             use_qk_l2norm_in_kernel=True,
         )
         out = out.reshape(-1, module.head_v_dim)
         _same(module, "the norm's input", recorded, out)
-        normed = module.norm.forward(out.to(recorded.dtype), gate).reshape(batch, length, -1)
-        return _grads(leaves, module, normed.to(dtype), dy)
+        normed = getattr(module, form.norm).forward(out.to(recorded.dtype), gate).reshape(batch, length, -1)
+        return _grads(leaves, getattr(module, form.out), normed.to(dtype), dy)
 
 
 def _same(module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor) -> None:
