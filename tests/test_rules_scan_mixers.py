@@ -2,11 +2,12 @@
 (``MambaMixer``, Falcon-Mamba's and Jamba's forms: ``A_log``, ``D`` and the ``conv1d`` and ``dt_proj`` weights
 the mixer reads itself), Mamba-2's (``Mamba2Mixer`` and its copies in Bamba, Nemotron-H, Granite-hybrid,
 Zamba2 and Falcon-H1: ``A_log``, ``D``, ``dt_bias`` and ``conv1d``) and the gated delta rule (Qwen3.5's,
-Qwen3-Next's and OLMo-hybrid's forms: ``A_log``, ``dt_bias`` and ``conv1d``). The ``mamba``, ``mamba2`` and
-``qwen3_5`` cases of ``test_engine_oracle`` run every strategy x clipping mode (padding, two micro-batches,
-float64), and those cases with ``jamba``, ``nemotron_h``, ``falcon_h1`` and ``qwen3_next`` in
-``test_sensitivity`` the released sums; here the rules alone (the fallback must not be taken) on every form,
-in training mode and float32, frozen parameters, and the refusals of what the rules cannot recompute."""
+Qwen3-Next's and OLMo-hybrid's forms: ``A_log``, ``dt_bias`` and ``conv1d``; Kimi Linear's delta attention:
+``conv1d``). The ``mamba``, ``mamba2`` and ``qwen3_5`` cases of ``test_engine_oracle`` run every strategy x
+clipping mode (padding, two micro-batches, float64), and those cases with ``jamba``, ``nemotron_h``,
+``falcon_h1`` and ``qwen3_next`` in ``test_sensitivity`` the released sums; here the rules alone (the fallback
+must not be taken) on every form, in training mode and float32, frozen parameters, and the refusals of what
+the rules cannot recompute."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.engine_models import (
     falcon_h1,
     falcon_mamba,
     jamba,
+    kimi_linear,
     lm_loss,
     mamba,
     mamba2,
@@ -166,6 +168,19 @@ def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")  # the mixers must not take it
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:.*KimiLinearForgetGate.*fallback")
+@pytest.mark.parametrize(
+    "strategy,clipping", [("bk", "flat"), ("ghost", "per_layer"), ("instantiate", "per_layer")]
+)
+def test_kimi_delta_attention_matches_oracle_with_only_its_forget_gate_on_the_fallback(strategy, clipping):
+    """Kimi Linear's attention takes its rule for the convolution; the forget gate (``A_log``, ``dt_bias``)
+    is a layer of its own, left to the fallback, whose recorded output the rule takes as given."""
+    model = kimi_linear().train()
+    gate = "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearForgetGate"
+    assert unsupported_modules(model) == {gate: ["A_log", "dt_bias"]}
+    check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
 @pytest.mark.parametrize("build", [mamba, mamba2, qwen3_5])

@@ -50,6 +50,11 @@ taken apart by the module's own ``fix_query_key_value_ordering``; OLMo-hybrid's 
 ``beta`` doubled where ``allow_neg_eigval`` (eigenvalues in [-1, 1]), its norm ``o_norm`` and output
 ``o_proj``.
 
+**Kimi Linear's delta attention** (Kimi Team 2025, "Kimi Linear", the Kimi Delta Attention) decays per
+channel, not per head: ``g`` comes from its ``forget_gate``, a layer of its own that owns ``A_log`` and
+``dt_bias`` (the fallback's, exact), so the attention's rule has only the convolution to take, through the
+module's own ``chunk_kimi_delta_attention`` with ``g`` and ``beta`` as recorded.
+
 Refused, with the cause: a key/value cache (a second run would extend it), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
 ``out_proj`` (the rule reads their weights), norms with submodules, trainable parameters the rule does not
@@ -101,6 +106,8 @@ DELTA_NETS = tuple(
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")  # Falcon-Mamba's and Jamba's, on s, B and C
 _SCAN = "mamba2_chunk_scan"  # the chunked SSD scan of each Mamba-2 modeling file
 _DELTA_RULE = "torch_chunk_gated_delta_rule"  # the chunked gated delta rule of each Qwen3.5-form file
+_KIMI = f"{_HF}.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention"
+_KIMI_RULE = "chunk_kimi_delta_attention"  # its chunked delta rule with a decay per channel
 _FIX = "Otherwise freeze the mixer's own parameters and its conv1d (and dt_proj) (requires_grad=False)."
 
 
@@ -419,6 +426,45 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
         _same(module, "the norm's input", recorded, out)
         normed = getattr(module, form.norm).forward(out.to(recorded.dtype), gate).reshape(batch, length, -1)
         return _grads(leaves, getattr(module, form.out), normed.to(dtype), dy)
+
+
+@register_rule(
+    _KIMI,
+    check=_check_calling("kimi-delta-attention", set(), _KIMI_RULE, lambda _: ("o_proj", "o_norm")),
+    call=CallLayout(scan_inputs, first_output),
+    claims=("conv1d",),
+)
+def kimi_delta_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``conv1d.*`` of Kimi Linear's delta attention: the convolution recomputed with
+    the copies, then the module's own ``chunk_kimi_delta_attention`` with the forget gate's and ``b_proj``'s
+    recorded outputs (layers of their own, constants here), its gated norm and ``o_proj``; ``dy``
+    (B, T, d_model) the gradient of its output."""
+    hidden, args, kwargs, _ = call  # the convolution's input comes masked
+    taps = {name: (f"{name}_proj", "output") for name in "qkvb"}
+    taps |= {"g": ("forget_gate", "output"), "norm": ("o_norm", "input")}
+    seen = _recorded(module, args, kwargs, taps)
+    batch, length = hidden.shape[:2]
+    dtype = _dtype(module.conv1d.weight)
+    leaves = _conv_leaves(module.conv1d, batch)
+    attend = getattr(sys.modules[type(module).__module__], _KIMI_RULE)
+    recorded, gate = seen["norm"]  # the norm's arguments: the attention's output and the gate, per head
+    qkv = torch.cat([seen["q"], seen["k"], seen["v"]], dim=-1).to(dtype)
+    with torch.enable_grad():
+        qkv = _convolved(module, qkv.transpose(1, 2), leaves, None)
+        q, k, v = (t.reshape(batch, length, -1, module.head_dim) for t in qkv.split(module.qkv_dim, dim=-1))
+        out, _ = attend(
+            q,
+            k,
+            v,
+            g=seen["g"],
+            beta=seen["b"].sigmoid(),
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+        )
+        _same(module, "the norm's input", recorded, out)
+        normed = module.o_norm.forward(out.to(recorded.dtype), gate).reshape(batch, length, -1)
+        return _grads(leaves, module.o_proj, normed.to(dtype), dy)
 
 
 def _same(module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor) -> None:
