@@ -340,7 +340,11 @@ class Capture:
         for owner, table in shared_weights(model):  # the weight becomes shared where the owner passes it
             hook = partial(self._shared_weight_passed, by_module.get(id(table)), table.weight)
             self._handles += [m.register_forward_pre_hook(hook, with_kwargs=True) for m in owner.modules()]
+        self._kept: dict[int, dict[str, list[Any]]] = {}  # id(module) -> its keeps' values in its call
         for layer in layers:
+            keeps = layer.rule.call.keeps if layer.rule is not None and layer.rule.call is not None else None
+            if keeps is not None:
+                self._handles += self._keeping(layer.module, keeps(layer.module))
             tap = layer.rule.tap if layer.rule is not None else None
             if tap is None:
                 # first of the module's hooks: the others (Hugging Face's output recorders) and the caller
@@ -362,6 +366,30 @@ class Capture:
 
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and not self._recomputing
+
+    def _keeping(self, module: nn.Module, taps: dict[str, tuple[str, str]]) -> list[Any]:
+        """Hooks that keep, in every recorded call of ``module``, what its submodules named in ``taps``
+        receive or return (:class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``)."""
+        kept = self._kept[id(module)] = {key: [] for key in taps}
+
+        def start(_: nn.Module, __: tuple) -> None:
+            if self._recording():
+                for values in kept.values():
+                    values.clear()
+
+        def keep(key: str, value: Any) -> None:
+            if self._recording():
+                kept[key].append(value)
+
+        handles = [module.register_forward_pre_hook(start)]
+        for key, (name, where) in taps.items():
+            submodule = module.get_submodule(name)
+            handles.append(
+                submodule.register_forward_pre_hook(lambda _, args, key=key: keep(key, args))
+                if where == "input"
+                else submodule.register_forward_hook(lambda _, __, out, key=key: keep(key, out))
+            )
+        return handles
 
     @contextmanager
     def replaying(self, on_use: Callable[[Use], None]) -> Iterator[None]:
@@ -493,6 +521,8 @@ class Capture:
             inputs = layout.inputs(layer.module, args, kwargs)
         except ValueError as error:
             raise ValueError(f"layer {layer.name!r} ({type(layer.module).__name__}): {error}") from None
+        if layout.keeps is not None:  # this call's values (the lists are refilled by the next call)
+            inputs = (*inputs, {key: list(values) for key, values in self._kept[id(layer.module)].items()})
         use = Use(layer, inputs, {}, _versions(inputs, {}))
         self._append(use)
         if self._replayed is not None:

@@ -57,11 +57,18 @@ class CallLayout:
     rule whose main input arrives flattened to (b*T, ...), the engine folds these entries to (b, T, ...)
     with it, on the strength of the same probe (:class:`LayerRule`); the layout refuses a call whose
     entries do not share the main input's leading size.
+
+    ``keeps(module)`` names values of the module's submodules the rule needs from the call itself
+    (key -> (submodule name, "input" or "output"); an input is the submodule's argument tuple): the capture
+    keeps what they receive or return during the module's training call, and the tuple gains a last entry,
+    ``{key: [value of each call of that submodule in this call]}``. A rule that recomputes part of a module
+    from them (:mod:`dpexp.privacy.rules.scan_mixers`) then needs no second run of the module.
     """
 
     inputs: Callable[[nn.Module, tuple, dict[str, Any]], tuple]
     output_grad: Callable[[nn.Module, list[torch.Tensor | None]], torch.Tensor]
     rows: tuple[int, ...] = (0,)
+    keeps: Callable[[nn.Module], dict[str, tuple[str, str]]] | None = None
 
 
 @dataclass(frozen=True)

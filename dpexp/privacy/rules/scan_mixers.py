@@ -5,11 +5,12 @@ Granite-hybrid, Zamba2 and Falcon-H1 (Dao & Gu 2024, "Transformers are SSMs", se
 Qwen3.5's gated delta net with its copies (Yang et al. 2025, "Gated Delta Networks", eq. 10).
 
 Each mixer reads its causal depthwise ``conv1d``'s weights itself (it passes them to a kernel), so its rule
-claims that submodule. The rules share one pattern: the mixer's own forward runs once more without recording,
-with hooks that read what enters and leaves its submodules; the rule computes the mixer's output again from
-there with one copy of each parameter per example, checks it against the module's (a module whose forward
-differs is refused, not approximated), and takes every copy's gradient of ``<output, dy>`` in one batched
-backward: example i's copy only enters example i's output.
+claims that submodule. The rules share one pattern: the capture keeps what enters and leaves the mixer's
+submodules during its training call (:class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``, each submodule
+called once); the rule computes the mixer's output again from there with one copy of each parameter per
+example, checks it against the module's (a module whose forward differs is refused, not approximated), and
+takes every copy's gradient of ``<output, dy>`` in one batched backward: example i's copy only enters example
+i's output.
 
 **Mamba.** The mixer owns ``A_log`` (d, n) and ``D`` (d,) and reads its depthwise causal ``conv1d``'s and its
 ``dt_proj``'s weights itself (it passes them to the scan's kernels), so the rule claims those two
@@ -22,7 +23,7 @@ with ``P = in_proj(x)`` split into the scan's input ``p`` and its gate ``z`` (ea
     h_t = exp(delta_t A) * h_{t-1} + delta_t B_t u_t,   A = -exp(A_log),  h_0 = 0      (Algorithm 2)
     y_t = (<h_t, C_t> + D u_t) * silu(z_t),        the input of out_proj
 
-The rule reads ``P``, ``u`` and ``y`` in the module's run, computes ``u`` and ``y`` again from ``P`` (the
+The rule reads ``P``, ``u`` and ``y`` in the module's call, computes ``u`` and ``y`` again from ``P`` (the
 scan written out: it has no function a per-example ``A`` could pass through) and takes the copies' gradients
 of ``sum_t <y_t, dy_t W_out>``. Its time loop keeps one state per step, so its backward is linear in T (the
 reference scan's indexing makes the module's own backward quadratic in T).
@@ -34,7 +35,7 @@ weights (claimed); ``in_proj``, the gated RMSNorm ``norm`` and ``out_proj`` are 
 of its modeling file: ``h_t = exp(delta_t A) h_{t-1} + delta_t x_t B_t^T``, ``y_t = h_t C_t + D x_t``,
 ``delta = clamp(softplus(dt + dt_bias))``, per head), then ``norm(y, z)`` and ``out_proj``. The rule calls
 that same scan function with the per-example copies shaped (B, 1, heads), which its broadcasting takes as
-one parameter per example, checks its output against the norm's input in the module's run, and runs the
+one parameter per example, checks its output against the norm's input in the module's call, and runs the
 norm's forward on it to reach ``out_proj``'s input. Falcon-H1's mixer (``FalconH1Mixer.forward``) scales ``P``
 by its µP multipliers (the buffer ``mup_vector``) and, without its norm (``mamba_rms_norm`` false), gates the
 scan's output as ``y * silu(z)``; the rule follows both and checks at ``out_proj``'s input then.
@@ -55,7 +56,7 @@ channel, not per head: ``g`` comes from its ``forget_gate``, a layer of its own 
 ``dt_bias`` (the fallback's, exact), so the attention's rule has only the convolution to take, through the
 module's own ``chunk_kimi_delta_attention`` with ``g`` and ``beta`` as recorded.
 
-Refused, with the cause: a key/value cache (a second run would extend it), the fused kernels' path
+Refused, with the cause: a key/value cache (the recomputation starts from no state), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
 ``out_proj`` (the rule reads their weights), norms with submodules, trainable parameters the rule does not
 know, a forward the recomputation does not reproduce.
@@ -76,7 +77,7 @@ from torch import nn
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, CheckFn, first_output, refuse, register_rule
 from dpexp.privacy.rules.functional import reproduces
-from dpexp.privacy.rules.rerun import rerun
+from dpexp.privacy.rules.submodule_values import once
 
 _HF = "transformers.models"
 MIXERS = (
@@ -161,26 +162,24 @@ def _check_calling(
 
 
 def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(hidden_states (B, T, d_model), args, kwargs, arguments)``: the main input, the call as given (the
-    rule runs it again) and its arguments by name (where the rule finds the padding mask: a tensor of the
-    tuple would count as an input of the verified path, which would then differ between micro-batches with
-    and without padding); a call with a cache is refused (the second run would extend it)."""
+    """``(hidden_states (B, T, d_model), arguments)``: the main input and the call's arguments by name (where
+    the rule finds the padding mask: a tensor of the tuple would count as an input of the verified path,
+    which would then differ between micro-batches with and without padding); the capture appends the values
+    the rule keeps (``keeps``). A call with a cache is refused (the rule recomputes from no state)."""
     call = inspect.signature(module.forward).bind(*args, **kwargs)
     if any(call.arguments.get(name) is not None for name in ("cache", "cache_params")):
         raise ValueError(
-            f"{type(module).__name__} was given a cache, which the rule's second run of the mixer would "
-            "extend; call the model with use_cache=False in training, or freeze the mixer's own parameters "
-            "and its conv1d"
+            f"{type(module).__name__} was given a cache, which the rule's recomputation of the mixer cannot "
+            "start from; call the model with use_cache=False in training, or freeze the mixer's own "
+            "parameters and its conv1d"
         )
-    return call.arguments["hidden_states"], args, kwargs, call.arguments
+    return call.arguments["hidden_states"], call.arguments
 
 
-def _recorded(
-    module: nn.Module, args: tuple, kwargs: dict[str, Any], taps: dict[str, tuple[str, str]]
-) -> dict:
-    """The values ``taps`` names in the mixer's second run (``rerun``)."""
+def _kept(module: nn.Module, kept: dict[str, list[Any]], taps: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """The values of ``taps`` the capture kept in the mixer's call, each submodule called once."""
     why = "the fused kernels of mamba_ssm skip them in training: uninstall them for private training."
-    return rerun(module, args, kwargs, taps, f"{why} {_FIX}")[1]
+    return once(module, kept, taps, f"{why} {_FIX}")
 
 
 def _per_example(param: torch.Tensor, batch: int) -> torch.Tensor:
@@ -229,17 +228,23 @@ def _grads(
     return {name: Dense(g.to(leaves[name].dtype)) for name, g in zip(leaves, grads, strict=True)}
 
 
+def _selective_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
+    taps = {"P": ("in_proj", "output"), "u": ("x_proj", "input"), "y": ("out_proj", "input")}
+    return taps | {name: (name, "output") for name in NORMS if hasattr(module, name)}  # counted only
+
+
 @register_rule(
-    *MIXERS, check=_check, call=CallLayout(scan_inputs, first_output), claims=("conv1d", "dt_proj")
+    *MIXERS,
+    check=_check,
+    call=CallLayout(scan_inputs, first_output, keeps=_selective_keeps),
+    claims=("conv1d", "dt_proj"),
 )
 def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``A_log``, ``D``, ``conv1d.*`` and ``dt_proj.*`` of a Mamba mixer by the
     recomputation of the module docstring; ``dy`` (B, T, d_model) the gradient of the mixer's output.
     ``A_log``, ``D`` and ``dt_proj``'s bias pass through float32 as in the module."""
-    hidden, args, kwargs, arguments = call
-    taps = {"P": ("in_proj", "output"), "u": ("x_proj", "input"), "y": ("out_proj", "input")}
-    taps |= {name: (name, "output") for name in NORMS if hasattr(module, name)}  # counted only
-    seen = _recorded(module, args, kwargs, taps)
+    hidden, arguments, kept = call
+    seen = _kept(module, kept, _selective_keeps(module))
     batch = hidden.shape[0]
     dtype = _dtype(module.A_log)
     dt_proj = module.dt_proj
@@ -282,22 +287,27 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
         return _grads(leaves, module.out_proj, y, dy)
 
 
+def _ssd_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
+    normed = getattr(module, "mamba_rms_norm", True)  # Falcon-H1's may gate without its norm
+    return {"P": ("in_proj", "output"), "y": ("norm", "input") if normed else ("out_proj", "input")}
+
+
 @register_rule(
     *MAMBA2_MIXERS,
     check=_check_calling(
         "state-space-duality", {"A_log", "D", "dt_bias"}, _SCAN, lambda _: ("out_proj", "norm")
     ),
-    call=CallLayout(scan_inputs, first_output),
+    call=CallLayout(scan_inputs, first_output, keeps=_ssd_keeps),
     claims=("conv1d",),
 )
 def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``A_log``, ``D``, ``dt_bias`` and ``conv1d.*`` of a Mamba-2 mixer by the
     module's own scan on per-example copies (module docstring); ``dy`` (B, T, d_model) the gradient of the
     mixer's output. The scan computes in float32 whatever the mixer's dtype, as in the module."""
-    hidden, args, kwargs, arguments = call
-    normed = getattr(module, "mamba_rms_norm", True)  # Falcon-H1's may gate without its norm
-    taps = {"P": ("in_proj", "output"), "y": ("norm", "input") if normed else ("out_proj", "input")}
-    seen = _recorded(module, args, kwargs, taps)
+    hidden, arguments, kept = call
+    taps = _ssd_keeps(module)
+    seen = _kept(module, kept, taps)
+    normed = taps["y"][0] == "norm"
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
     heads, head_dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
@@ -338,9 +348,9 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
 @dataclass(frozen=True)
 class DeltaForm:
     """Where one form of gated delta net takes its convolution's input and its gates from: the values ``taps``
-    names in its run (as for :func:`~dpexp.privacy.rules.rerun.rerun`), ``inputs(module, seen)`` ->
-    ``(qkv (B, T, 2 key_dim + value_dim), a (B, T, heads), beta (B, T, heads))``, and the names of its gated
-    norm and output projection."""
+    names in its call (kept as :class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``), ``inputs(module, seen)``
+    -> ``(qkv (B, T, 2 key_dim + value_dim), a (B, T, heads), beta (B, T, heads))``, and the names of its
+    gated norm and output projection."""
 
     taps: dict[str, tuple[str, str]]
     inputs: Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -379,6 +389,11 @@ def _delta_form(module: nn.Module) -> DeltaForm | None:
     return next((form for name, form in DELTA_FORMS.items() if hasattr(module, name)), None)
 
 
+def _delta_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
+    form = _delta_form(module)  # None: refused by the check
+    return {} if form is None else form.taps | {"norm": (form.norm, "input")}
+
+
 def _delta_parts(module: nn.Module) -> tuple[str, str] | None:
     form = _delta_form(module)
     return None if form is None else (form.out, form.norm)
@@ -387,7 +402,7 @@ def _delta_parts(module: nn.Module) -> tuple[str, str] | None:
 @register_rule(
     *DELTA_NETS,
     check=_check_calling("gated-delta-rule", {"A_log", "dt_bias"}, _DELTA_RULE, _delta_parts),
-    call=CallLayout(scan_inputs, first_output),
+    call=CallLayout(scan_inputs, first_output, keeps=_delta_keeps),
     claims=("conv1d",),
 )
 def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
@@ -395,9 +410,9 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     own delta rule on the recomputed convolution and gates (module docstring, :data:`DELTA_FORMS`); ``dy``
     (B, T, d_model) the gradient of the mixer's output. ``A_log`` passes through float32 and the gate's input
     ``a`` is float32, as in the module."""
-    hidden, args, kwargs, _ = call  # the convolution's input comes masked
+    hidden, _, kept = call  # the convolution's input comes masked
     form = _delta_form(module)
-    seen = _recorded(module, args, kwargs, form.taps | {"norm": (form.norm, "input")})
+    seen = _kept(module, kept, _delta_keeps(module))
     qkv, a, beta = form.inputs(module, seen)
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
@@ -428,10 +443,15 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
         return _grads(leaves, getattr(module, form.out), normed.to(dtype), dy)
 
 
+def _kimi_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
+    taps = {name: (f"{name}_proj", "output") for name in "qkvb"}
+    return taps | {"g": ("forget_gate", "output"), "norm": ("o_norm", "input")}
+
+
 @register_rule(
     _KIMI,
     check=_check_calling("kimi-delta-attention", set(), _KIMI_RULE, lambda _: ("o_proj", "o_norm")),
-    call=CallLayout(scan_inputs, first_output),
+    call=CallLayout(scan_inputs, first_output, keeps=_kimi_keeps),
     claims=("conv1d",),
 )
 def kimi_delta_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
@@ -439,10 +459,8 @@ def kimi_delta_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     the copies, then the module's own ``chunk_kimi_delta_attention`` with the forget gate's and ``b_proj``'s
     recorded outputs (layers of their own, constants here), its gated norm and ``o_proj``; ``dy``
     (B, T, d_model) the gradient of its output."""
-    hidden, args, kwargs, _ = call  # the convolution's input comes masked
-    taps = {name: (f"{name}_proj", "output") for name in "qkvb"}
-    taps |= {"g": ("forget_gate", "output"), "norm": ("o_norm", "input")}
-    seen = _recorded(module, args, kwargs, taps)
+    hidden, _, kept = call  # the convolution's input comes masked
+    seen = _kept(module, kept, _kimi_keeps(module))
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.conv1d.weight)
     leaves = _conv_leaves(module.conv1d, batch)

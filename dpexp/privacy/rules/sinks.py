@@ -29,7 +29,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
-from dpexp.privacy.rules.rerun import rerun
+from dpexp.privacy.rules.submodule_values import rerun
 from dpexp.privacy.rules.window_attention import attention_output_grad, wrapped_o_proj
 
 _GPT_OSS = "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention"
