@@ -712,6 +712,21 @@ def kimi_linear() -> nn.Module:
     return KimiLinearForCausalLM(config).double().eval()
 
 
+def zamba() -> nn.Module:
+    """Tiny random Zamba (v1): a Mamba layer whose mixer (``A_log``, ``D``, its time-step and input
+    projections as parameters of its own, per head) reads its convolution's weight and has no rule (the
+    exact fallback, with ``register_reads``), then two hybrid layers sharing one attention block."""
+    from transformers import ZambaConfig, ZambaForCausalLM
+
+    config = ZambaConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],
+        mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, n_mamba_heads=2, num_attention_heads=2,
+        num_key_value_heads=2, attention_hidden_size=32, intermediate_size=32, pad_token_id=1,
+        use_cache=False, use_mamba_kernels=False,
+    )  # fmt: skip
+    return ZambaForCausalLM(config).double().eval()
+
+
 def lfm2() -> nn.Module:
     """Tiny random LFM2: a short-convolution layer (no parameter of its own: it reads its ``conv``'s weight)
     and an attention layer."""

@@ -393,7 +393,7 @@ def test_fallback_suite_models_have_exactly_the_named_rule_less_modules() -> Non
         "hf_swinv2": set(),  # Hugging Face Swinv2SelfAttention has a rule now: the entry measures it
         "mamba": set(),  # MambaMixer: a rule since stop 49 (on the fallback with its reads in stops 47-48)
         "qwen3_5": set(),  # Qwen3_5GatedDeltaNet: a rule since stop 49 (the fallback in stops 47-48)
-        "lfm2": {"Lfm2ShortConv"},  # the conv weight it reads (stop 47)
+        "lfm2": set(),  # Lfm2ShortConv: a rule since stop 50 (the fallback with its conv's reads in 47-49)
         "jamba": set(),  # router (stop 47) and Mamba mixer (stop 49) have rules, its experts are Mixtral's
         "nemotron_h": set(),  # its ungated experts (stop 47) and Mamba-2 mixer (stop 49) have rules
         "falcon_h1": set(),  # FalconH1Mixer: a rule since stop 50 (the fallback in stops 47-49)

@@ -755,11 +755,11 @@ def test_a_tuple_output_without_a_row_per_example_that_reaches_the_loss_is_refus
 
 
 def test_the_fallback_refuses_a_key_value_cache():
-    """Its recomputation would extend the cache: the fix (use_cache=False) is named. LFM2's short convolution
-    has no rule and is passed the cache."""
-    from tests.engine_models import _padded_text, lfm2
+    """Its recomputation would extend the cache: the fix (use_cache=False) is named. Zamba's mixer has no
+    rule and is passed the cache."""
+    from tests.engine_models import _padded_text, zamba
 
-    model = lfm2()
+    model = zamba()
     model.config.use_cache = True
     engine = _engine(model)
     batch = _padded_text(4, 6, 40, torch.Generator().manual_seed(0))
@@ -767,7 +767,7 @@ def test_the_fallback_refuses_a_key_value_cache():
     losses = F.cross_entropy(
         logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten(), reduction="none"
     )
-    with pytest.raises(RuntimeError, match=r"Lfm2ShortConv.*DynamicCache.*use_cache=False"):
+    with pytest.raises(RuntimeError, match=r"ZambaMambaMixer.*Cache.*use_cache=False"):
         engine.backward(losses.view(4, -1).sum(1))
 
 

@@ -262,6 +262,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     recurrent,
     rms_norm,
     scan_mixers,
+    short_conv,
     sinks,
     vision_tokens,
     window_attention,

@@ -97,6 +97,7 @@ ELEMENTWISE = {  # activations acting on each value alone (their derivative is t
     f"torch.nn.modules.activation.{name}"
     for name in ("SiLU", "GELU", "ReLU", "ReLU6", "LeakyReLU", "Tanh", "Sigmoid", "Hardswish", "Mish")
 }
+ELEMENTWISE_FUNCTIONS = (F.silu, F.gelu, F.relu, F.mish, torch.tanh, torch.sigmoid)  # LFM2-MoE: F.silu
 IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")  # None: the module's own (eager) forward
 GROUPED_LAYOUT = {  # grouped_mm / batched_mm compute the eager forward's function on this layout (the rule
     # follows is_transposed, has_bias and the class's _apply_gate, which they read too)
@@ -170,10 +171,16 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
             "Freeze the experts.",
         )
     act = module.act_fn
-    if _qualified(act) not in ELEMENTWISE or any(True for _ in act.parameters()):
+    if isinstance(act, nn.Module):
+        known = _qualified(act) in ELEMENTWISE and not any(True for _ in act.parameters())
+    else:  # a function: known by identity
+        known = any(act is function for function in ELEMENTWISE_FUNCTIONS)
+    if not known:
+        name = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
+        known_names = [n.rsplit(".", 1)[1] for n in ELEMENTWISE] + [f.__name__ for f in ELEMENTWISE_FUNCTIONS]
         return (
-            f"its activation {type(act).__name__} is not one it knows to act elementwise",
-            f"Use one of {sorted(name.rsplit('.', 1)[1] for name in ELEMENTWISE)}, or freeze the experts.",
+            f"its activation {name} is not one it knows to act elementwise",
+            f"Use one of {sorted(known_names)}, or freeze the experts.",
         )
     return None
 

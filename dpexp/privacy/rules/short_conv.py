@@ -1,0 +1,98 @@
+"""Per-example gradients of LFM2's gated short convolution (``Lfm2ShortConv``, the same forward in LFM2-MoE's
+and LFM3's; their Hugging Face modeling files' ``forward``). The block owns no parameter; it reads its
+depthwise causal ``conv``'s weight and bias itself (it passes them to ``causal_conv1d_fn``), so the rule
+claims that submodule. ``in_proj`` and ``out_proj`` are layers of their own. For one example, with
+``(B, C, x) = in_proj(h)`` split in three along the features (each (d, T)):
+
+    u = B * x,    v = conv(u)    (causal depthwise, kernel k),    y = C * v,    output = out_proj(y)
+
+so with ``g = dy W_out`` the gradient at ``y``, the convolution's output gradient is ``dv = C * g`` and
+
+    dW[c, j] = sum_t dv[c, t] u[c, t + j - (k - 1)],    db[c] = sum_t dv[c, t]
+
+(``u`` zero before the first position). The capture keeps ``in_proj``'s output and ``out_proj``'s input in
+the block's training call (:class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``); the rule recomputes ``y``
+from them and refuses a block whose forward it does not reproduce (another gating, an activation), a cache,
+and a wrapped ``conv`` or ``out_proj`` (their weights are read).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy.per_example import Dense, PerExampleGrad
+from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
+from dpexp.privacy.rules.functional import reproduces
+from dpexp.privacy.rules.submodule_values import once
+
+_HF = "transformers.models"
+SHORT_CONVS = (
+    f"{_HF}.lfm2.modeling_lfm2.Lfm2ShortConv",
+    f"{_HF}.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
+    f"{_HF}.lfm3.modeling_lfm3.Lfm3ShortConv",
+)
+_FIX = "Otherwise freeze its conv (requires_grad=False)."
+_KEEPS = {"P": ("in_proj", "output"), "y": ("out_proj", "input")}
+
+
+def _check(module: nn.Module) -> None:
+    own = sorted(name for name, p in module.named_parameters(recurse=False) if p.requires_grad)
+    wrapped = [
+        f"{name} is a {type(getattr(module, name, None)).__name__}"
+        for name, kind in (("conv", nn.Conv1d), ("out_proj", nn.Linear))
+        if type(getattr(module, name, None)) is not kind
+    ]
+    reason = f"{', '.join(wrapped)}, not the plain module whose weights the rule reads" if wrapped else None
+    if own:
+        reason = f"it owns parameters {own} the rule does not know"
+    refuse(module, "short-convolution", "block", reason, _FIX)
+
+
+def short_conv_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(hidden_states (B, T, d),)``, to which the capture appends the kept values; a call with a cache is
+    refused (the rule's convolution starts from no state)."""
+    call = inspect.signature(module.forward).bind(*args, **kwargs)
+    if any(call.arguments.get(name) is not None for name in ("cache", "past_key_values")):
+        raise ValueError(
+            f"{type(module).__name__} was given a cache, from which the rule's convolution does not start; "
+            "call the model with use_cache=False in training, or freeze its conv"
+        )
+    return (call.arguments["hidden_states"],)
+
+
+@register_rule(
+    *SHORT_CONVS,
+    check=_check,
+    call=CallLayout(short_conv_inputs, first_output, keeps=lambda _: _KEEPS),
+    claims=("conv",),
+)
+def short_conv_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """``conv.weight`` (B, d, 1, k) and ``conv.bias`` (B, d) per example by the formula of the module
+    docstring; ``dy`` (B, T, d) the gradient of the block's output."""
+    _, kept = call
+    seen = once(module, kept, _KEEPS, f"register a rule for its type. {_FIX}")
+    conv = module.conv
+    kernel = conv.kernel_size[0]
+    with torch.no_grad():
+        b, c, x = seen["P"].transpose(1, 2).chunk(3, dim=1)  # (B, d, T) each
+        u = b * x
+        length = u.shape[-1]
+        v = F.conv1d(u, conv.weight, conv.bias, padding=kernel - 1, groups=u.shape[1])[..., :length]
+        recorded = seen["y"][0]  # out_proj's input (B, T, d)
+        if not reproduces(recorded, (c * v).transpose(1, 2)):
+            raise RuntimeError(
+                f"{type(module).__name__}: the rule's recomputation of out_proj's input does not reproduce "
+                "the block's (its forward differs from the gated short convolution the rule follows); "
+                f"register a rule for its type (dpexp.privacy.rules.register_rule). {_FIX}"
+            )
+        dv = c * (dy.to(recorded.dtype) @ module.out_proj.weight).transpose(1, 2)  # (B, d, T)
+        patches = F.pad(u, (kernel - 1, 0)).unfold(-1, kernel, 1)  # (B, d, T, k): u[t + j - (k - 1)]
+        grads = {"conv.weight": Dense(torch.einsum("bct,bctj->bcj", dv, patches).unsqueeze(2))}
+        if conv.bias is not None:
+            grads["conv.bias"] = Dense(dv.sum(-1))
+    return grads
