@@ -163,3 +163,43 @@ def test_deberta_takes_rules_for_its_layer_norms_and_attentions_own_biases():
     attention = model.deberta.encoder.layer[0].attention.self
     assert rule_for(attention).per_example_grads is projection_bias.projection_bias_grads
     assert unsupported_modules(model) == {}
+
+
+def xlstm(use_bias: bool) -> nn.Module:
+    """Tiny random xLSTM (Hugging Face): its RMSNorms and its multi-head LayerNorm (each head's features
+    normalised, then one affine over all heads), with biases where ``use_bias``."""
+    from transformers import xLSTMConfig, xLSTMForCausalLM
+
+    config = xLSTMConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_heads=2,
+        use_bias=use_bias,
+        pad_token_id=1,
+        use_cache=False,
+    )
+    return xLSTMForCausalLM(config).double()
+
+
+@pytest.mark.parametrize(
+    "use_bias,strategy,clipping",
+    [(False, "bk", "flat"), (True, "ghost", "flat"), (True, "instantiate", "flat")],
+)
+def test_xlstm_norms_match_oracle_without_the_fallback(use_bias, strategy, clipping):
+    from dpexp.privacy.capture import unsupported_modules
+    from tests.engine_models import _padded_text, lm_loss
+    from tests.oracle import check_clipped_step
+
+    torch.manual_seed(0)
+    model = xlstm(use_bias)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))  # away from the ones and zeros they start at
+    assert unsupported_modules(model) == {}
+    assert any(name.endswith("norm.bias") for name, _ in model.named_parameters()) == use_bias
+    batch = _padded_text(6, 10, 40, torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "noise_multiplier=0")
+        check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, rel=1e-7)

@@ -1,6 +1,6 @@
 """``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d/2d/3d``, timm's ``LayerNorm`` and ``LayerNorm2d``
-(ConvNeXt), Cohere's bias-free float32 LayerNorm and DeBERTa's: ``y = x_hat * w + b`` with ``x_hat`` the
-normalised input.
+(ConvNeXt), Cohere's bias-free float32 LayerNorm, DeBERTa's, and xLSTM's RMSNorm and multi-head LayerNorm:
+``y = x_hat * w + b`` with ``x_hat`` the normalised input.
 
 The per-example gradients ``dw_i = sum (dy_i * x_hat_i)`` and ``db_i = sum dy_i`` (summed over all axes
 that the affine parameters are broadcast along) are small, so they are held explicitly. ``x_hat`` is
@@ -77,6 +77,36 @@ def layer_norm_1p_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor)
     and so ``dy``'s, dtype): ``dw_i = sum dy_i * x_hat_i`` as for LayerNorm."""
     x_hat = F.layer_norm(x.to(dy.dtype), module.normalized_shape, eps=module.eps)
     return _affine_grads(module, x_hat, dy, tuple(range(1, x.dim() - len(module.normalized_shape))))
+
+
+_XLSTM = "transformers.models.xlstm.modeling_xlstm"
+
+
+def _xlstm_float(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x.float() if module.force_float32_reductions else x
+
+
+@register_rule(f"{_XLSTM}.xLSTMRMSNorm", position_wise=True)
+def xlstm_rms_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """xLSTM's RMSNorm (Beck et al. 2024, "xLSTM"; its Hugging Face form): ``x_hat = x / sqrt(mean(x^2) +
+    eps)`` over the last axis, in float32 where ``force_float32_reductions``, cast back to the input's
+    dtype, then ``y = x_hat * w + b``, either optional."""
+    h = _xlstm_float(module, x)
+    x_hat = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
+    return _affine_grads(module, x_hat, dy, tuple(range(1, x.dim() - 1)))
+
+
+@register_rule(f"{_XLSTM}.xLSTMMultiHeadLayerNorm")
+def xlstm_multi_head_layer_norm_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """xLSTM's multi-head LayerNorm: ``x`` (B, T, heads, head_dim) centred and normalised over each head's
+    features (float32 where ``force_float32_reductions``), cast back, flattened to (B, T, heads * head_dim),
+    then ``y = x_hat * w + b`` over the flattened features; ``dy`` (B, T, heads * head_dim)."""
+    h = _xlstm_float(module, x)
+    centred = h - h.mean(-1, keepdim=True)
+    x_hat = centred * torch.rsqrt(h.var(-1, keepdim=True, unbiased=False) + module.eps)
+    return _affine_grads(module, x_hat.to(x.dtype).flatten(2), dy, (1,))
 
 
 @register_rule(nn.GroupNorm)
