@@ -398,7 +398,7 @@ def test_fallback_suite_models_have_exactly_the_named_rule_less_modules() -> Non
         "nemotron_h": set(),  # its ungated experts (stop 47) and Mamba-2 mixer (stop 49) have rules
         "falcon_h1": set(),  # FalconH1Mixer: a rule since stop 50 (the fallback in stops 47-49)
         "qwen3_next": set(),  # Qwen3NextGatedDeltaNet: a rule since stop 50 (the fallback in stops 47-49)
-        "kimi_linear": {"KimiLinearForgetGate"},  # A_log, dt_bias; the attention's conv1d: a rule (stop 50)
+        "kimi_linear": set(),  # its attention's conv1d and its forget gate: rules since stop 50
         "nf_resnet": set(),  # ScaledStdConv2d has a rule now (stop 44)
         "gemma": set(),  # GemmaTextScaledWordEmbedding has a rule now (stop 44)
         "mixtral": set(),  # MixtralTopKRouter and MixtralExperts have rules now (stop 44)

@@ -170,17 +170,17 @@ def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
-@pytest.mark.filterwarnings("ignore:.*KimiLinearForgetGate.*fallback")
 @pytest.mark.parametrize(
     "strategy,clipping", [("bk", "flat"), ("ghost", "per_layer"), ("instantiate", "per_layer")]
 )
-def test_kimi_delta_attention_matches_oracle_with_only_its_forget_gate_on_the_fallback(strategy, clipping):
-    """Kimi Linear's attention takes its rule for the convolution; the forget gate (``A_log``, ``dt_bias``)
-    is a layer of its own, left to the fallback, whose recorded output the rule takes as given."""
+def test_kimi_linear_matches_oracle_without_the_fallback(strategy, clipping):
+    """Kimi Linear's attention takes its rule for the convolution, with its forget gate's recorded output; the
+    forget gate (``A_log``, ``dt_bias``), a layer of its own, takes the forget-gate rule."""
     model = kimi_linear().train()
-    gate = "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearForgetGate"
-    assert unsupported_modules(model) == {gate: ["A_log", "dt_bias"]}
-    check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
+    assert unsupported_modules(model) == {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*torch.func fallback")
+        check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
 @pytest.mark.parametrize("build", [mamba, mamba2, qwen3_5])
@@ -284,3 +284,14 @@ def test_a_delta_net_of_an_unknown_form_is_refused_at_construction():
         ValueError, match=r"gated-delta-rule rule.*none of the input projections the rule knows"
     ):
         PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_a_forget_gate_whose_forward_differs_is_refused(monkeypatch):
+    """Kimi Linear's forget gate with another decay (here halved) is not reproduced by the rule: refused."""
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    gate = modeling_kimi_linear.KimiLinearForgetGate
+    forward = gate.forward
+    monkeypatch.setattr(gate, "forward", lambda self, h: 0.5 * forward(self, h))
+    with pytest.raises(RuntimeError, match=r"KimiLinearForgetGate: the rule's recomputation of the gate"):
+        _first_step(kimi_linear())

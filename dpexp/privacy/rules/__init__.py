@@ -251,6 +251,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     conv,
     embedding,
     embedding_bag,
+    forget_gate,
     grn,
     layer_scale,
     linear,
