@@ -53,8 +53,9 @@ taken apart by the module's own ``fix_query_key_value_ordering``; OLMo-hybrid's 
 
 **Kimi Linear's delta attention** (Kimi Team 2025, "Kimi Linear", the Kimi Delta Attention) decays per
 channel, not per head: ``g`` comes from its ``forget_gate``, a layer of its own that owns ``A_log`` and
-``dt_bias`` (its own rule, :mod:`dpexp.privacy.rules.forget_gate`), so the attention's rule has only the convolution to take, through the
-module's own ``chunk_kimi_delta_attention`` with ``g`` and ``beta`` as recorded.
+``dt_bias`` (its own rule, :mod:`dpexp.privacy.rules.forget_gate`), so the attention's rule has only the
+convolution to take, through the module's own ``chunk_kimi_delta_attention`` with ``g`` and ``beta`` as
+recorded.
 
 Refused, with the cause: a key/value cache (the recomputation starts from no state), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
