@@ -712,6 +712,28 @@ def kimi_linear() -> nn.Module:
     return KimiLinearForCausalLM(config).double().eval()
 
 
+def lfm2_moe() -> nn.Module:
+    """Tiny random LFM2-MoE: LFM2's short convolution and attention, then sparse MoE blocks whose experts'
+    activation is the function ``F.silu`` and whose sigmoid router chooses by its scores plus the block's
+    load-balancing ``expert_bias`` (a buffer, drawn at random here so that it changes the choice)."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    model = _routed(
+        _decoder(
+            Lfm2MoeConfig, Lfm2MoeForCausalLM, layer_types=["conv", "full_attention"], conv_L_cache=3,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, num_dense_layers=1,
+            routed_scaling_factor=1.5, use_cache=False,
+        )
+    )  # fmt: skip
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "Lfm2MoeTopKRouter":
+                module.weight.normal_(0.0, 0.5)
+            if hasattr(module, "expert_bias"):
+                module.expert_bias.normal_(0.0, 0.3)
+    return model
+
+
 def zamba() -> nn.Module:
     """Tiny random Zamba (v1): a Mamba layer whose mixer (``A_log``, ``D``, its time-step and input
     projections as parameters of its own, per head) reads its convolution's weight and has no rule (the

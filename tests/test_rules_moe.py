@@ -5,6 +5,8 @@ routers' recomputation against the modules, the copies that take the rules, and 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from tests.engine_models import (
     gpt_oss,
     granite_moe,
     jamba,
+    lfm2_moe,
     llama4,
     lm_loss,
     mixtral,
@@ -50,6 +53,7 @@ MODELS = {
     "ernie4_5_moe": ernie4_5_moe,  # float32 router, frozen load-balancing bias in a child module
     "jamba": jamba,  # top-k probabilities not renormalised; a Mamba layer (rules/scan_mixers.py)
     "nemotron_h": nemotron_h,  # experts without a gate; a Mamba-2 layer (rules/scan_mixers.py)
+    "lfm2_moe": lfm2_moe,  # a sigmoid router passed its block's expert bias; F.silu experts; a short conv
 }
 # logits or norms in float32 whatever the model's dtype
 FLOAT32_ROUTERS = [
@@ -206,16 +210,19 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
     config.hidden_size, config.norm_topk_prob = 6, norm_topk_prob
     config.n_group, config.topk_group, config.routed_scaling_factor = 1, 1, 2.5  # DeepSeek-V2's and V3's
     config.topk_method = "group_limited_greedy"  # DeepSeek-V2's
+    config.use_expert_bias = True  # LFM2-MoE's: its block passes the bias
     router = getattr(importlib.import_module(module_name), name)(config).double()
     with torch.no_grad():
         for tensor in (*router.parameters(), *router.buffers()):  # GPT-OSS's bias, DeepSeek-V3's buffer
             tensor.normal_()
         x = torch.randn(11, 6, dtype=torch.float64)
+        takes_bias = "expert_bias" in inspect.signature(router.forward).parameters
+        others = (torch.randn(5, dtype=torch.float64),) if takes_bias else ()
         form = moe.ROUTERS[qualified]
-        outputs, logits_at = router(x), form.logits_at  # Llama 4: (scores, logits)
+        outputs, logits_at = router(x, *others), form.logits_at  # Llama 4: (scores, logits)
         logits = F.linear(x, router.weight, router.bias if form.bias else None)
         torch.testing.assert_close(outputs[logits_at], logits.to(outputs[logits_at]))
-        assert torch.equal(form.scores(router, outputs[logits_at]), outputs[1 - logits_at])
+        assert torch.equal(form.scores(router, outputs[logits_at], *others), outputs[1 - logits_at])
 
 
 # ---------------------------------------------------------------------------------------------- refusals

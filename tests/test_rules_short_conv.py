@@ -13,7 +13,7 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import _decoder, _padded_text, _routed, lfm2, lm_loss
+from tests.engine_models import _decoder, _padded_text, lfm2, lfm2_moe, lm_loss
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -33,24 +33,6 @@ def lfm2_biased() -> nn.Module:
         Lfm2Config, Lfm2ForCausalLM, layer_types=["conv", "full_attention"], conv_L_cache=3, conv_bias=True,
         use_cache=False,
     )  # fmt: skip
-
-
-def lfm2_moe() -> nn.Module:
-    """LFM2-MoE: the same short convolution, and experts whose activation is the function ``F.silu`` (the
-    experts rule knows it by identity); its sigmoid router, which has no rule, frozen."""
-    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
-
-    model = _routed(
-        _decoder(
-            Lfm2MoeConfig, Lfm2MoeForCausalLM, layer_types=["conv", "full_attention"], conv_L_cache=3,
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, num_dense_layers=1,
-            use_cache=False,
-        )
-    )  # fmt: skip
-    for module in model.modules():
-        if type(module).__name__ == "Lfm2MoeTopKRouter":
-            module.weight.requires_grad_(False)
-    return model
 
 
 @pytest.mark.parametrize("build", [lfm2, lfm2_biased, lfm2_moe])

@@ -75,6 +75,7 @@ GPT_OSS = "transformers.models.gpt_oss.modeling_gpt_oss"
 ARIA = "transformers.models.aria.modeling_aria"
 JAMBA = "transformers.models.jamba.modeling_jamba"
 NEMOTRON_H = "transformers.models.nemotron_h.modeling_nemotron_h"
+LFM2_MOE = "transformers.models.lfm2_moe.modeling_lfm2_moe"
 
 ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
     f"transformers.activations.{name}"
@@ -524,22 +525,40 @@ def ernie4_5_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor
     return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=module.norm_min)
 
 
+def lfm2_moe_scores(
+    module: nn.Module, logits: torch.Tensor, expert_bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``Lfm2MoeTopKRouter``'s weights of its chosen experts (N, k): sigmoid scores; the top k chosen by the
+    scores plus the load-balancing ``expert_bias`` (its block's buffer, passed to it) where
+    ``use_expert_bias``; renormalised (sum + 1e-6) if ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    scores = logits.sigmoid()
+    if module.use_expert_bias:
+        index = torch.topk(scores + expert_bias, k=module.top_k, dim=-1)[1]
+        weights = torch.gather(scores, dim=1, index=index).type_as(logits)
+    else:
+        weights = torch.topk(scores, k=module.top_k, dim=-1)[0]
+    if module.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+    return weights * module.routed_scaling_factor
+
+
 def router_inputs(
     float32_logits: bool, autocast_off: bool = False
 ) -> Callable[[nn.Module, tuple, dict[str, Any]], tuple]:
-    """The router's call as ``(hidden_states, compute dtype)``: the states as the (N, d) rows it computes on
-    (it flattens them itself), and the dtype of its logits' matmul: autocast's where it is on, else the
-    input's, or float32 for a router that casts both factors to it (``float32_logits``; under autocast too
-    where it turns autocast off, ``autocast_off``)."""
+    """The router's call as ``(hidden_states, compute dtype, *its other arguments)``: the states as the
+    (N, d) rows it computes on (it flattens them itself), the dtype of its logits' matmul (autocast's where it
+    is on, else the input's, or float32 for a router that casts both factors to it, ``float32_logits``;
+    under autocast too where it turns autocast off, ``autocast_off``), and what else it is passed, for its
+    scores (LFM2-MoE's ``expert_bias``)."""
 
     def inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
         call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
         call.apply_defaults()
-        (hidden,) = list(call.arguments.values())[1:]
+        hidden, *others = list(call.arguments.values())[1:]
         dtype = _compute_dtype(hidden)
         if float32_logits and (autocast_off or not torch.is_autocast_enabled(hidden.device.type)):
             dtype = torch.float32
-        return hidden.reshape(-1, hidden.shape[-1]), dtype
+        return hidden.reshape(-1, hidden.shape[-1]), dtype, *others
 
     return inputs
 
@@ -561,7 +580,7 @@ def router_rule(form: RouterForm) -> Callable:
     """The router rule for a module whose scores come from its logits ``W x (+ b)`` by ``form.scores``."""
 
     def router_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-        hidden, dtype = x
+        hidden, dtype, *others = x
         batch, width = hidden.shape[0], hidden.shape[-1]
         rows = hidden.detach().reshape(-1, width).to(dtype)  # the module's (N, d), as its matmul reads
         experts = module.weight.shape[0]
@@ -569,7 +588,7 @@ def router_rule(form: RouterForm) -> Callable:
         bias = module.bias.detach().to(dtype) if form.bias else None
         with torch.enable_grad():
             logits = F.linear(rows, module.weight.detach().to(dtype), bias).requires_grad_()
-            scores = form.scores(module, logits)
+            scores = form.scores(module, logits, *others)
         (through_scores,) = torch.autograd.grad(scores, logits, dy[:, experts:].to(scores.dtype))
         left = (dy[:, :experts].to(logits.dtype) + through_scores).view(batch, -1, experts)
         grads: dict[str, PerExampleGrad] = {
@@ -583,12 +602,13 @@ def router_rule(form: RouterForm) -> Callable:
 
 
 class RouterForm(NamedTuple):
-    """A top-k router whose outputs are its logits, its scores and more: ``scores`` recomputes the scores
-    from the logits, ``logits_at`` is the output holding the logits (the scores are the other of the first
-    two), ``float32_logits`` whether it casts both factors of its logits' matmul to float32, ``bias`` whether
-    it adds a bias to its logits, ``autocast_off`` whether it turns autocast off around them."""
+    """A top-k router whose outputs are its logits, its scores and more: ``scores`` recomputes the scores from
+    the logits (and the router's other arguments), ``logits_at`` is the output holding the logits (the scores
+    are the other of the first two), ``float32_logits`` whether it casts both factors of its logits' matmul to
+    float32, ``bias`` whether it adds a bias to its logits, ``autocast_off`` whether it turns autocast off
+    around them."""
 
-    scores: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    scores: Callable[..., torch.Tensor]  # (module, logits, *other arguments) -> scores
     logits_at: int = 0
     float32_logits: bool = False
     bias: bool = False  # logits W x + b
@@ -609,6 +629,7 @@ ROUTERS = {
     f"{ERNIE4_5_MOE}.Ernie4_5_MoeTopKRouter": RouterForm(
         ernie4_5_moe_scores, float32_logits=True, autocast_off=True
     ),
+    f"{LFM2_MOE}.Lfm2MoeTopKRouter": RouterForm(lfm2_moe_scores),  # (logits, weights (N, k), indices)
 }
 for _name, _form in ROUTERS.items():
     register_rule(
