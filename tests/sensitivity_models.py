@@ -613,6 +613,7 @@ NEW_CASES = [
     "nemotron_h",  # experts without a gate behind a sigmoid router, beside a Mamba-2 mixer
     "falcon_h1",  # attention beside a Mamba-2 mixer with µP multipliers, gated without its norm
     "qwen3_next",  # a gated delta net with q, k, v, z and b, a interleaved per key head, beside MoE blocks
+    "lfm2_moe",  # a short convolution, a sigmoid router choosing by scores plus its block's expert bias
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -649,6 +650,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "nemotron_h",
         "falcon_h1",
         "qwen3_next",
+        "lfm2_moe",
     ):
         builders = {
             "qwen2_moe": engine_models.qwen2_moe,
@@ -663,6 +665,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "nemotron_h": engine_models.nemotron_h,
             "falcon_h1": engine_models.falcon_h1,
             "qwen3_next": engine_models.qwen3_next,
+            "lfm2_moe": engine_models.lfm2_moe,
         }
         model = builders.get(name, engine_models.mixtral)()
         batch = engine_models._padded_text(size, 8, 40, gen)
