@@ -749,6 +749,22 @@ def zamba() -> nn.Module:
     return ZambaForCausalLM(config).double().eval()
 
 
+def bailing_hybrid(safe_gate: bool = True) -> nn.Module:
+    """Tiny random Bailing-hybrid: Kimi's delta attention with a one-projection forget gate, bounded by a
+    sigmoid (``kda_safe_gate``, its default) or Kimi's softplus, beside an MLA attention layer."""
+    from transformers import BailingHybridConfig, BailingHybridForCausalLM
+
+    config = BailingHybridConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "dense"], linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=3,
+        kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        kda_safe_gate=safe_gate, max_position_embeddings=16, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        use_cache=False,
+    )  # fmt: skip
+    return BailingHybridForCausalLM(config).double().eval()
+
+
 def lfm2() -> nn.Module:
     """Tiny random LFM2: a short-convolution layer (no parameter of its own: it reads its ``conv``'s weight)
     and an attention layer."""

@@ -23,6 +23,7 @@ from tests.engine_models import (
     _decoder,
     _padded_text,
     _routed,
+    bailing_hybrid,
     falcon_h1,
     falcon_mamba,
     jamba,
@@ -173,10 +174,12 @@ def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
 @pytest.mark.parametrize(
     "strategy,clipping", [("bk", "flat"), ("ghost", "per_layer"), ("instantiate", "per_layer")]
 )
-def test_kimi_linear_matches_oracle_without_the_fallback(strategy, clipping):
-    """Kimi Linear's attention takes its rule for the convolution, with its forget gate's recorded output; the
-    forget gate (``A_log``, ``dt_bias``), a layer of its own, takes the forget-gate rule."""
-    model = kimi_linear().train()
+@pytest.mark.parametrize("build", [kimi_linear, bailing_hybrid, lambda: bailing_hybrid(safe_gate=False)])
+def test_kimi_delta_attention_matches_oracle_without_the_fallback(build, strategy, clipping):
+    """Kimi Linear's and Bailing-hybrid's attention takes its rule for the convolution, with its forget gate's
+    recorded output; the forget gate (``A_log``, ``dt_bias``), a layer of its own, takes the forget-gate rule
+    (Kimi's low-rank softplus gate, Bailing's sigmoid-bounded one and its softplus one)."""
+    model = build().train()
     assert unsupported_modules(model) == {}
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")

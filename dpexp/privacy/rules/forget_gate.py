@@ -1,17 +1,21 @@
-"""Per-example gradients of Kimi Linear's forget gate (``KimiLinearForgetGate``: the per-channel decay of its
-delta attention; Kimi Team 2025, "Kimi Linear"). The gate owns ``A_log`` (1, 1, heads, 1) and ``dt_bias``
-(heads * d,); its low-rank projections ``f_a_proj``, ``f_b_proj`` are layers of their own. For one example,
-with ``f = f_b_proj(f_a_proj(x))`` (T, heads * d) viewed per head:
+"""Per-example gradients of the forget gates of the Kimi Delta Attention (Kimi Team 2025, "Kimi Linear"):
+``KimiLinearForgetGate`` and Bailing-hybrid's ``BailingHybridForgetGate``, the per-channel decay of their
+delta attentions. Each owns ``A_log`` (one per head) and ``dt_bias`` (heads * d,); its projections
+(``f_a_proj`` and ``f_b_proj``, low rank, or ``f_proj``) are layers of their own. For one example, with
+``f`` the projections' output (T, heads * d) viewed per head:
 
-    g = -exp(A_log) * softplus(f + dt_bias)        (softplus(z) = z above 20, as the module computes it)
+    g = -exp(A_log) * softplus(f + dt_bias)                  (softplus(z) = z above 20)
+    g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))    (Bailing's ``safe_gate``)
 
-so ``d dt_bias = sum_t dy * -exp(A_log) * sigmoid(f + dt_bias)`` (1 above 20) and ``d A_log = sum_{t, d} dy *
-g`` (the gate is its own derivative in ``A_log``). The rule keeps the gate's output, recomputes ``f`` from the
-input with the projections' weights (read, not called: no second use of theirs is recorded) and checks ``g``
-against the output.
+The rule keeps the gate's output, recomputes ``f`` from the input with the projections' weights (read, not
+called: no second use of theirs is recorded), computes ``g`` with one copy of ``A_log`` and ``dt_bias`` per
+example in the module's own precisions, checks it against the output, and takes the copies' gradients of
+``<g, dy>`` in one backward: example i's copy enters only example i's gate.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,15 +25,45 @@ from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import refuse, register_rule
 from dpexp.privacy.rules.functional import reproduces
 
-KIMI_GATE = "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearForgetGate"
+_HF = "transformers.models"
 _FIX = "Otherwise freeze A_log and dt_bias (requires_grad=False)."
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _kimi(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Kimi Linear's gate (float32) for the copies ``a`` (B, 1, 1, heads, 1) and ``b`` (B, heads * d)."""
+    f = _linear(module.f_b_proj, _linear(module.f_a_proj, x))
+    z = (f.float() + b.float()[:, None]).view(*x.shape[:2], -1, module.head_dim)
+    return -a[:, 0].float().exp() * torch.where(z > 20.0, z, torch.log(1.0 + torch.exp(z)))
+
+
+def _bailing(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Bailing-hybrid's gate for the copies ``a`` (B, heads) and ``b`` (B, heads * d), cast to ``x``'s
+    dtype as the module's."""
+    z = _linear(module.f_proj, x).float().view(*x.shape[:2], -1, module.head_dim)
+    z = z + b.view(b.shape[0], 1, -1, module.head_dim)
+    decay = a.exp()[:, None, :, None]
+    gate = module.lower_bound * torch.sigmoid(decay * z) if module.safe_gate else -decay * F.softplus(z)
+    return gate.to(x.dtype)
+
+
+GATES: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {  # type -> (gate, projections)
+    f"{_HF}.kimi_linear.modeling_kimi_linear.KimiLinearForgetGate": (_kimi, ("f_a_proj", "f_b_proj")),
+    f"{_HF}.bailing_hybrid.modeling_bailing_hybrid.BailingHybridForgetGate": (_bailing, ("f_proj",)),
+}
+
+
+def _form(module: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple[str, ...]]:
+    return GATES[f"{type(module).__module__}.{type(module).__qualname__}"]
 
 
 def _check(module: nn.Module) -> None:
     own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    wrapped = [
-        name for name in ("f_a_proj", "f_b_proj") if type(getattr(module, name, None)) is not nn.Linear
-    ]
+    _, projections = _form(module)
+    wrapped = [name for name in projections if type(getattr(module, name, None)) is not nn.Linear]
     reason = None
     if own - {"A_log", "dt_bias"}:
         reason = f"it owns parameters {sorted(own - {'A_log', 'dt_bias'})} the rule does not know"
@@ -39,33 +73,29 @@ def _check(module: nn.Module) -> None:
 
 
 def _keep(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
-    return True  # g: the gradient of A_log, and the check of the recomputation
+    return True  # g: the check of the recomputation
 
 
-@register_rule(KIMI_GATE, check=_check, keep_output=_keep)
+def _copies(param: torch.Tensor, batch: int) -> torch.Tensor:
+    return param.detach().unsqueeze(0).repeat(batch, *([1] * param.dim())).requires_grad_(True)
+
+
+@register_rule(*GATES, check=_check, keep_output=_keep)
 def forget_gate_grads(
     module: nn.Module, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
 ) -> dict[str, PerExampleGrad]:
-    """``d A_log`` (B, 1, 1, heads, 1) and ``d dt_bias`` (B, heads * d) by the module docstring's formulas;
-    ``x`` (B, T, d_model) the gate's input, ``dy`` (B, T, heads, d) the gradient of its output."""
-    with torch.no_grad():
-        f = F.linear(F.linear(x, module.f_a_proj.weight, module.f_a_proj.bias), module.f_b_proj.weight)
-        if module.f_b_proj.bias is not None:
-            f = f + module.f_b_proj.bias
-        z = (f.float() + module.dt_bias.float()).view(*x.shape[:2], -1, module.head_dim)
-        decay = module.A_log.float().exp()
-        g = -decay * torch.where(z > 20.0, z, torch.log(1.0 + torch.exp(z)))
-        if output is not None and not reproduces(output, g):
-            raise RuntimeError(
-                f"{type(module).__name__}: the rule's recomputation of the gate does not reproduce its "
-                "output (its forward differs from the one the rule follows); register a rule for its type "
-                f"(dpexp.privacy.rules.register_rule). {_FIX}"
-            )
-        dy = dy.float()
-        slope = torch.where(z > 20.0, torch.ones_like(z), torch.sigmoid(z))
-        d_bias = (dy * -decay * slope).flatten(2).sum(1)  # (B, heads * d)
-        d_log = (dy * g).sum((1, 3))  # (B, heads)
-    return {
-        "A_log": Dense(d_log.view(-1, *module.A_log.shape).to(module.A_log.dtype)),
-        "dt_bias": Dense(d_bias.to(module.dt_bias.dtype)),
-    }
+    """``d A_log`` and ``d dt_bias`` (B, *shape) by the module docstring's recomputation; ``x``
+    (B, T, d_model) the gate's input, ``dy`` (B, T, heads, d) the gradient of its output."""
+    gate, _ = _form(module)
+    batch = x.shape[0]
+    copies = {"A_log": _copies(module.A_log, batch), "dt_bias": _copies(module.dt_bias, batch)}
+    with torch.enable_grad():
+        g = gate(module, x.detach(), copies["A_log"], copies["dt_bias"])
+    if output is not None and not reproduces(output, g.detach()):
+        raise RuntimeError(
+            f"{type(module).__name__}: the rule's recomputation of the gate does not reproduce its "
+            "output (its forward differs from the one the rule follows); register a rule for its type "
+            f"(dpexp.privacy.rules.register_rule). {_FIX}"
+        )
+    grads = torch.autograd.grad(g, list(copies.values()), dy.to(g.dtype))
+    return {name: Dense(grad) for name, grad in zip(copies, grads, strict=True)}

@@ -51,11 +51,11 @@ taken apart by the module's own ``fix_query_key_value_ordering``; OLMo-hybrid's 
 ``beta`` doubled where ``allow_neg_eigval`` (eigenvalues in [-1, 1]), its norm ``o_norm`` and output
 ``o_proj``.
 
-**Kimi Linear's delta attention** (Kimi Team 2025, "Kimi Linear", the Kimi Delta Attention) decays per
-channel, not per head: ``g`` comes from its ``forget_gate``, a layer of its own that owns ``A_log`` and
-``dt_bias`` (its own rule, :mod:`dpexp.privacy.rules.forget_gate`), so the attention's rule has only the
-convolution to take, through the module's own ``chunk_kimi_delta_attention`` with ``g`` and ``beta`` as
-recorded.
+**Kimi Linear's delta attention** (Kimi Team 2025, "Kimi Linear", the Kimi Delta Attention; Bailing-hybrid's
+is the same) decays per channel, not per head: ``g`` comes from its ``forget_gate``, a layer of its own that
+owns ``A_log`` and ``dt_bias`` (its own rule, :mod:`dpexp.privacy.rules.forget_gate`), so the attention's rule
+has only the convolution to take, through the module's own ``chunk_kimi_delta_attention`` with ``g`` and
+``beta`` as recorded.
 
 Refused, with the cause: a key/value cache (the recomputation starts from no state), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
@@ -108,7 +108,10 @@ DELTA_NETS = tuple(
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")  # Falcon-Mamba's and Jamba's, on s, B and C
 _SCAN = "mamba2_chunk_scan"  # the chunked SSD scan of each Mamba-2 modeling file
 _DELTA_RULE = "torch_chunk_gated_delta_rule"  # the chunked gated delta rule of each Qwen3.5-form file
-_KIMI = f"{_HF}.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention"
+_KDA = (  # the Kimi Delta Attention: Kimi Linear's and Bailing-hybrid's (the same forward up to the gate)
+    f"{_HF}.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
+    f"{_HF}.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDeltaAttention",
+)
 _KIMI_RULE = "chunk_kimi_delta_attention"  # its chunked delta rule with a decay per channel
 _FIX = "Otherwise freeze the mixer's own parameters and its conv1d (and dt_proj) (requires_grad=False)."
 
@@ -450,7 +453,7 @@ def _kimi_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
 
 
 @register_rule(
-    _KIMI,
+    *_KDA,
     check=_check_calling("kimi-delta-attention", set(), _KIMI_RULE, lambda _: ("o_proj", "o_norm")),
     call=CallLayout(scan_inputs, first_output, keeps=_kimi_keeps),
     claims=("conv1d",),
