@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -763,6 +766,43 @@ def bailing_hybrid(safe_gate: bool = True) -> nn.Module:
         use_cache=False,
     )  # fmt: skip
     return BailingHybridForCausalLM(config).double().eval()
+
+
+class Glm5NextLM(nn.Module):
+    """GLM-5-Next's text model (transformers has no causal-LM class for it) with a linear head."""
+
+    def __init__(self, config: Any) -> None:
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+        super().__init__()
+        self.model = Glm5NextTextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Any:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return SimpleNamespace(logits=self.lm_head(hidden))
+
+
+def glm5_next(lower_bound: float | None = -5.0) -> nn.Module:
+    """Tiny random GLM-5-Next (text): the Kimi Delta Attention with a low-rank forget gate bounded by a
+    sigmoid (``linear_lower_bound``, its default) or Kimi's softplus (None), beside an MLA attention layer
+    with a sparse-attention indexer (frozen: its top-k indices pass no gradient to its parameters) and
+    hyper-connections between the layers (their ``base``, ``fn`` and ``scale`` on the exact fallback)."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+    config = Glm5NextTextConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=12, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=0,
+        qk_nope_head_dim=8, v_head_dim=8, index_topk=16, index_kpool=4, index_head_dim=8, index_n_heads=2,
+        linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=3, linear_lower_bound=lower_bound,
+        hc_mult=2, max_position_embeddings=32, pad_token_id=1, use_cache=False,
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+    )  # fmt: skip
+    model = Glm5NextLM(config).double().eval()
+    for module in model.modules():
+        if type(module).__name__ == "Glm5NextTextIndexer":
+            module.requires_grad_(False)
+    return model
 
 
 def lfm2() -> nn.Module:

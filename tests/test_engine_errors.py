@@ -57,6 +57,22 @@ def test_fallback_module_with_an_output_neither_tensor_nor_tuple_is_refused_at_t
         model[1](torch.randn(2, 4))
 
 
+class TopIndices(TupleOutput):
+    """Scores by its own parameter, returning only which features score highest (a sparse attention's
+    indexer): no gradient reaches the parameter through the indices."""
+
+    def forward(self, x):
+        return (x * self.scale).topk(2, dim=-1).indices
+
+
+def test_a_layer_returning_indices_is_refused_at_the_first_forward_naming_its_parameters():
+    model = nn.Sequential(nn.Linear(4, 4), TopIndices())
+    with pytest.warns(UserWarning, match="torch.func fallback"):
+        _engine(model)
+    with pytest.raises(TypeError, match=r"TopIndices\) returned a torch.int64 tensor.*\['scale'\]; freeze"):
+        model(torch.randn(2, 4))
+
+
 def test_fallback_refuses_dropout():
     class Dropping(WithOwnParameter):
         def __init__(self) -> None:

@@ -26,6 +26,7 @@ from tests.engine_models import (
     bailing_hybrid,
     falcon_h1,
     falcon_mamba,
+    glm5_next,
     jamba,
     kimi_linear,
     lm_loss,
@@ -287,6 +288,19 @@ def test_a_delta_net_of_an_unknown_form_is_refused_at_construction():
         ValueError, match=r"gated-delta-rule rule.*none of the input projections the rule knows"
     ):
         PrivacyEngine(model, batch_size=6, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+@pytest.mark.filterwarnings("ignore:.*Glm5NextTextHyperConnection.*fallback")
+@pytest.mark.parametrize(
+    "lower_bound,strategy,clipping", [(-5.0, "bk", "flat"), (None, "ghost", "per_layer")]
+)
+def test_glm5_next_delta_attention_matches_oracle(lower_bound, strategy, clipping):
+    """GLM-5-Next's Kimi Delta Attention and forget gate (sigmoid-bounded, or Kimi's softplus) take their
+    rules; only its hyper-connections stay on the fallback."""
+    model = glm5_next(lower_bound).train()
+    left = {kind.rsplit(".", 1)[1] for kind in unsupported_modules(model)}
+    assert left == {"Glm5NextTextHyperConnection"}
+    check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
 def test_a_forget_gate_whose_forward_differs_is_refused(monkeypatch):

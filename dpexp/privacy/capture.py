@@ -439,6 +439,12 @@ class Capture:
                 "privacy engine needs a tensor output (or, without a rule, a tuple of them) to capture its "
                 "gradient; freeze its parameters or register a rule for it."
             )
+        if not output.is_floating_point():  # indices (a sparse attention's top-k): no gradient flows back
+            raise TypeError(
+                f"layer {layer.name!r} ({type(module).__name__}) returned a {output.dtype} tensor, through "
+                f"which no gradient reaches its parameters {sorted(layer.params)}; freeze them "
+                "(requires_grad=False) or register a rule for it."
+            )
         use = Use(layer, args, kwargs, _versions(args, kwargs))
         if layer.shared:
             self._append(use)

@@ -1,11 +1,11 @@
 """Per-example gradients of the forget gates of the Kimi Delta Attention (Kimi Team 2025, "Kimi Linear"):
-``KimiLinearForgetGate`` and Bailing-hybrid's ``BailingHybridForgetGate``, the per-channel decay of their
-delta attentions. Each owns ``A_log`` (one per head) and ``dt_bias`` (heads * d,); its projections
-(``f_a_proj`` and ``f_b_proj``, low rank, or ``f_proj``) are layers of their own. For one example, with
-``f`` the projections' output (T, heads * d) viewed per head:
+``KimiLinearForgetGate``, Bailing-hybrid's ``BailingHybridForgetGate`` and GLM-5-Next's
+``Glm5NextTextForgetGate``, the per-channel decay of their delta attentions. Each owns ``A_log`` (one per
+head) and ``dt_bias`` (heads * d,); its projections (``f_a_proj`` and ``f_b_proj``, low rank, or ``f_proj``)
+are layers of their own. For one example, with ``f`` the projections' output (T, heads * d) viewed per head:
 
     g = -exp(A_log) * softplus(f + dt_bias)                  (softplus(z) = z above 20)
-    g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))    (Bailing's ``safe_gate``)
+    g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))    (Bailing's ``safe_gate``, GLM-5-Next's bound)
 
 The rule keeps the gate's output, recomputes ``f`` from the input with the projections' weights (read, not
 called: no second use of theirs is recorded), computes ``g`` with one copy of ``A_log`` and ``dt_bias`` per
@@ -33,11 +33,29 @@ def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
+def _low_rank(module: nn.Module, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``f + dt_bias`` (B, T, heads, d) in float32 through the low-rank ``f_b_proj(f_a_proj(x))``."""
+    f = _linear(module.f_b_proj, _linear(module.f_a_proj, x))
+    return (f.float() + b.float()[:, None]).view(*x.shape[:2], -1, module.head_dim)
+
+
+def _softplus(z: torch.Tensor) -> torch.Tensor:
+    return torch.where(z > 20.0, z, torch.log(1.0 + torch.exp(z)))  # as Kimi's and GLM-5-Next's modules
+
+
 def _kimi(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Kimi Linear's gate (float32) for the copies ``a`` (B, 1, 1, heads, 1) and ``b`` (B, heads * d)."""
-    f = _linear(module.f_b_proj, _linear(module.f_a_proj, x))
-    z = (f.float() + b.float()[:, None]).view(*x.shape[:2], -1, module.head_dim)
-    return -a[:, 0].float().exp() * torch.where(z > 20.0, z, torch.log(1.0 + torch.exp(z)))
+    return -a[:, 0].float().exp() * _softplus(_low_rank(module, x, b))
+
+
+def _glm5_next(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """GLM-5-Next's gate (float32; sigmoid-bounded where it has ``safe_gate_lower_bound``) for the copies
+    ``a`` (B, heads) and ``b`` (B, heads * d)."""
+    z = _low_rank(module, x, b)
+    decay = a.float().exp()[:, None, :, None]
+    if module.safe_gate_lower_bound is not None:
+        return module.safe_gate_lower_bound * torch.sigmoid(decay * z)
+    return -decay * _softplus(z)
 
 
 def _bailing(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -53,6 +71,7 @@ def _bailing(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 GATES: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {  # type -> (gate, projections)
     f"{_HF}.kimi_linear.modeling_kimi_linear.KimiLinearForgetGate": (_kimi, ("f_a_proj", "f_b_proj")),
     f"{_HF}.bailing_hybrid.modeling_bailing_hybrid.BailingHybridForgetGate": (_bailing, ("f_proj",)),
+    f"{_HF}.glm5_next.modeling_glm5_next.Glm5NextTextForgetGate": (_glm5_next, ("f_a_proj", "f_b_proj")),
 }
 
 

@@ -1,13 +1,13 @@
 """Hugging Face modules whose forward reads a submodule's parameters instead of calling it
 (:func:`~dpexp.privacy.rules.register_reads`).
 
-Zamba's state-space mixer, GLM-5-Next's linear attention and Inkling's short convolutions pass their causal
-depthwise convolution's weight to a kernel, ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1),
-self.conv1d.bias)`` (its reference implementation: ``F.conv1d`` with ``groups = channels``), never calling
-``self.conv1d``. Their exact fallback takes the convolution's parameters with their own (``A_log``, ``D``,
-``dt_bias``). Mamba's, Falcon-Mamba's and Jamba's mixers (which also read ``dt_proj``'s weight), the Mamba-2
-mixers of Mamba-2, Bamba, Nemotron-H, Granite-hybrid, Zamba2 and Falcon-H1, the gated delta nets of Qwen3.5's,
-Qwen3-Next's and OLMo-hybrid's forms and the Kimi Delta Attention of Kimi Linear and Bailing-hybrid
+Zamba's state-space mixer and Inkling's short convolutions pass their causal depthwise convolution's weight to
+a kernel, ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1), self.conv1d.bias)`` (its reference
+implementation: ``F.conv1d`` with ``groups = channels``), never calling ``self.conv1d``. Their exact fallback
+takes the convolution's parameters with their own (``A_log``, ``D``, ``dt_bias``). Mamba's, Falcon-Mamba's and
+Jamba's mixers (which also read ``dt_proj``'s weight), the Mamba-2 mixers of Mamba-2, Bamba, Nemotron-H,
+Granite-hybrid, Zamba2 and Falcon-H1, the gated delta nets of Qwen3.5's, Qwen3-Next's and OLMo-hybrid's forms
+and the Kimi Delta Attention of Kimi Linear, Bailing-hybrid and GLM-5-Next
 (:mod:`dpexp.privacy.rules.scan_mixers`), and LFM2's short convolutions
 (:mod:`dpexp.privacy.rules.short_conv`) have rules that claim what they read.
 """
@@ -18,7 +18,6 @@ from dpexp.privacy.rules import register_reads
 
 _READS = {  # model family -> {its module class: the submodules its forward reads}
     "zamba": {"ZambaMambaMixer": ("conv1d",)},
-    "glm5_next": {"Glm5NextTextLinearAttention": ("conv1d",)},
     "inkling": {"InklingShortConvolution": ("conv1d",)},
     "inkling2": {"Inkling2ShortConvolution": ("conv1d",)},
     "inkling2_loop": {"Inkling2LoopShortConvolution": ("conv1d",)},

@@ -108,9 +108,10 @@ DELTA_NETS = tuple(
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")  # Falcon-Mamba's and Jamba's, on s, B and C
 _SCAN = "mamba2_chunk_scan"  # the chunked SSD scan of each Mamba-2 modeling file
 _DELTA_RULE = "torch_chunk_gated_delta_rule"  # the chunked gated delta rule of each Qwen3.5-form file
-_KDA = (  # the Kimi Delta Attention: Kimi Linear's and Bailing-hybrid's (the same forward up to the gate)
+_KDA = (  # the Kimi Delta Attention: Kimi Linear's, Bailing-hybrid's, GLM-5-Next's (one forward but the gate)
     f"{_HF}.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
     f"{_HF}.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDeltaAttention",
+    f"{_HF}.glm5_next.modeling_glm5_next.Glm5NextTextLinearAttention",
 )
 _KIMI_RULE = "chunk_kimi_delta_attention"  # its chunked delta rule with a decay per channel
 _FIX = "Otherwise freeze the mixer's own parameters and its conv1d (and dt_proj) (requires_grad=False)."
