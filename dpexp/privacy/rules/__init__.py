@@ -119,6 +119,12 @@ def first_output(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.T
     return grads[0]
 
 
+def per_example_copies(param: torch.Tensor, batch: int) -> torch.Tensor:
+    """One copy of ``param`` per example, (B, *param.shape), a leaf that requires grad: a rule that computes a
+    module again with copy i in example i's output gets every example's gradient in one backward."""
+    return param.detach().unsqueeze(0).repeat(batch, *([1] * param.dim())).requires_grad_(True)
+
+
 def refuse(module: nn.Module, rule: str, kind: str, reason: str | None, fix: str) -> None:
     """A rule's ``check``: the one-line refusal of a ``module`` the ``rule`` cannot handle, when ``reason``
     (why not) is set; ``fix`` says what to do instead."""

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import refuse, register_rule
+from dpexp.privacy.rules import per_example_copies, refuse, register_rule
 from dpexp.privacy.rules.functional import reproduces
 
 _HF = "transformers.models"
@@ -95,10 +95,6 @@ def _keep(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
     return True  # g: the check of the recomputation
 
 
-def _copies(param: torch.Tensor, batch: int) -> torch.Tensor:
-    return param.detach().unsqueeze(0).repeat(batch, *([1] * param.dim())).requires_grad_(True)
-
-
 @register_rule(*GATES, check=_check, keep_output=_keep)
 def forget_gate_grads(
     module: nn.Module, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
@@ -107,7 +103,10 @@ def forget_gate_grads(
     (B, T, d_model) the gate's input, ``dy`` (B, T, heads, d) the gradient of its output."""
     gate, _ = _form(module)
     batch = x.shape[0]
-    copies = {"A_log": _copies(module.A_log, batch), "dt_bias": _copies(module.dt_bias, batch)}
+    copies = {
+        "A_log": per_example_copies(module.A_log, batch),
+        "dt_bias": per_example_copies(module.dt_bias, batch),
+    }
     with torch.enable_grad():
         g = gate(module, x.detach(), copies["A_log"], copies["dt_bias"])
     if output is not None and not reproduces(output, g.detach()):

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, CheckFn, first_output, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, CheckFn, first_output, per_example_copies, refuse, register_rule
 from dpexp.privacy.rules.functional import reproduces
 from dpexp.privacy.rules.submodule_values import once
 
@@ -187,15 +187,10 @@ def _kept(module: nn.Module, kept: dict[str, list[Any]], taps: dict[str, tuple[s
     return once(module, kept, taps, f"{why} {_FIX}")
 
 
-def _per_example(param: torch.Tensor, batch: int) -> torch.Tensor:
-    """One copy of ``param`` per example, (B, *param.shape), a leaf that requires grad."""
-    return param.detach().unsqueeze(0).repeat(batch, *([1] * param.dim())).requires_grad_(True)
-
-
 def _conv_leaves(conv: nn.Conv1d, batch: int) -> dict[str, torch.Tensor]:
-    leaves = {"conv1d.weight": _per_example(conv.weight, batch)}
+    leaves = {"conv1d.weight": per_example_copies(conv.weight, batch)}
     if conv.bias is not None:
-        leaves["conv1d.bias"] = _per_example(conv.bias, batch)
+        leaves["conv1d.bias"] = per_example_copies(conv.bias, batch)
     return leaves
 
 
@@ -254,13 +249,13 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
     dtype = _dtype(module.A_log)
     dt_proj = module.dt_proj
     leaves = {
-        "A_log": _per_example(module.A_log, batch),
-        "D": _per_example(module.D, batch),
-        "dt_proj.weight": _per_example(dt_proj.weight, batch),
+        "A_log": per_example_copies(module.A_log, batch),
+        "D": per_example_copies(module.D, batch),
+        "dt_proj.weight": per_example_copies(dt_proj.weight, batch),
         **_conv_leaves(module.conv1d, batch),
     }
     if dt_proj.bias is not None:
-        leaves["dt_proj.bias"] = _per_example(dt_proj.bias, batch)
+        leaves["dt_proj.bias"] = per_example_copies(dt_proj.bias, batch)
     p, z = seen["P"].to(dtype).transpose(1, 2).chunk(2, dim=1)  # (B, d, T) each
     width, rank, state = p.shape[1], module.time_step_rank, module.ssm_state_size
     with torch.enable_grad():
@@ -317,9 +312,9 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
     dtype = _dtype(module.A_log)
     heads, head_dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
     leaves = {
-        "A_log": _per_example(module.A_log, batch),
-        "D": _per_example(module.D, batch),
-        "dt_bias": _per_example(module.dt_bias, batch),
+        "A_log": per_example_copies(module.A_log, batch),
+        "D": per_example_copies(module.D, batch),
+        "dt_bias": per_example_copies(module.dt_bias, batch),
         **_conv_leaves(module.conv1d, batch),
     }
     projected = seen["P"] * getattr(module, "mup_vector", 1.0)  # Falcon-H1's µP multipliers (a buffer)
@@ -422,8 +417,8 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
     leaves = {
-        "A_log": _per_example(module.A_log, batch),
-        "dt_bias": _per_example(module.dt_bias, batch),
+        "A_log": per_example_copies(module.A_log, batch),
+        "dt_bias": per_example_copies(module.dt_bias, batch),
         **_conv_leaves(module.conv1d, batch),
     }
     rule = getattr(sys.modules[type(module).__module__], _DELTA_RULE)
