@@ -77,8 +77,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, CheckFn, first_output, per_example_copies, refuse, register_rule
-from dpexp.privacy.rules.functional import reproduces
-from dpexp.privacy.rules.submodule_values import once
+from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
 
 _HF = "transformers.models"
 MIXERS = (
@@ -118,27 +117,13 @@ _FIX = "Otherwise freeze the mixer's own parameters and its conv1d (and dt_proj)
 
 
 def _refusal(module: nn.Module, own: set[str], plain: dict[str, type], norms: tuple[str, ...]) -> str | None:
-    """Why a mixer cannot take its rule: trainable parameters other than ``own``, a submodule of ``plain``
-    (name -> type) that is wrapped or replaced, or a norm of ``norms`` (run outside the hooks) with
-    submodules; None if it can."""
-    trainable = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    unknown = sorted(trainable - own)
-    wrapped = [
-        f"{name} is a {type(getattr(module, name, None)).__name__}"
-        for name, kind in plain.items()
-        if type(getattr(module, name, None)) is not kind
-    ]
+    """Why a mixer cannot take its rule (:func:`~dpexp.privacy.rules.submodule_values.unfollowed`, or a
+    norm of ``norms``, run outside the hooks, with submodules); None if it can."""
+    reason = unfollowed(module, own, plain)
     nested = [name for name in norms if hasattr(module, name) and any(getattr(module, name).children())]
-    if unknown:
-        return f"it owns parameters {unknown} the rule does not know"
-    if wrapped:
-        return (
-            f"{', '.join(wrapped)}, not the plain nn.Linear / nn.Conv1d whose weights the rule reads; leave "
-            "them unwrapped (adapters on in_proj are fine)"
-        )
-    if nested:
+    if reason is None and nested:
         return f"its norms {nested} have submodules, which the rule cannot run outside the model's hooks"
-    return None
+    return reason
 
 
 def _check(module: nn.Module) -> None:
@@ -486,14 +471,9 @@ def kimi_delta_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
 
 
 def _same(module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor) -> None:
-    """Refuse a mixer whose forward the rule's recomputation does not reproduce, to float32's precision at
-    best: the modules round ``A``, ``D``, ``B`` and ``u`` (Falcon-Mamba's norms also ``s``, ``B``, ``C``;
-    Mamba-2's scan all of it) to float32 whatever their dtype, and a recomputation equal to float64's
-    rounding may round them the other way."""
+    """:func:`~dpexp.privacy.rules.submodule_values.reproduced` to float32's precision at best: the modules
+    round ``A``, ``D``, ``B`` and ``u`` (Falcon-Mamba's norms also ``s``, ``B``, ``C``; Mamba-2's scan all of
+    it) to float32 whatever their dtype, and a recomputation equal to float64's rounding may round them the
+    other way."""
     coarse = torch.float32 if recorded.dtype == torch.float64 else recorded.dtype
-    if not reproduces(recorded.to(coarse), recomputed.detach().to(coarse)):
-        raise RuntimeError(
-            f"{type(module).__name__}: the rule's recomputation of {what} does not reproduce the module's "
-            "(its forward differs from the one the rule follows); register a rule for its type "
-            f"(dpexp.privacy.rules.register_rule). {_FIX}"
-        )
+    reproduced(module, what, recorded.to(coarse), recomputed.to(coarse), _FIX)

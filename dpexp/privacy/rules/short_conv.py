@@ -27,8 +27,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
-from dpexp.privacy.rules.functional import reproduces
-from dpexp.privacy.rules.submodule_values import once
+from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
 
 _HF = "transformers.models"
 SHORT_CONVS = (
@@ -41,15 +40,7 @@ _KEEPS = {"P": ("in_proj", "output"), "y": ("out_proj", "input")}
 
 
 def _check(module: nn.Module) -> None:
-    own = sorted(name for name, p in module.named_parameters(recurse=False) if p.requires_grad)
-    wrapped = [
-        f"{name} is a {type(getattr(module, name, None)).__name__}"
-        for name, kind in (("conv", nn.Conv1d), ("out_proj", nn.Linear))
-        if type(getattr(module, name, None)) is not kind
-    ]
-    reason = f"{', '.join(wrapped)}, not the plain module whose weights the rule reads" if wrapped else None
-    if own:
-        reason = f"it owns parameters {own} the rule does not know"
+    reason = unfollowed(module, set(), {"conv": nn.Conv1d, "out_proj": nn.Linear})
     refuse(module, "short-convolution", "block", reason, _FIX)
 
 
@@ -84,12 +75,7 @@ def short_conv_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
         length = u.shape[-1]
         v = F.conv1d(u, conv.weight, conv.bias, padding=kernel - 1, groups=u.shape[1])[..., :length]
         recorded = seen["y"][0]  # out_proj's input (B, T, d)
-        if not reproduces(recorded, (c * v).transpose(1, 2)):
-            raise RuntimeError(
-                f"{type(module).__name__}: the rule's recomputation of out_proj's input does not reproduce "
-                "the block's (its forward differs from the gated short convolution the rule follows); "
-                f"register a rule for its type (dpexp.privacy.rules.register_rule). {_FIX}"
-            )
+        reproduced(module, "out_proj's input", recorded, (c * v).transpose(1, 2), _FIX)
         dv = c * (dy.to(recorded.dtype) @ module.out_proj.weight).transpose(1, 2)  # (B, d, T)
         patches = F.pad(u, (kernel - 1, 0)).unfold(-1, kernel, 1)  # (B, d, T, k): u[t + j - (k - 1)]
         grads = {"conv.weight": Dense(torch.einsum("bct,bctj->bcj", dv, patches).unsqueeze(2))}

@@ -1,6 +1,9 @@
-"""What a rule reads from its module's submodules: kept by the capture during the module's training call
-(:class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``: the scan mixers' rules), or read in a second run of
-the module (:func:`rerun`: the attention-sinks rule, which needs the probabilities the module returns)."""
+"""What a rule that follows its module's forward reads from its submodules: kept by the capture during the
+module's training call (:class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``: the scan mixers' rules), or
+read in a second run of the module (:func:`rerun`: the attention-sinks rule, which needs the probabilities
+the module returns); and the checks such a rule makes: that it knows the module's parameters and reads
+plain submodules (:func:`unfollowed`), and that its recomputation reproduces the module (:func:`reproduced`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,44 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from dpexp.privacy.rules.functional import reproduces
+
+
+def unfollowed(module: nn.Module, own: set[str], plain: dict[str, type]) -> str | None:
+    """Why a rule that recomputes ``module`` with its submodules' weights cannot follow it: trainable
+    parameters of its own other than ``own``, or a submodule of ``plain`` (name -> type) wrapped or replaced;
+    None if it can."""
+    unknown = sorted(
+        name for name, p in module.named_parameters(recurse=False) if p.requires_grad and name not in own
+    )
+    wrapped = [
+        f"{name} is a {type(getattr(module, name, None)).__name__}"
+        for name, kind in plain.items()
+        if type(getattr(module, name, None)) is not kind
+    ]
+    if unknown:
+        return f"it owns parameters {unknown} the rule does not know"
+    if wrapped:
+        return (
+            f"{', '.join(wrapped)}, not the plain module whose weights the rule reads; leave them unwrapped "
+            "(adapters on the layers it calls are fine)"
+        )
+    return None
+
+
+def reproduced(
+    module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor, fix: str
+) -> None:
+    """Refuse a module whose ``what`` (``recorded`` in its call) the rule's ``recomputed`` does not
+    reproduce (:func:`~dpexp.privacy.rules.functional.reproduces`): its forward is not the one the rule
+    follows."""
+    if not reproduces(recorded, recomputed.detach()):
+        raise RuntimeError(
+            f"{type(module).__name__}: the rule's recomputation of {what} does not reproduce the module's "
+            "(its forward differs from the one the rule follows); register a rule for its type "
+            f"(dpexp.privacy.rules.register_rule). {fix}"
+        )
 
 
 def once(
