@@ -59,6 +59,12 @@ def _accurate_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def zeroed(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, ...) with the rows of the examples where ``keep`` (B,) is false set to 0, not scaled by 0
+    (``0 * inf`` is NaN)."""
+    return torch.where(keep.view(-1, *[1] * (x.dim() - 1)), x, 0)
+
+
 def _coef(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Clipping factors (float64 from the norms) in the dtype the products are formed in, never below
     float32 (a bf16 factor would be rounded by up to 2^-8, relatively)."""
@@ -102,8 +108,9 @@ class PerExampleGrad(ABC):
         """``sum_i coef_i g_i`` computed from the factors."""
 
     @abstractmethod
-    def _select(self, keep: torch.Tensor) -> PerExampleGrad:
-        """The per-example gradients of the examples where the boolean ``keep`` (B,) is true."""
+    def _masked(self, keep: torch.Tensor) -> PerExampleGrad:
+        """The same per-example gradients with those of the examples where ``keep`` (B,) is false zeroed in
+        the factors (:func:`zeroed`), shapes unchanged."""
 
     def retain(self, release: bool = False, max_values: int = 0) -> None:
         """Keep instantiated per-example gradients for :meth:`weighted_sum` (costs B x |param| memory);
@@ -142,12 +149,13 @@ class PerExampleGrad(ABC):
             torch.tensordot(c, accurate(chunk), dims=1) for c, chunk in zip(coefs, self._kept, strict=True)
         )
 
-    def select(self, keep: torch.Tensor) -> PerExampleGrad:
-        """Only the examples where ``keep`` (B,) is true: the clipper drops an example whose norm is not
-        finite this way, since multiplying it by 0 could still give NaN (``0 * inf``)."""
+    def masked(self, keep: torch.Tensor) -> PerExampleGrad:
+        """The examples where ``keep`` (B,) is false set to zero: the clipper drops an example whose norm is
+        not finite this way, since multiplying it by 0 could still give NaN (``0 * inf``). Shapes do not
+        depend on ``keep``, so nothing waits for the device."""
         if self._kept is not None:
-            return Dense(joined(self._kept)[keep])
-        return self._select(keep)
+            return Dense(zeroed(joined(self._kept), keep))
+        return self._masked(keep)
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """``||g_i||^2`` for each example, shape (B,) (a fused reduction per chunk: no squared temporary)."""
@@ -181,8 +189,8 @@ class Dense(PerExampleGrad):
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return torch.tensordot(_coef(coef, self.grads), accurate(self.grads), dims=1)
 
-    def _select(self, keep: torch.Tensor) -> Dense:
-        return Dense(self.grads[keep])
+    def _masked(self, keep: torch.Tensor) -> Dense:
+        return Dense(zeroed(self.grads, keep))
 
 
 class OneHot(PerExampleGrad):
@@ -209,8 +217,8 @@ class OneHot(PerExampleGrad):
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         return accurate(self.value).square()
 
-    def _select(self, keep: torch.Tensor) -> OneHot:
-        return OneHot(self.index[keep], self.value[keep], self.shape)
+    def _masked(self, keep: torch.Tensor) -> OneHot:
+        return OneHot(self.index, zeroed(self.value, keep), self.shape)
 
 
 class Outer(PerExampleGrad):
@@ -253,8 +261,9 @@ class Outer(PerExampleGrad):
             right = right * scale
         return (left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, r)).view(self.shape)
 
-    def _select(self, keep: torch.Tensor) -> Outer:
-        return Outer(self.left[keep], self.right[keep], self.shape, self.left_size)
+    def _masked(self, keep: torch.Tensor) -> Outer:
+        left = self.left if self.is_index else zeroed(self.left, keep)  # indices: their rows' values are 0
+        return Outer(left, zeroed(self.right, keep), self.shape, self.left_size)
 
     def ghost_is_cheaper(self) -> bool:
         t, r = self.right.shape[1], self.right.shape[-1]
@@ -483,17 +492,11 @@ class Routed(PerExampleGrad):
                 out[e] = rows_left.T @ rows_right
         return out.view(self.shape)
 
-    def _select(self, keep: torch.Tensor) -> Routed:
-        rows = keep[self.example]
-        renumbered = keep.long().cumsum(0) - 1
-        return Routed(
-            self.left[rows],
-            self.right[rows],
-            self.expert[rows],
-            renumbered[self.example[rows]],
-            int(keep.sum()),
-            self.shape,
-        )
+    def _masked(self, keep: torch.Tensor) -> Routed:
+        rows = keep[self.example]  # rows already sorted: the same routing and pairs
+        other = copy.copy(self)
+        other.left, other.right = zeroed(self.left, rows), zeroed(self.right, rows)
+        return other
 
     def dot(self, other: PerExampleGrad) -> torch.Tensor:
         """``<G_i, G'_i> = (||G_i + G'_i||^2 - ||G_i||^2 - ||G'_i||^2) / 2`` for another use of the same

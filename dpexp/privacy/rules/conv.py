@@ -42,6 +42,7 @@ from dpexp.privacy.per_example import (
     PerExampleGrad,
     accurate,
     joined,
+    zeroed,
 )
 from dpexp.privacy.rules import register_rule
 
@@ -382,8 +383,8 @@ class ConvWeightGrads(PerExampleGrad):
         scaled = dy * coef.to(dy.dtype).view(-1, *[1] * (dy.dim() - 1))
         return _weight_grad(self.module, accurate(self.x), scaled, self.module.groups, self.shape)
 
-    def _select(self, keep: torch.Tensor) -> ConvWeightGrads:
-        return ConvWeightGrads(self.module, self.x[keep], self.dy[keep])
+    def _masked(self, keep: torch.Tensor) -> ConvWeightGrads:
+        return ConvWeightGrads(self.module, zeroed(self.x, keep), zeroed(self.dy, keep))
 
     def held_extra_values(self) -> int | None:
         """Kept only where smaller than the feature maps: a batch-grouped per-example convolution is slower on

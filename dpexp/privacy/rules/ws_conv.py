@@ -86,10 +86,9 @@ class Standardized(PerExampleGrad):
     def held_extra_values(self) -> int | None:
         return self.inner.held_extra_values()
 
-    def _select(self, keep: torch.Tensor) -> Standardized:
-        module = self.inner.module
-        output = None if self.output is None else self.output[keep]
-        return Standardized(self.inner.select(keep), module.weight, module.eps, output, self.bias)
+    def _masked(self, keep: torch.Tensor) -> Standardized:
+        module = self.inner.module  # the kept output serves the norms only, which come first
+        return Standardized(self.inner.masked(keep), module.weight, module.eps)
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
