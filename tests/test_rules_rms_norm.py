@@ -170,10 +170,14 @@ FLOAT32 = (
 @pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_rms_norm_matches_oracle(name, strategy, clipping):
+    assert rule_for(_norms()[name]) is not None
+    _assert_matches_oracle(lambda: _norms()[name], name in GATED, strategy, clipping, name in FLOAT32)
+
+
+def _assert_matches_oracle(make_norm, gated: bool, strategy: str, clipping: str, float32: bool) -> None:
+    """The engine's clipped mean on :class:`Normed` around ``make_norm()`` equals the per-example loop's."""
     torch.manual_seed(0)
-    norm = _norms()[name]
-    assert rule_for(norm) is not None
-    model = Normed(norm, gated=name in GATED).double()
+    model = Normed(make_norm(), gated=gated).double()
     gen = torch.Generator().manual_seed(0)
     batch = {"x": torch.randn(6, 5, 4, generator=gen, dtype=torch.float64)}
     batch["x"][0] = 0.0  # a zero-gradient example
@@ -185,7 +189,7 @@ def test_rms_norm_matches_oracle(name, strategy, clipping):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         groups = PrivacyEngine(
-            Normed(_norms()[name], gated=name in GATED), batch_size=2, sample_size=10, max_grad_norm=1.0,
+            Normed(make_norm(), gated=gated), batch_size=2, sample_size=10, max_grad_norm=1.0,
             noise_multiplier=0.0, clipping=clipping,
         ).groups  # fmt: skip
     thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-3).tolist()
@@ -194,9 +198,36 @@ def test_rms_norm_matches_oracle(name, strategy, clipping):
         model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy, clipping=clipping,
         thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
-    rtol, atol = (1e-5, 1e-7) if name in FLOAT32 else (1e-7, 1e-10)  # float32 rounding of the backward
+    rtol, atol = (1e-5, 1e-7) if float32 else (1e-7, 1e-10)  # float32 rounding of the backward
     for param, want in expected.items():
         torch.testing.assert_close(delta[param], want, rtol=rtol, atol=atol)
+
+
+def _mamba_gated_norm_5_17(self, hidden_states, gate=None):
+    """``MambaRMSNormGated.forward`` as transformers 5.17 has it: no ``group_size``, the whole width."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    if gate is not None:
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_mamba2_gated_norm_without_groups_matches_oracle(monkeypatch, clipping):
+    """Mamba-2's gated norm before ``group_size`` existed (transformers 5.17, on the GPU machine of stop 51,
+    where the rule failed on the missing attribute) normalises over all features."""
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    monkeypatch.setattr(MambaRMSNormGated, "forward", _mamba_gated_norm_5_17)
+
+    def make_norm():
+        norm = MambaRMSNormGated(6, group_size=6, eps=1e-5)
+        del norm.group_size
+        return norm
+
+    _assert_matches_oracle(make_norm, True, "bk", clipping, float32=True)
 
 
 def test_torch_rms_norm_over_two_axes_matches_oracle():

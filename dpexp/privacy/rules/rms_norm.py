@@ -181,10 +181,12 @@ def float_norm_then_gate_grads(module: nn.Module, x: tuple, dy: torch.Tensor) ->
 
 @register_rule(*GATE_THEN_NORM_FORM, **GATED)
 def gate_then_norm_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """``dw_i = sum_t dy_t * norm_g(x_t * silu(gate_t))``, normalised in groups of ``group_size``."""
+    """``dw_i = sum_t dy_t * norm_g(x_t * silu(gate_t))``, normalised in groups of ``group_size`` (all the
+    features where the module has no ``group_size``, as in transformers 5.17)."""
     hidden, gate = x
     h = hidden.float() if gate is None else hidden.float() * F.silu(gate.float())
-    return _scale_grad(dy, _grouped_float32(h, module.group_size, _eps(module)).to(hidden.dtype))
+    size = getattr(module, "group_size", h.shape[-1])
+    return _scale_grad(dy, _grouped_float32(h, size, _eps(module)).to(hidden.dtype))
 
 
 @register_rule(FALCON_H1_GATED, **GATED)
