@@ -172,6 +172,28 @@ def swin() -> nn.Module:
     return model
 
 
+def timm_beit(fused: bool = False, abs_pos: bool = False, shared: bool = False) -> nn.Module:
+    """A two-block timm BEiT on 16 x 16 images of 8 x 8 patches (5 tokens) with layer scales and per-block
+    relative position tables (BEiT-large's layout), or (``shared``) one table for all blocks
+    (``Beit.rel_pos_bias``); biases, tokens and tables randomised away from their zero start; ``fused``:
+    the attention's scores inside scaled_dot_product_attention."""
+    from timm.models.beit import Beit
+
+    torch.manual_seed(0)
+    model = Beit(
+        img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=2, num_heads=2, init_values=0.1,
+        use_abs_pos_emb=abs_pos, use_rel_pos_bias=not shared, use_shared_rel_pos_bias=shared,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name or "cls_token" in name or "pos_embed" in name:
+                p.normal_(0.0, 0.3)
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = fused
+    return model
+
+
 class BeitNet(nn.Module):
     """A two-layer Hugging Face BEiT (or data2vec-vision) on 8x8 images in 4x4 patches (a 2x2 grid), with the
     mask token and (``absolute``) the absolute position table, its pooled output -> head; its embeddings'

@@ -39,6 +39,7 @@ from tests.layer_models import (
     hf_swin_loss,
     scale_loss,
     swin,
+    timm_beit,
 )
 from tests.oracle import Batch, LossFn
 
@@ -599,6 +600,8 @@ NEW_CASES = [
     "deberta_v2_shared_key",  # relative embeddings through LayerNorm and query_proj/key_proj
     "deberta_v2_pos_proj",  # relative embeddings through pos_query_proj/pos_key_proj
     "beit_relative_shared",  # HF BEiT's relative position table read whole, one for all layers
+    "timm_beit",  # timm BEiT: q/v biases, relative table and the qkv weight its attention reads; 2 scales
+    "timm_beit_shared",  # the same, fused, with one relative position bias shared by all blocks
     "mixtral",  # MoE routers and 3-D expert weights on (B*T) flattened rows, folded with their routing
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
     "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
@@ -763,6 +766,10 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         mask[0] = False  # an example without masked patches
         batch = {"x": _floats(gen, size, 3, 8, 8), "mask": mask, "y": _labels(gen, size, 3)}
         return BeitNet().double(), beit_embeddings_loss, batch, float_info
+    if name in ("timm_beit", "timm_beit_shared"):
+        batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
+        model = timm_beit(fused=name.endswith("shared"), shared=name.endswith("shared"))
+        return model.double(), engine_models.classification_loss, batch, float_info
     if name == "beit_relative_shared":
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return BeitNet(relative="shared").double(), beit_embeddings_loss, batch, float_info

@@ -349,20 +349,31 @@ class Capture:
             if tap is None:
                 # first of the module's hooks: the others (Hugging Face's output recorders) and the caller
                 # see the outputs as passed through the engine, so every use of them is captured
-                handle = layer.module.register_forward_hook(
-                    partial(self._layer_called, layer), with_kwargs=True, prepend=True
+                self._handles.append(
+                    layer.module.register_forward_hook(
+                        partial(self._layer_called, layer), with_kwargs=True, prepend=True
+                    )
                 )
             elif layer.rule.tap_output:
-                handle = layer.module.get_submodule(tap).register_forward_hook(
-                    partial(self._tapped_output, layer)
-                )
+                tapped = layer.module.get_submodule(tap)
+                self._handles.append(tapped.register_forward_hook(partial(self._tapped_output, layer)))
             else:
-                handle = layer.module.get_submodule(tap).register_forward_pre_hook(
-                    partial(self._tapped, layer)
-                )
-                if layer.rule.numbered_tap:
-                    self._handles.append(layer.module.register_forward_pre_hook(self._count_taps))
-            self._handles.append(handle)
+                self._handles += self._tapping(layer)
+
+    def _tapping(self, layer: Layer) -> list[Any]:
+        """Pre-hooks on the submodules a layer's rule taps (and, for a numbered tap, one on the layer that
+        restarts the count in each of its calls); several taps must be distinct modules, each tapped once."""
+        tapped = [layer.module.get_submodule(name) for name in layer.rule.taps]
+        if len({id(module) for module in tapped}) < len(tapped):
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer.module).__name__}): its rule taps "
+                f"{list(layer.rule.taps)}, which are one module here, so their calls cannot be told apart; "
+                "register a rule for it."
+            )
+        handles = [m.register_forward_pre_hook(partial(self._tapped, layer, k)) for k, m in enumerate(tapped)]
+        if layer.rule.numbered_tap:
+            handles.append(layer.module.register_forward_pre_hook(self._count_taps))
+        return handles
 
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and not self._recomputing
@@ -563,15 +574,17 @@ class Capture:
             leaves[i] = tensor
         return _rebuild(output, iter(leaves))
 
-    def _tapped(self, layer: Layer, tap: nn.Module, args: tuple) -> Any:
-        """Forward pre-hook of a rule's tap: the gradient is captured at the tap's input ``args[0]``."""
+    def _tapped(self, layer: Layer, index: int, tap: nn.Module, args: tuple) -> Any:
+        """Forward pre-hook of a rule's ``index``-th tap: the gradient is captured at the tap's input
+        ``args[0]``."""
         if not self._recording():
             return None
         recorded: tuple = args[:1]
-        if layer.rule is not None and layer.rule.numbered_tap:
-            k = self._tap_calls[id(layer.module)]
-            self._tap_calls[id(layer.module)] = k + 1
-            recorded = (args[0], k)
+        if layer.rule.numbered_tap:
+            index = self._tap_calls[id(layer.module)]
+            self._tap_calls[id(layer.module)] = index + 1
+        if layer.rule.numbered:
+            recorded = (args[0], index)
         x = self._record(Use(layer, recorded, {}, _versions(args[:1], {})), args[0])
         return (x, *args[1:])
 
@@ -615,7 +628,7 @@ class Capture:
         (position-wise) rule."""
         layer = use.layer
         if layer.rule is not None:
-            x = use.args if layer.rule.call is not None or layer.rule.numbered_tap else use.args[0]
+            x = use.args if layer.rule.call is not None or layer.rule.numbered else use.args[0]
             if fold > 1:  # of a call layout's tuple, the main input and the entries of its rows are folded
                 unfold = partial(torch.Tensor.unflatten, dim=0, sizes=(dy.shape[0], fold))
                 rows = layer.rule.call.rows if layer.rule.call is not None else (0,)

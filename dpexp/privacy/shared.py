@@ -445,3 +445,6 @@ def follow(t: torch.Tensor) -> SharedTensor:
     """A tensor shared by all examples that needs no per-example gradient of its own (a frozen shared weight),
     followed so that the layers it reaches treat their input as shared."""
     return _wrap(t, ())
+
+
+register_shared("timm.models.beit.Beit", "rel_pos_bias")  # use_shared_rel_pos_bias: one for all blocks

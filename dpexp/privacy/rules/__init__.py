@@ -99,13 +99,23 @@ class LayerRule:
     per_example_grads: GradFn
     check: CheckFn | None = None
     expand_broadcast_input: bool = False  # inputs of batch size 1 are expanded to the batch (position ids)
-    tap: str | None = None
+    tap: str | tuple[str, ...] | None = None  # several: each called once per call; the rule gets (x, k)
     position_wise: bool = False  # a flattened (B*T, ...) input may be folded to (B, T, ...)
     call: CallLayout | None = None
     claims: tuple[str, ...] = ()
     numbered_tap: bool = False  # the tap is called several times per module call; the rule gets (x, k)
     keep_output: KeepFn | None = None
     tap_output: bool = False  # the tap's output and its gradient, instead of its input's
+
+    @property
+    def taps(self) -> tuple[str, ...]:
+        """The names of the tapped submodules (none, ``tap``, or each of a tuple)."""
+        return () if self.tap is None else (self.tap,) if isinstance(self.tap, str) else self.tap
+
+    @property
+    def numbered(self) -> bool:
+        """Whether the rule gets ``(x, k)``: the k-th call of a numbered tap, or the k-th of several taps."""
+        return self.numbered_tap or len(self.taps) > 1
 
 
 _RULES: dict[str, LayerRule] = {}
@@ -143,7 +153,7 @@ def register_rule(
     *module_types: type[nn.Module] | str,
     check: CheckFn | None = None,
     expand_broadcast_input: bool = False,
-    tap: str | None = None,
+    tap: str | tuple[str, ...] | None = None,
     position_wise: bool = False,
     call: CallLayout | None = None,
     claims: tuple[str, ...] = (),
@@ -159,7 +169,7 @@ def register_rule(
 
     if keep_output is not None and (tap or call or position_wise):
         raise ValueError("keep_output is for rules of a module's own input and output (no tap, call, fold)")
-    if tap_output and (tap is None or numbered_tap):
+    if tap_output and (not isinstance(tap, str) or numbered_tap):
         raise ValueError("tap_output reads the output of a tap called once per module call: name the tap")
 
     def decorate(fn: GradFn) -> GradFn:
@@ -253,6 +263,7 @@ def as_sequence(x: torch.Tensor) -> torch.Tensor:
 from dpexp.privacy.rules import (  # noqa: E402,F401
     activation,
     attention,
+    beit_attention,
     bilinear,
     conv,
     embedding,

@@ -113,38 +113,43 @@ def layer_scale_grads(module: nn.Module, v: torch.Tensor, dz: torch.Tensor) -> d
 _BEIT = "transformers.models.beit.modeling_beit.BeitLayer"
 _DATA2VEC = "transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionLayer"
 _POOLFORMER = "transformers.models.poolformer.modeling_poolformer.PoolFormerLayer"
-_SCALES = {  # the layer's two scales in the order of its drop_path calls, and the axes of the positions
-    _BEIT: (("lambda_1", "lambda_2"), "channels_last"),  # (B, T, C)
-    _DATA2VEC: (("lambda_1", "lambda_2"), "channels_last"),
-    _POOLFORMER: (("layer_scale_1", "layer_scale_2"), "channels_first"),  # (B, C, H, W)
+_TIMM_BEIT = "timm.models.beit.Block"
+_SCALES = {  # the layer's two scales in the order of its drop-path calls, the axes of the positions, and
+    # its drop-path modules: one called twice, or one for each branch
+    _BEIT: (("lambda_1", "lambda_2"), "channels_last", ("drop_path",)),  # (B, T, C)
+    _DATA2VEC: (("lambda_1", "lambda_2"), "channels_last", ("drop_path",)),
+    _POOLFORMER: (("layer_scale_1", "layer_scale_2"), "channels_first", ("drop_path",)),  # (B, C, H, W)
+    _TIMM_BEIT: (("gamma_1", "gamma_2"), "channels_last", ("drop_path1", "drop_path2")),
 }
 
 
-def _scales_of(module: nn.Module) -> tuple[tuple[str, str], str]:
+def _scales_of(module: nn.Module) -> tuple[tuple[str, str], str, tuple[str, ...]]:
     return _SCALES[f"{type(module).__module__}.{type(module).__qualname__}"]
 
 
 def _check_two_scales(module: nn.Module) -> None:
-    names, _ = _scales_of(module)
+    names, _, taps = _scales_of(module)
     own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    if not own <= set(names) or not isinstance(getattr(module, "drop_path", None), nn.Module):
+    if not own <= set(names) or not all(isinstance(getattr(module, tap, None), nn.Module) for tap in taps):
         raise ValueError(
             f"{type(module).__name__}: the privacy engine's layer-scale rule expects the layer's own "
-            f"trainable parameters to be {', '.join(names)} and a drop_path module after each; got "
+            f"trainable parameters to be {', '.join(names)} and a {' or '.join(taps)} module after each; got "
             f"{sorted(own)}. Freeze these parameters or register a rule for the layer."
         )
 
 
-@register_rule(*_SCALES, check=_check_two_scales, tap="drop_path", numbered_tap=True)
+@register_rule(_TIMM_BEIT, check=_check_two_scales, tap=_SCALES[_TIMM_BEIT][2])
+@register_rule(_BEIT, _DATA2VEC, _POOLFORMER, check=_check_two_scales, tap="drop_path", numbered_tap=True)
 def two_scales_grads(
     module: nn.Module, call: tuple[torch.Tensor, int], dz: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
     """``call = (v, k)``: ``v``, ``dz`` (B, T, C), or (B, C, H, W) for PoolFormer's, at the input of
-    ``module.drop_path`` in its call ``k`` of the layer's call; returns the gradient of the k-th scale (B, C)
+    ``module.drop_path`` in its call ``k`` of the layer's call (timm's BEiT block: of its k-th drop-path
+    module); returns the gradient of the k-th scale (B, C)
     and zero for the other (the engine keeps the trainable ones: a parameter's ``requires_grad`` is off
     while the engine holds it)."""
     v, k = call
-    names, layout = _scales_of(module)
+    names, layout, _ = _scales_of(module)
     if k >= len(names):
         raise RuntimeError(
             f"{type(module).__name__}: its drop_path was called {k + 1} times in one call of the layer; the "

@@ -74,11 +74,11 @@ def relative_position_bias_grads(
 ) -> dict[str, PerExampleGrad]:
     """``ds``: (B, nW, heads, N, N), the gradient at the softmax's input folded per example (or
     (B, heads, N, N) with one window per example); returns ``d table`` (B, (2Wh-1)(2Ww-1), heads)."""
-    grad = _table_grads(ds, module.relative_position_index, module.relative_position_bias_table)
+    grad = table_grads(ds, module.relative_position_index, module.relative_position_bias_table)
     return {"relative_position_bias_table": Dense(grad)}
 
 
-def _table_grads(ds: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def table_grads(ds: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``ds`` (B, ..., heads, N, N): the scores' gradient of every window of every example; ``index``: the
     (N, N) (or flat) relative position of every pair of tokens; returns ``d table`` (B, *table.shape), the
     sum over an example's windows and over the pairs of each relative position."""
@@ -89,7 +89,7 @@ def _table_grads(ds: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> 
     return grad.scatter_add_(1, index, per_pair)
 
 
-def _scores_grad(
+def scores_grad(
     probs: torch.Tensor, v: torch.Tensor, d_heads: torch.Tensor, d_returned: torch.Tensor
 ) -> torch.Tensor:
     """The scores' gradient by the softmax's backward, ``dS = P * (dP - rowsum(P * dP))``, for probabilities
@@ -232,11 +232,9 @@ def hf_swin_bias_grads(
             scores = (scores.unflatten(0, (batch, windows)) + mask.to(dtype)[None, :, None]).flatten(0, 1)
         probs = scores.softmax(-1)
         d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
-        d_scores = _scores_grad(
-            probs, v, split(d_out @ module.o_proj.weight.to(dtype)), dy[:, n * channels :]
-        )
+        d_scores = scores_grad(probs, v, split(d_out @ module.o_proj.weight.to(dtype)), dy[:, n * channels :])
     index = module.relative_position_bias.relative_position_index
-    grad = _table_grads(d_scores.reshape(batch, windows, heads, n, n), index, table)
+    grad = table_grads(d_scores.reshape(batch, windows, heads, n, n), index, table)
     return {_HF_TABLE: Dense(grad.to(table.dtype))}
 
 
@@ -353,7 +351,7 @@ def hf_swinv2_grads(
         q, k, v = (split(projections[name]) for name in ("query", "key", "value"))
         cos = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).transpose(-2, -1)
         d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
-        d_scores = _scores_grad(probs, v, split(d_out), dy[:, n * channels :])
+        d_scores = scores_grad(probs, v, split(d_out), dy[:, n * channels :])
         d_scores = d_scores.reshape(batch, windows, heads, n, n)
         log_scale = module.logit_scale.to(dtype).reshape(heads)
         scale = log_scale.clamp(max=_V2_MAX_LOGIT_SCALE).exp() * (log_scale <= _V2_MAX_LOGIT_SCALE)
@@ -364,7 +362,7 @@ def hf_swinv2_grads(
         pre = nn.functional.linear(coords, first.weight.to(dtype), _cast(first.bias, dtype))  # (r, 512)
         hid = pre.relu()
         sig = nn.functional.linear(hid, second.weight.to(dtype), _cast(second.bias, dtype)).sigmoid()
-        d_table = _table_grads(d_scores, module.relative_position_index, sig)  # (B, r, heads)
+        d_table = table_grads(d_scores, module.relative_position_index, sig)  # (B, r, heads)
         d_table = d_table * (16 * sig * (1 - sig))
         # the first layer's [weight | bias] gradient, sum_r dhid_i[r, k] [c_r | 1]_j with dhid_i = (dT_i W2) *
         # 1[pre > 0], summed over r before the heads: never the (B, r, 512) per-example hidden gradient
