@@ -323,6 +323,23 @@ def t5(layers: int = 1) -> nn.Module:
     return T5ForConditionalGeneration(config).double().eval()
 
 
+def switch_transformers() -> nn.Module:
+    """Tiny random Switch Transformer (T5 with top-1 mixtures of experts, Fedus et al. 2022): every layer of
+    encoder and decoder sparse, 4 experts held as one module each, an expert capacity of 2 tokens per
+    sequence (so that tokens are dropped), a T5 relative attention bias (shared by all examples). Its routers
+    compute in float32 (``router_dtype`` allows no float64), the rest in float64."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    config = SwitchTransformersConfig(
+        vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=2, num_decoder_layers=2, num_heads=2,
+        num_experts=4, expert_capacity=2, encoder_sparse_step=1, decoder_sparse_step=1,
+        relative_attention_num_buckets=8, dropout_rate=0.0, router_jitter_noise=0.0, pad_token_id=0,
+        decoder_start_token_id=0, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return SwitchTransformersForConditionalGeneration(config).double().eval()
+
+
 def longt5(attention: str) -> nn.Module:
     """Tiny random LongT5 with ``local`` or ``transient-global`` encoder attention: its relative attention
     bias (and the transient-global side bias) is an Embedding on buckets shared by all examples, as T5's."""
@@ -560,6 +577,7 @@ NEW_CASES = [
     "bert_mean_pool",  # masked mean over tokens: padded positions must not reach the logits
     "t5_len_eq_batch",
     "t5_len_ne_batch",
+    "switch_transformers",  # top-1 experts held as one module each, per-sequence capacity, a T5 bias
     "longt5_local",  # relative attention bias of local attention blocks, shared by all examples
     "longt5_transient_global",  # and the transient-global side bias
     "bart",  # the decoder's learned positions for arange(T), shared by all examples
@@ -688,7 +706,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
         model = distilbert() if name == "distilbert" else bert_mean_pool()
         return model, engine_models.seq_classification_loss, batch, info
-    if name.startswith(("t5", "longt5", "bart", "blenderbot")):
+    if name.startswith(("t5", "longt5", "bart", "blenderbot", "switch")):
         source = engine_models._padded_text(size, length, 32, gen)
         source["input_ids"] = source["input_ids"].masked_fill(source["attention_mask"] == 0, 0)
         target = torch.randint(2, 32, (size, length), generator=gen)
@@ -702,7 +720,12 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             source_pad = {"input_ids": 1, "attention_mask": 0}
             batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 1)
             return bart(name), seq2seq_loss, batch, {"padding": source_pad}
-        model = longt5(name.removeprefix("longt5_").replace("_", "-")) if name.startswith("longt5") else t5()
+        if name == "switch_transformers":
+            model = switch_transformers()
+        elif name.startswith("longt5"):
+            model = longt5(name.removeprefix("longt5_").replace("_", "-"))
+        else:
+            model = t5()
         return model, seq2seq_loss, batch, {"padding": {"input_ids": 0, "attention_mask": 0}}
     if name == "mpnet":
         batch = engine_models._padded_text(size, 6, 32, gen)

@@ -251,6 +251,37 @@ class HFCausalLM(CausalLM):
         ).train()
 
 
+class HFSeq2SeqLM(BenchModel):
+    """A Hugging Face encoder-decoder LM from its ``model_type`` (e.g. ``switch_transformers``) and config
+    fields, random weights: random source ids of length T, targets of length T, and the loss of example i,
+    ``sum_t CE(logits_{i,t}, y_{i,t})`` (the decoder's inputs are the targets shifted right)."""
+
+    family = "fallback"
+    sequence = True
+
+    def __init__(self, architecture: str, **config: int | float | str | bool) -> None:
+        self.architecture, self.config = architecture, dict(config)
+
+    def build(self) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+        config = AutoConfig.for_model(self.architecture, **self.config)
+        return AutoModelForSeq2SeqLM.from_config(config).train()
+
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        vocab, length = self.config.get("vocab_size", 32128), _need(seq_len)
+        return {
+            "input_ids": torch.randint(1, vocab, (batch_size, length), generator=generator),
+            "labels": torch.randint(1, vocab, (batch_size, length), generator=generator),
+        }
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        labels = batch["labels"]
+        logits = model(**batch).logits
+        tokens = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+        return tokens.view(labels.shape).sum(1)
+
+
 class HFSequenceClassifier(RobertaClassifier):
     """A Hugging Face sequence classifier from its ``model_type`` (e.g. ``deberta``) and config fields, random
     weights; batches and loss as :class:`RobertaClassifier`'s."""

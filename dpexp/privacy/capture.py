@@ -120,7 +120,7 @@ def _parts(name: str, module: nn.Module, rule: LayerRule | None) -> dict[str, nn
             f"parameters of {list(reads)} (register_reads): a rule covers its own submodules "
             "through LayerRule.claims; remove one of the two."
         )
-    subs = rule.claims if rule is not None else reads
+    subs = rule.claimed(module) if rule is not None else reads
     return {"": module, **{sub: module.get_submodule(sub) for sub in subs}}
 
 

@@ -106,6 +106,10 @@ def register_shared_weight(owner_type: type[nn.Module] | str, *attrs: str) -> No
 register_shared("transformers.models.t5.modeling_t5.T5Attention", "relative_attention_bias")
 register_shared("transformers.models.mt5.modeling_mt5.MT5Attention", "relative_attention_bias")
 register_shared("transformers.models.umt5.modeling_umt5.UMT5Attention", "relative_attention_bias")
+register_shared(
+    "transformers.models.switch_transformers.modeling_switch_transformers.SwitchTransformersAttention",
+    "relative_attention_bias",
+)
 for _attention in ("LongT5Attention", "LongT5LocalAttention", "LongT5TransientGlobalAttention"):
     register_shared(f"transformers.models.longt5.modeling_longt5.{_attention}", "relative_attention_bias")
 # learned positions looked up for position ids of batch size 1 (arange(T)), added to every example

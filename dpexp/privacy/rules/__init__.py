@@ -83,7 +83,8 @@ class LayerRule:
     its ``in_proj``). A rule with a ``call`` layout
     covers modules with several inputs and outputs (:class:`CallLayout`). ``claims`` names submodules whose
     parameters the rule covers as its own (keys ``"out_proj.weight"``): ``nn.MultiheadAttention`` reads its
-    ``out_proj``'s weight and bias without calling it.
+    ``out_proj``'s weight and bias without calling it; a function of the module names them where they depend
+    on its configuration (Switch Transformers' one module per expert).
 
     A ``position_wise`` rule treats every axis between the example axis and the feature axis as a position
     (:func:`as_sequence`): the layer acts on each position alone, so an input flattened to (B*T, ..., F) with
@@ -102,10 +103,15 @@ class LayerRule:
     tap: str | tuple[str, ...] | None = None  # several: each called once per call; the rule gets (x, k)
     position_wise: bool = False  # a flattened (B*T, ...) input may be folded to (B, T, ...)
     call: CallLayout | None = None
-    claims: tuple[str, ...] = ()
+    claims: tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]] = ()
     numbered_tap: bool = False  # the tap is called several times per module call; the rule gets (x, k)
     keep_output: KeepFn | None = None
     tap_output: bool = False  # the tap's output and its gradient, instead of its input's
+
+    def claimed(self, module: nn.Module) -> tuple[str, ...]:
+        """The submodules of ``module`` whose parameters the rule covers (``claims``, or what it says of
+        ``module``: the experts of a module holding one per expert)."""
+        return self.claims(module) if callable(self.claims) else self.claims
 
     @property
     def taps(self) -> tuple[str, ...]:
@@ -156,7 +162,7 @@ def register_rule(
     tap: str | tuple[str, ...] | None = None,
     position_wise: bool = False,
     call: CallLayout | None = None,
-    claims: tuple[str, ...] = (),
+    claims: tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]] = (),
     numbered_tap: bool = False,
     keep_output: KeepFn | None = None,
     copies: bool = False,
@@ -268,6 +274,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     conv,
     embedding,
     embedding_bag,
+    expert_modules,
     forget_gate,
     grn,
     layer_scale,

@@ -117,7 +117,7 @@ ROW_GATES = {  # classes' own ``_apply_gate`` known to act on each row alone
 }
 
 
-def _qualified(obj: Any) -> str:
+def qualified(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
@@ -173,7 +173,7 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
         )
     act = module.act_fn
     if isinstance(act, nn.Module):
-        known = _qualified(act) in ELEMENTWISE and not any(True for _ in act.parameters())
+        known = qualified(act) in ELEMENTWISE and not any(True for _ in act.parameters())
     else:  # a function: known by identity
         known = any(act is function for function in ELEMENTWISE_FUNCTIONS)
     if not known:
@@ -188,7 +188,7 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
 
 def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
     """(reason, fix) if the experts rule cannot reproduce ``module``'s forward, else None."""
-    eager = EAGER_LAYOUTS.get(_qualified(module), (False, False, True))
+    eager = EAGER_LAYOUTS.get(qualified(module), (False, False, True))
     if _layout(module) != eager:
         return (
             f"its layout (is_transposed, has_bias, has_gate) = {_layout(module)} is not the {eager} its "
@@ -254,10 +254,10 @@ def experts_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tu
             "mixture-of-experts rule needs (N, d) rows with (N, k) routing. Call the experts as the sparse "
             "MoE block does."
         )
-    return x, index, weights, _compute_dtype(x)
+    return x, index, weights, compute_dtype(x)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the call's matmuls run in: autocast's where it is on (the rules run in the backward pass,
     outside it, and recompute in this dtype explicitly), else the input's."""
     device = x.device.type
@@ -356,7 +356,7 @@ def llama4_experts_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]
             f"got hidden_states of shape {shape}; the privacy engine's Llama 4 experts rule needs the "
             f"(E*N, d) rows of its E = {experts} experts, expert-major. Call them as Llama4TextMoe does."
         )
-    return x.view(experts, -1, x.shape[-1]).transpose(0, 1), _compute_dtype(x)
+    return x.view(experts, -1, x.shape[-1]).transpose(0, 1), compute_dtype(x)
 
 
 def llama4_experts_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -440,7 +440,7 @@ def jamba_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_router(module: nn.Module) -> None:
-    form = ROUTERS.get(_qualified(module))
+    form = ROUTERS.get(qualified(module))
     refuse(
         module,
         "mixture-of-experts",
@@ -555,7 +555,7 @@ def router_inputs(
         call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
         call.apply_defaults()
         hidden, *others = list(call.arguments.values())[1:]
-        dtype = _compute_dtype(hidden)
+        dtype = compute_dtype(hidden)
         if float32_logits and (autocast_off or not torch.is_autocast_enabled(hidden.device.type)):
             dtype = torch.float32
         return hidden.reshape(-1, hidden.shape[-1]), dtype, *others
