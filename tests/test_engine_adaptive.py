@@ -129,3 +129,19 @@ def test_threshold_update_reads_the_centred_count_with_the_expected_batch_size()
     # B = 10 expected; centred counts +5 (all 10 unclipped) and -5 (all clipped): fractions 1 and 0
     updated = update_thresholds(thresholds, torch.tensor([5.0, -5.0]), 10, config, global_norm=1.0)
     torch.testing.assert_close(updated, torch.exp(torch.tensor([-0.15, 0.15], dtype=torch.float64)))
+
+
+def test_fixed_thresholds_count_nothing():
+    """Without adaptive thresholds no statistic is counted (nothing would release it): the statistics stay
+    zero, where the same step with adaptive thresholds counts every example in every group."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    engine = PrivacyEngine(
+        model, batch_size=8, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0, clipping="per_layer"
+    )
+    engine.backward(model(x, y))
+    assert not engine.adaptive_statistics.any()
+    engine.detach()
+    counts = _centred_counts_after(model, x, y, [1e6] * len(engine.groups))  # every example unclipped
+    assert torch.equal(counts, torch.full_like(counts, 8 / 2))

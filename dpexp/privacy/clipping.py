@@ -28,6 +28,7 @@ The book-keeping strategy keeps instantiated per-example gradients, so that the 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -183,7 +184,7 @@ class Clipper:
     tied parameters), clipping factors once a group's last use has arrived, clipped sums accumulated across
     micro-batches, and the statistic adaptive thresholds release (:mod:`dpexp.privacy.adaptive`): the centred
     clip counts (``statistic="count"``) or the norms clipped at ``bound_factor`` times the threshold
-    (``"norm"``).
+    (``"norm"``); None without adaptive thresholds (nothing is counted: ~7 launches a group on a GPU).
 
     ``groups`` partition the trainable parameters (:mod:`dpexp.privacy.grouping`), ``thresholds`` has shape
     (K,), ``shared`` names the parameters used by more than one layer. ``transform``: every per-example
@@ -201,7 +202,7 @@ class Clipper:
         norm_mode: NormMode,
         function: ClipFunction = "standard",
         stability: float = 0.01,
-        statistic: str = "count",
+        statistic: str | None = "count",
         bound_factor: float = 1.0,
         transform: Transform | None = None,
     ) -> None:
@@ -350,9 +351,9 @@ class Clipper:
         threshold = float(self.thresholds[k])
         if self.statistic == "norm":
             self.statistics[k] += clipped_norm_sums(norm, self.bound_factor * threshold)
-        else:
+        elif self.statistic == "count":
             self.statistics[k] += centred_counts(norm, threshold)
-        finite = torch.isfinite(norm)
+        finite = norm < math.inf  # False for inf and NaN; one comparison (isfinite is four launches)
         self.finite[k] = None if self._ask_host and bool(finite.all()) else finite
         bound = threshold if scales is None else threshold * scales.to(norm)
         return torch.where(finite, clipping_factors(norm, bound, self.function, self.stability), 0.0)

@@ -229,7 +229,7 @@ class PrivacyEngine:
             self.norm_mode,
             clip_function,
             automatic_stability,
-            statistic="norm" if norm_based else "count",
+            statistic=None if self.adaptive is None else "norm" if norm_based else "count",
             bound_factor=self.adaptive.bound_factor if norm_based else 1.0,
             transform=None if self.coordinate is None else self._standardise,
         )
@@ -283,7 +283,7 @@ class PrivacyEngine:
     def adaptive_statistics(self) -> torch.Tensor:
         """This step's statistic per group so far, before noise, shape (K,): what adaptive thresholds release,
         ``sum_i (1[||g_{i,k}|| <= C_k] - 1/2)`` (quantile; sensitivity 1/2) or ``sum_i min(||g_{i,k}||,
-        beta C_k)`` (norm; sensitivity beta C_k)."""
+        beta C_k)`` (norm; sensitivity beta C_k); zeros without adaptive thresholds (nothing is counted)."""
         return self._clipper.statistics.clone()
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
