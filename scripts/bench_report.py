@@ -7,8 +7,8 @@
   ``analysis.md`` of the misses when it exists), then per suite the machine, a table
   (model, method, batch, s/step median [min, max], examples/s, throughput and memory ratios to
   ``nonprivate``), the failures with their messages and, on GPU, the largest batch per method;
-* ``<suite>.png``: throughput and peak-memory ratio per method and model (``kind: models`` suites), or
-  seconds per step, throughput ratio and step memory against sequence length (``kind: scaling``).
+* ``<file>.png`` (the JSON's name): throughput and peak-memory ratio per method and model (``kind: models``
+  suites), or seconds per step, throughput ratio and step memory against sequence length (``kind: scaling``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from omegaconf import OmegaConf
 
 from dpexp.bench import aggregate
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench"
+SUITES = Path(__file__).resolve().parents[1] / "conf" / "bench_suite"
 Record = dict[str, Any]
 
 
@@ -86,7 +88,7 @@ TARGETS = [
 def load(results: Path) -> list[dict[str, Any]]:
     """Every benchmark JSON in ``results``, ordered by suite name. Records are recomputed from the raw runs
     by :func:`dpexp.bench.aggregate`, so that every suite is reported with the same (current) estimator."""
-    suites = [json.loads(path.read_text()) for path in sorted(results.glob("*.json"))]
+    suites = [{**json.loads(path.read_text()), "file": path.name} for path in sorted(results.glob("*.json"))]
     for suite in suites:
         if suite.get("runs"):
             suite["records"] = aggregate(suite["runs"])
@@ -247,6 +249,54 @@ def max_batch_lines(suite: dict[str, Any]) -> list[str]:
     return lines
 
 
+def paper_spec(suite: str) -> dict[str, Any] | None:
+    """The ``paper`` block of ``conf/bench_suite/<suite>.yaml`` (the published ratios), if it has one."""
+    path = SUITES / f"{suite}.yaml"
+    spec = OmegaConf.load(path).get("paper") if path.is_file() else None
+    return None if spec is None else OmegaConf.to_container(spec)
+
+
+def paper_lines(suites: list[dict[str, Any]]) -> list[str]:
+    """Each suite with a ``paper`` block, in the paper's layout: per model, the throughput of the block's
+    ``method`` over each column's method (over ``nonprivate``: the ratio itself), ours / the paper's /
+    ours - paper. A model's runs come from the latest JSON of the suite where its ``method`` ran."""
+    lines: list[str] = []
+    for name in sorted({suite["suite"] for suite in suites}):
+        spec = paper_spec(name)
+        if spec is None:
+            continue
+        ours: dict[str, dict[str, Record]] = {}
+        for suite in sorted((s for s in suites if s["suite"] == name), key=lambda s: s["machine"]["date"]):
+            for (model, _, _), by_method in _by_config(suite["records"]).items():
+                if _get(by_method, spec["method"], "throughput") is not None:
+                    ours[model] = by_method
+        columns = spec["columns"]
+        lines += [
+            "",
+            f"### {spec['title']}: ours / paper / difference (`bench_suite={name}`)",
+            "",
+            "| model | " + " | ".join(columns.values()) + " |",
+            "|---|" + "---|" * len(columns),
+        ]
+        for model, reported in spec["reported"].items():
+            cells = []
+            runs = ours.get(model, {})
+            for column in columns:
+                mine = _get(runs, spec["method"], "throughput")
+                if column != "nonprivate":
+                    theirs = _get(runs, column, "throughput")
+                    mine = mine / theirs if mine is not None and theirs else None
+                paper = reported.get(column)
+                diff = _fmt(mine - paper, "+.2f") if mine is not None and paper is not None else "-"
+                failed = column in runs and runs[column]["status"] != "ok"
+                text = _fmt(mine) if mine is not None else f"{column} failed" if failed else "no run"
+                cells.append(f"{text} / {_fmt(paper)} / {diff}")
+            lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    if lines:
+        lines = ["", "## Beside the papers", *lines]
+    return lines
+
+
 def later_lines(results: Path) -> list[str]:
     """The targets of the suites in ``results``' subfolders (each a later measurement of some models, with
     its own report), in date order: where a model is in both, this folder's table and a subfolder's differ
@@ -291,13 +341,15 @@ def write_markdown(
             "[analysis.md](analysis.md) (written by hand; the numbers above come from the JSON alone).",
         ]
     lines += later
+    lines += paper_lines(suites)
     for suite in suites:
-        lines += ["", f"## Suite `{suite['suite']}`", "", *machine_lines(suite), "", *results_table(suite)]
+        heading = f"## Suite `{suite['suite']}` (`{suite['file']}`)"
+        lines += ["", heading, "", *machine_lines(suite), "", *results_table(suite)]
         if errors := error_lines(suite):
             lines += ["", "Failures:", "", *errors]
         if batches := max_batch_lines(suite):
             lines += ["", "Largest physical batch that fits:", "", *batches]
-        lines += ["", *(f"![{name}]({name})" for name in plots.get(suite["suite"], []))]
+        lines += ["", *(f"![{name}]({name})" for name in plots.get(suite["file"], []))]
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -331,7 +383,7 @@ def plot_ratios(suite: dict[str, Any], out: Path) -> str:
     axes[0].legend(ncol=4, fontsize=8)
     fig.suptitle(f"suite {suite['suite']} (x: failed)")
     fig.tight_layout()
-    name = f"{suite['suite']}.png"
+    name = f"{Path(suite['file']).stem}.png"
     fig.savefig(out / name, dpi=100)
     plt.close(fig)
     return name
@@ -368,7 +420,7 @@ def plot_scaling(suite: dict[str, Any], out: Path) -> str:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"suite {suite['suite']}: scaling with sequence length (dashed: bk with a forced norm mode)")
     fig.tight_layout()
-    name = f"{suite['suite']}.png"
+    name = f"{Path(suite['file']).stem}.png"
     fig.savefig(out / name, dpi=100)
     plt.close(fig)
     return name
@@ -386,7 +438,7 @@ def report(results: Path, out: Path | None = None) -> Path:
         if not any(r["status"] == "ok" for r in suite["records"]):
             continue
         plot = plot_scaling if suite.get("kind") == "scaling" else plot_ratios
-        plots[suite["suite"]] = [plot(suite, out)]
+        plots[suite["file"]] = [plot(suite, out)]
     write_markdown(suites, out, plots, later_lines(results))
     return out / "README.md"
 

@@ -420,3 +420,29 @@ def test_fallback_suite_models_have_exactly_the_named_rule_less_modules() -> Non
         seq_len = (entry.get("seq_lens") or [None])[0]
         batch = bench_model.make_batch(2, seq_len, torch.Generator().manual_seed(0))
         assert bench_model.per_example_loss(model, batch).shape == (2,)
+
+
+def test_report_prints_the_papers_ratios_beside_ours() -> None:
+    """bu2023_table1's ``paper`` block: bk's throughput over each method (over non-private: its ratio), ours /
+    the paper's / the difference, from the latest JSON of the suite where bk ran; a failed method says so."""
+    report = _report_module()
+
+    def record(model: str, method: str, throughput: float | None) -> dict:
+        status = "ok" if throughput is not None else "error"
+        return {"model": model, "method": method, "seq_len": 1, "batch_size": 8, "status": status,
+                "ratios": {"throughput": throughput}}  # fmt: skip
+
+    def suite(date: str, records: list[dict]) -> dict:
+        return {"suite": "bu2023_table1", "machine": {"date": date}, "records": records}
+
+    early = suite("2026-01-01", [record("beit_large", "bk", 0.1), record("beit_large", "ghost", 0.1)])
+    late = suite("2026-02-01", [record("beit_large", m, r) for m, r in [("bk", 0.45), ("ghost", 0.3)]])
+    late["records"].append(record("beit_large", "opacus", None))
+    other = suite("2026-01-15", [record("roberta_large", m, r) for m, r in [("bk", 0.75), ("ghost", 0.6)]])
+    other["records"].append(record("roberta_large", "opacus", 0.5))
+    lines = report.paper_lines([late, early, other])
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[6:]]
+    rows = {row[0]: row[1:] for row in cells}
+    assert rows["roberta_large"] == ["1.25 / 1.36 / -0.11", "1.50 / 1.96 / -0.46", "0.75 / 0.77 / -0.02"]
+    assert rows["beit_large"] == ["1.50 / 1.33 / +0.17", "opacus failed / 38.30 / -", "0.45 / 0.76 / -0.31"]
+    assert rows["gpt2_large"] == ["no run / 1.36 / -", "no run / 4.41 / -", "no run / 0.83 / -"]
