@@ -18,7 +18,8 @@ recomputes ``g_t`` (one matmul per expert, as the forward) and takes ``act'`` by
 module's own activation. The engine folds the N rows to (B, T) once its probe establishes that rows
 [i*T, (i+1)*T) are example i's, the routing tensors with them.
 
-Refused, with the fix: dropout inside the experts in training (its mask cannot be replayed), an activation
+Refused, with the fix: dropout inside the experts in training (drawn over the rows gathered from all
+examples, one example's routing moves the others' masks, and the rule cannot replay them), an activation
 not known to act elementwise, parameters besides the experts' two weights. (NLLB-MoE's experts, alike in
 form, stay refused: its router counts expert capacity over the tokens of the whole batch, so one example's
 tokens decide which of another's reach their experts.)
@@ -79,7 +80,8 @@ def switch_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
     if module.training and drops:
         raise ValueError(
             f"its experts apply dropout (p = {sorted(set(drops.values()))}) in training, between their two "
-            "layers, whose masks the mixture-of-experts rule cannot recompute; set dropout_rate=0 in the "
+            "layers, on the rows gathered from all examples: one example's routing moves where the others' "
+            "masks fall in the random stream, and the rule cannot recompute them; set dropout_rate=0 in the "
             "config, or freeze the experts"
         )
     shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in (hidden, selected, weights)]
