@@ -30,6 +30,7 @@ convolution's, i.e. that of output gradients ``gamma_r dy_r``, and the gain's is
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import torch
@@ -87,8 +88,9 @@ class Standardized(PerExampleGrad):
         return self.inner.held_extra_values()
 
     def _masked(self, keep: torch.Tensor) -> Standardized:
-        module = self.inner.module  # the kept output serves the norms only, which come first
-        return Standardized(self.inner.masked(keep), module.weight, module.eps)
+        other = copy.copy(self)  # the same standardised weight; the kept output serves the norms only
+        other.inner, other.output = self.inner.masked(keep), None
+        return other
 
     def _weighted_sum(self, coef: torch.Tensor) -> torch.Tensor:
         return self._vjp(self.inner.weighted_sum(coef).view(self.w_hat.shape)).view(self.shape)
