@@ -151,7 +151,7 @@ def refuse(module: nn.Module, rule: str, kind: str, reason: str | None, fix: str
         )
 
 
-def _qualified_name(module_type: type) -> str:
+def qualified_name(module_type: type) -> str:
     return f"{module_type.__module__}.{module_type.__qualname__}"
 
 
@@ -180,7 +180,7 @@ def register_rule(
 
     def decorate(fn: GradFn) -> GradFn:
         for module_type in module_types:
-            key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
+            key = module_type if isinstance(module_type, str) else qualified_name(module_type)
             _RULES[key] = LayerRule(
                 fn,
                 check,
@@ -208,13 +208,13 @@ def register_reads(module_type: type[nn.Module] | str, *submodules: str) -> None
     ``"conv1d.weight"``), and the submodules are no layers of their own: every use of their parameters
     inside the module's calls is covered, a call of them as modules included. A use anywhere else is not,
     and verification refuses it (the per-example gradients would not add up to the gradient)."""
-    key = module_type if isinstance(module_type, str) else _qualified_name(module_type)
+    key = module_type if isinstance(module_type, str) else qualified_name(module_type)
     _READS[key] = (*_READS.get(key, ()), *submodules)
 
 
 def reads_for(module: nn.Module) -> tuple[str, ...]:
     """The submodules whose parameters ``module``'s forward is declared to read (:func:`register_reads`)."""
-    return _READS.get(_qualified_name(type(module)), ())
+    return _READS.get(qualified_name(type(module)), ())
 
 
 def rule_for(module: nn.Module) -> LayerRule | None:
@@ -226,7 +226,7 @@ def rule_for_type(cls: type) -> LayerRule | None:
     """The rule registered for exactly ``cls``, or for its parent where it only configures it
     (:func:`~dpexp.privacy.rules.copies.configures`), or for a type registered with ``copies=True`` that
     ``cls`` is a copy of, or None."""
-    rule = _RULES.get(_qualified_name(cls))
+    rule = _RULES.get(qualified_name(cls))
     if rule is None:
         if cls not in _RULES_OF_COPIES:
             _RULES_OF_COPIES[cls] = _rule_of_original(cls)

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Outer, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
-from dpexp.privacy.rules.moe import ELEMENTWISE, compute_dtype, qualified
+from dpexp.privacy.rules import CallLayout, first_output, qualified_name, refuse, register_rule
+from dpexp.privacy.rules.moe import ELEMENTWISE, compute_dtype
 
 SWITCH = "transformers.models.switch_transformers.modeling_switch_transformers"
 
@@ -62,7 +62,8 @@ def _refusal(module: nn.Module) -> str | None:
         if expert.wi.bias is not None or expert.wo.bias is not None:
             return f"expert_{e}'s wi or wo has a bias, which its forward does not have"
         act = expert.act
-        if not (isinstance(act, nn.Module) and qualified(act) in ELEMENTWISE and not list(act.parameters())):
+        known = isinstance(act, nn.Module) and qualified_name(type(act)) in ELEMENTWISE
+        if not known or list(act.parameters()):
             return f"expert_{e}'s activation {type(act).__name__} is not one it knows to act elementwise"
     return None
 

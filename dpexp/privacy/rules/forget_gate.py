@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import per_example_copies, refuse, register_rule
+from dpexp.privacy.rules import per_example_copies, qualified_name, refuse, register_rule
 from dpexp.privacy.rules.submodule_values import reproduced, unfollowed
 
 _HF = "transformers.models"
@@ -76,7 +76,7 @@ GATES: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {  # typ
 
 
 def _form(module: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple[str, ...]]:
-    return GATES[f"{type(module).__module__}.{type(module).__qualname__}"]
+    return GATES[qualified_name(type(module))]
 
 
 def _check(module: nn.Module) -> None:

@@ -47,7 +47,7 @@ from torch import nn
 from torch.func import functional_call
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import as_sequence, register_rule
+from dpexp.privacy.rules import as_sequence, qualified_name, register_rule
 
 _HF = "transformers.models"
 CHANNELS_LAST = [
@@ -124,7 +124,7 @@ _SCALES = {  # the layer's two scales in the order of its drop-path calls, the a
 
 
 def _scales_of(module: nn.Module) -> tuple[tuple[str, str], str, tuple[str, ...]]:
-    return _SCALES[f"{type(module).__module__}.{type(module).__qualname__}"]
+    return _SCALES[qualified_name(type(module))]
 
 
 def _check_two_scales(module: nn.Module) -> None:
@@ -145,9 +145,8 @@ def two_scales_grads(
 ) -> dict[str, PerExampleGrad]:
     """``call = (v, k)``: ``v``, ``dz`` (B, T, C), or (B, C, H, W) for PoolFormer's, at the input of
     ``module.drop_path`` in its call ``k`` of the layer's call (timm's BEiT block: of its k-th drop-path
-    module); returns the gradient of the k-th scale (B, C)
-    and zero for the other (the engine keeps the trainable ones: a parameter's ``requires_grad`` is off
-    while the engine holds it)."""
+    module); returns the gradient of the k-th scale (B, C) and zero for the other (the engine keeps the
+    trainable ones: a parameter's ``requires_grad`` is off while the engine holds it)."""
     v, k = call
     names, layout, _ = _scales_of(module)
     if k >= len(names):

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad, Routed
-from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, first_output, qualified_name, refuse, register_rule
 
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 QWEN2_MOE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
@@ -117,10 +117,6 @@ ROW_GATES = {  # classes' own ``_apply_gate`` known to act on each row alone
 }
 
 
-def qualified(obj: Any) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
 def _extra_parameters(module: nn.Module, own: tuple[str, ...]) -> str | None:
     """The module's trainable parameters besides ``own`` (a frozen one, read as a constant, is no concern)."""
     extra = sorted(name for name, p in module.named_parameters() if name not in own and p.requires_grad)
@@ -173,7 +169,7 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
         )
     act = module.act_fn
     if isinstance(act, nn.Module):
-        known = qualified(act) in ELEMENTWISE and not any(True for _ in act.parameters())
+        known = qualified_name(type(act)) in ELEMENTWISE and not any(True for _ in act.parameters())
     else:  # a function: known by identity
         known = any(act is function for function in ELEMENTWISE_FUNCTIONS)
     if not known:
@@ -188,7 +184,7 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
 
 def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
     """(reason, fix) if the experts rule cannot reproduce ``module``'s forward, else None."""
-    eager = EAGER_LAYOUTS.get(qualified(module), (False, False, True))
+    eager = EAGER_LAYOUTS.get(qualified_name(type(module)), (False, False, True))
     if _layout(module) != eager:
         return (
             f"its layout (is_transposed, has_bias, has_gate) = {_layout(module)} is not the {eager} its "
@@ -440,7 +436,7 @@ def jamba_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_router(module: nn.Module) -> None:
-    form = ROUTERS.get(qualified(module))
+    form = ROUTERS.get(qualified_name(type(module)))
     refuse(
         module,
         "mixture-of-experts",

@@ -26,17 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, qualified_name, refuse, register_rule
 
 _PREFIX = ("cls_token", "dist_token", "reg_token")  # in their order in the sequence
 _TOKENS = (*_PREFIX, "pos_embed")
 # whose token sequence reaches pos_drop without an absolute position embedding too (BEiT's relative position
 # bias instead, as in beit_large_patch16_224; timm's VisionTransformer then returns before pos_drop)
-_POS_DROP_WITHOUT_POS_EMBED = ("timm.models.beit.Beit",)
-
-
-def _name(module: nn.Module) -> str:
-    return f"{type(module).__module__}.{type(module).__qualname__}"
+_DROPS_WITHOUT_POS_EMBED = ("timm.models.beit.Beit",)
 
 
 def _check(module: nn.Module) -> None:
@@ -47,7 +43,9 @@ def _check(module: nn.Module) -> None:
         reason = f"it owns parameters {sorted(unknown)} that the rule does not know"
     elif getattr(module, "dynamic_img_size", False):
         reason = "dynamic_img_size=True resamples pos_embed per input size"
-    elif getattr(module, "pos_embed", None) is None and _name(module) not in _POS_DROP_WITHOUT_POS_EMBED:
+    elif getattr(module, "pos_embed", None) is None and (
+        qualified_name(type(module)) not in _DROPS_WITHOUT_POS_EMBED
+    ):
         reason = "without pos_embed the token sequence does not pass through pos_drop"
     elif not isinstance(getattr(module, "pos_drop", None), nn.Module):
         reason = "it has no pos_drop module"
