@@ -4,9 +4,10 @@ embedding (timm's ``VisionTransformer``, DeiT's ``VisionTransformerDistilled`` a
 data2vec-vision's) ``BeitEmbeddings``).
 
 timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
-(or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``) and passes it
-to ``pos_drop``. With ``dz_i = dL_i/dx_i`` of shape (T, d) at that point (the rule's tap), every one of these
-parameters is added to some positions, so its per-example gradient is a slice of ``dz_i``:
+(or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``; a ``Beit``
+without absolute positions, as BEiT-large: ``cat(cls, patches)``) and passes it to ``pos_drop``. With
+``dz_i = dL_i/dx_i`` of shape (T, d) at that point (the rule's tap), every one of these parameters is added
+to some positions, so its per-example gradient is a slice of ``dz_i``:
 
     d cls_i = dz_i[0],   d reg_i (or d dist_i) = dz_i[1 : 1 + R],   d pos_i = dz_i[P_0 : P_0 + T_pos]
 
