@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from dpexp.bench.measure import _build
+from dpexp.bench.plan import run_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,15 +43,8 @@ def main(model_name: str, methods: list[str], overrides: list[str]) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on CPU: a dry run, no counts
     cuda = device.type == "cuda"
     for method in methods:
-        spec = {
-            "model": OmegaConf.to_container(entry.spec, resolve=True),
-            "optimizer": OmegaConf.to_container(entry.optimizer, resolve=True),
-            "clip": OmegaConf.to_container(cfg.methods[method], resolve=True),
-            "noise_multiplier": float(cfg.noise_multiplier),
-            "sample_size": int(cfg.sample_size),
-            "seed": int(cfg.seed),
-            "seq_len": int(entry.seq_lens[0]) if entry.get("seq_lens") else None,
-        }
+        seq_len = entry.seq_lens[0] if entry.get("seq_lens") else None
+        spec = run_spec(cfg, model_name, method, entry.batch_sizes[0], seq_len, str(device))
         bench_model, backend, batch, _ = _build(spec, device, int(entry.batch_sizes[0]))
         counts: Counter[str] = Counter()
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpexp.bench.measure import _build
+from dpexp.bench.plan import run_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,15 +43,8 @@ def main(model_name: str, methods: list[str], overrides: list[str]) -> None:
     torch.set_num_threads(1)
     counted: dict[str, Counter[str]] = {}
     for method in methods:
-        spec = {
-            "model": OmegaConf.to_container(entry.spec, resolve=True),
-            "optimizer": OmegaConf.to_container(entry.optimizer, resolve=True),
-            "clip": OmegaConf.to_container(cfg.methods[method], resolve=True),
-            "noise_multiplier": float(cfg.noise_multiplier),
-            "sample_size": int(cfg.sample_size),
-            "seed": int(cfg.seed),
-            "seq_len": int(entry.seq_lens[0]) if entry.get("seq_lens") else None,
-        }
+        seq_len = entry.seq_lens[0] if entry.get("seq_lens") else None
+        spec = run_spec(cfg, model_name, method, entry.batch_sizes[0], seq_len, "cpu")
         bench_model, backend, batch, _ = _build(spec, torch.device("cpu"), int(entry.batch_sizes[0]))
         for step in range(3):
             mode = _Counting()

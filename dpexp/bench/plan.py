@@ -56,26 +56,31 @@ def plan(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
                     for method, world_size in _methods_and_world_sizes(
                         methods, world_sizes, suite.baseline_every
                     ):
-                        runs.append(
-                            {
-                                "model_name": model_name,
-                                "model": OmegaConf.to_container(entry.spec, resolve=True),
-                                "optimizer": OmegaConf.to_container(entry.optimizer, resolve=True),
-                                "method": method,
-                                "clip": OmegaConf.to_container(cfg.methods[method], resolve=True),
-                                "batch_size": int(batch_size),
-                                "seq_len": None if seq_len is None else int(seq_len),
-                                "repeat": repeat,
-                                "world_size": world_size,
-                                "warmup": int(suite.warmup),
-                                "steps": int(suite.steps),
-                                "device": device,
-                                "threads": cfg.threads,
-                                "amp": suite.amp,
-                                "noise_multiplier": float(cfg.noise_multiplier),
-                                "sample_size": int(cfg.sample_size),
-                                "seed": int(cfg.seed),
-                                "preload": list(cfg.preload),
-                            }
-                        )
+                        spec = run_spec(cfg, model_name, method, batch_size, seq_len, device)
+                        runs.append({**spec, "repeat": repeat, "world_size": world_size})
     return runs
+
+
+def run_spec(
+    cfg: DictConfig, model_name: str, method: str, batch_size: int, seq_len: int | None, device: str
+) -> dict[str, Any]:
+    """One run of the suite's model ``model_name`` with ``method``, as ``measure._build`` builds it."""
+    suite, entry = cfg.bench_suite, cfg.bench_suite.models[model_name]
+    return {
+        "model_name": model_name,
+        "model": OmegaConf.to_container(entry.spec, resolve=True),
+        "optimizer": OmegaConf.to_container(entry.optimizer, resolve=True),
+        "method": method,
+        "clip": OmegaConf.to_container(cfg.methods[method], resolve=True),
+        "batch_size": int(batch_size),
+        "seq_len": None if seq_len is None else int(seq_len),
+        "warmup": int(suite.warmup),
+        "steps": int(suite.steps),
+        "device": device,
+        "threads": cfg.threads,
+        "amp": suite.amp,
+        "noise_multiplier": float(cfg.noise_multiplier),
+        "sample_size": int(cfg.sample_size),
+        "seed": int(cfg.seed),
+        "preload": list(cfg.preload),
+    }
