@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Outer, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, first_output, qualified_name, refuse, register_rule
-from dpexp.privacy.rules.moe import ELEMENTWISE, compute_dtype
+from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
+from dpexp.privacy.rules.moe import activation_refusal, compute_dtype
 
 SWITCH = "transformers.models.switch_transformers.modeling_switch_transformers"
+_FIX = "Freeze the experts."
 
 
 def _experts(module: nn.Module) -> list[nn.Module]:
@@ -49,27 +50,27 @@ def experts_claims(module: nn.Module) -> tuple[str, ...]:
     return tuple(f"expert_{e}.{name}" for e in range(module.num_experts) for name in ("wi", "wo"))
 
 
-def _refusal(module: nn.Module) -> str | None:
+def _refusal(module: nn.Module) -> tuple[str, str] | None:
     names = sorted(module.keys())
     if names != sorted(f"expert_{e}" for e in range(module.num_experts)):
-        return f"its experts {names} are not expert_0 .. expert_{module.num_experts - 1}"
+        return f"its experts {names} are not expert_0 .. expert_{module.num_experts - 1}", _FIX
     for e, expert in enumerate(_experts(module)):
         own = {name for name, p in expert.named_parameters() if p.requires_grad}
         if not own <= {"wi.weight", "wo.weight"}:
-            return f"expert_{e} has parameters {sorted(own - {'wi.weight', 'wo.weight'})} besides wi and wo"
+            extra = sorted(own - {"wi.weight", "wo.weight"})
+            return f"expert_{e} has parameters {extra} besides wi and wo", _FIX
         if not all(type(getattr(expert, name, None)) is nn.Linear for name in ("wi", "wo")):
-            return f"expert_{e}'s wi and wo are not both nn.Linear"
+            return f"expert_{e}'s wi and wo are not both nn.Linear", _FIX
         if expert.wi.bias is not None or expert.wo.bias is not None:
-            return f"expert_{e}'s wi or wo has a bias, which its forward does not have"
-        act = expert.act
-        known = isinstance(act, nn.Module) and qualified_name(type(act)) in ELEMENTWISE
-        if not known or list(act.parameters()):
-            return f"expert_{e}'s activation {type(act).__name__} is not one it knows to act elementwise"
+            return f"expert_{e}'s wi or wo has a bias, which its forward does not have", _FIX
+        refusal = activation_refusal(expert.act, f"expert_{e}'s")
+        if refusal is not None:
+            return refusal
     return None
 
 
 def _check(module: nn.Module) -> None:
-    refuse(module, "mixture-of-experts", "experts module", _refusal(module), "Freeze the experts.")
+    refuse(module, "mixture-of-experts", "experts module", *(_refusal(module) or (None, _FIX)))
 
 
 def switch_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:

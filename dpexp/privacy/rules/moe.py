@@ -167,19 +167,24 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
             f"its gate {gate.__qualname__} is not one it knows to act on each row alone",
             "Freeze the experts.",
         )
-    act = module.act_fn
+    return activation_refusal(module.act_fn, "its")
+
+
+def activation_refusal(act: Any, whose: str) -> tuple[str, str] | None:
+    """(reason, fix) if ``act`` (a module or a function) is not an activation known to act elementwise
+    (:data:`ELEMENTWISE`, :data:`ELEMENTWISE_FUNCTIONS`), else None."""
     if isinstance(act, nn.Module):
         known = qualified_name(type(act)) in ELEMENTWISE and not any(True for _ in act.parameters())
     else:  # a function: known by identity
         known = any(act is function for function in ELEMENTWISE_FUNCTIONS)
-    if not known:
-        name = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
-        known_names = [n.rsplit(".", 1)[1] for n in ELEMENTWISE] + [f.__name__ for f in ELEMENTWISE_FUNCTIONS]
-        return (
-            f"its activation {name} is not one it knows to act elementwise",
-            f"Use one of {sorted(known_names)}, or freeze the experts.",
-        )
-    return None
+    if known:
+        return None
+    name = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
+    known_names = [n.rsplit(".", 1)[1] for n in ELEMENTWISE] + [f.__name__ for f in ELEMENTWISE_FUNCTIONS]
+    return (
+        f"{whose} activation {name} is not one it knows to act elementwise",
+        f"Use one of {sorted(known_names)}, or freeze the experts.",
+    )
 
 
 def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:
