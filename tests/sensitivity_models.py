@@ -230,16 +230,33 @@ class NormActConvNet(nn.Module):
 
 class HFViTLogits(nn.Module):
     """Hugging Face ViT classifier (its embeddings' class and position tokens by rule) returning logits;
-    ``clip``: CLIP's vision tower and head instead (class embedding by rule, an unused post-LayerNorm)."""
+    ``kind="clip"``: CLIP's vision tower and head instead (class embedding by rule, an unused post-LayerNorm);
+    ``kind="pvt"``: PVT's two stages, each with its patch embeddings' position table (and a class token in the
+    last) by the same rule."""
 
-    def __init__(self, clip: bool = False) -> None:
+    def __init__(self, kind: str = "vit") -> None:
         super().__init__()
-        from transformers import CLIPConfig, CLIPForImageClassification, ViTConfig, ViTForImageClassification
+        from transformers import (
+            CLIPConfig,
+            CLIPForImageClassification,
+            PvtConfig,
+            PvtForImageClassification,
+            ViTConfig,
+            ViTForImageClassification,
+        )
 
         sizes = {"image_size": 8, "patch_size": 4, "hidden_size": 8, "num_hidden_layers": 1,
                  "num_attention_heads": 2, "intermediate_size": 12}  # fmt: skip
-        if clip:
+        if kind == "clip":
             self.vit = CLIPForImageClassification(CLIPConfig(vision_config=sizes, num_labels=3))
+            return
+        if kind == "pvt":
+            config = PvtConfig(
+                image_size=8, num_encoder_blocks=2, depths=[1, 1], sequence_reduction_ratios=[2, 1],
+                hidden_sizes=[8, 16], patch_sizes=[4, 2], strides=[4, 2], num_attention_heads=[1, 2],
+                mlp_ratios=[2, 2], num_labels=3,
+            )  # fmt: skip
+            self.vit = PvtForImageClassification(config)
             return
         config = ViTConfig(
             **sizes, num_channels=3, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
@@ -263,8 +280,8 @@ def _layer_case(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return NormActConvNet(conv, nn.GroupNorm(2, 4), nn.PReLU(), 4), (4, 3, 3)
     if name == "conv3d":
         return NormActConvNet(nn.Conv3d(2, 3, 2, padding=1), nn.Identity(), nn.Tanh(), 3), (2, 3, 3, 3)
-    if name in ("hf_vit", "hf_clip"):
-        return HFViTLogits(clip=name == "hf_clip"), (3, 8, 8)
+    if name in ("hf_vit", "hf_clip", "hf_pvt"):
+        return HFViTLogits(kind=name[3:]), (3, 8, 8)
     if name == "bilinear":
         return BilinearNet(), (3, 4)
     raise KeyError(name)
@@ -276,6 +293,7 @@ LAYER_CASES = (
     "conv3d",
     "hf_vit",
     "hf_clip",
+    "hf_pvt",
     "bilinear",
 )
 

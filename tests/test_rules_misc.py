@@ -80,8 +80,13 @@ def _cases() -> dict:
                         "patch_sizes": [3, 3], "strides": [2, 2], "padding": [1, 1],
                         "layer_scale_init_value": 0.3}  # fmt: skip
 
+    pvt_sizes = {"image_size": 8, "num_encoder_blocks": 2, "depths": [1, 1], "hidden_sizes": [8, 16],
+                 "sequence_reduction_ratios": [2, 1], "patch_sizes": [4, 2], "strides": [4, 2],
+                 "num_attention_heads": [1, 2], "mlp_ratios": [2, 2]}  # fmt: skip
+
     return {
         "hf_vit_msn": lambda: hf_image("vit_msn", **vit_sizes),
+        "hf_pvt": lambda: hf_image("pvt", **pvt_sizes),  # two stages' position tables, a class token
         "hf_ijepa": lambda: hf_image("ijepa", **vit_sizes),
         "hf_poolformer": lambda: hf_image("poolformer", **poolformer_sizes),
         "instance_norm": lambda: vision(nn.InstanceNorm2d(4, affine=True), nn.Tanh()),

@@ -97,6 +97,7 @@ def _check_hf(module: nn.Module) -> None:
 @register_rule(
     "transformers.models.vit.modeling_vit.ViTEmbeddings",  # and its copies (ViT-MSN's)
     "transformers.models.ijepa.modeling_ijepa.IJepaEmbeddings",  # no class token
+    "transformers.models.pvt.modeling_pvt.PvtPatchEmbeddings",  # per stage; a class token in the last
     check=_check_hf,
     tap="dropout",
     copies=True,
@@ -105,7 +106,12 @@ def hf_vit_token_grads(module: nn.Module, x: torch.Tensor, dz: torch.Tensor) -> 
     """Hugging Face ViT: ``dropout(cat(cls, patches) + position_embeddings)`` (I-JEPA's without ``cls``), so
     with ``dz`` (B, T, d) at the dropout's input, ``d cls_i = dz_i[0]`` and ``d pos_i = dz_i``. (Interpolated
     position encodings route the gradient through a resampling this rule does not model; the engine's
-    verification refuses them.)"""
+    verification refuses them.) PVT's patch embeddings (Wang et al. 2021, "Pyramid Vision Transformer",
+    sec. 3.2: one per stage, the last with a class token) build the same sequence from their convolution's
+    normalised patches, and resample their table with ``interpolate_pos_encoding`` to the patch grid, which
+    the table's reshape fixes at its own size: a bilinear resampling to the same size, the identity. They
+    return ``(tokens, height, width)``; the tap makes the tuple irrelevant. Without the rule PVT's
+    embeddings took the fallback at 2.5x the non-private step (``fallbacks`` suite, entry ``pvt``)."""
     batch = dz.shape[0]
     grads = {"position_embeddings": Dense(dz.reshape(batch, *module.position_embeddings.shape))}
     if getattr(module, "cls_token", None) is not None:
