@@ -754,21 +754,37 @@ def test_a_tuple_output_without_a_row_per_example_that_reaches_the_loss_is_refus
         torch.testing.assert_close(delta[name], want)
 
 
-def test_the_fallback_refuses_a_key_value_cache():
-    """Its recomputation would extend the cache: the fix (use_cache=False) is named. Zamba's mixer has no
-    rule and is passed the cache."""
-    from tests.engine_models import _padded_text, zamba
+class CachedGate(nn.Module):
+    """A rule-less layer (a gate of its own) that, as a decoder's mixer, is passed a key/value cache."""
 
-    model = zamba()
-    model.config.use_cache = True
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, cache: object = None) -> torch.Tensor:
+        return self.head(torch.tanh(self.proj(x)) * self.gate)
+
+
+class CachedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixer = CachedGate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        return self.mixer(x, cache=DynamicCache())
+
+
+def test_the_fallback_refuses_a_key_value_cache():
+    """Its recomputation would extend the cache: the fix (use_cache=False) is named."""
+    model = CachedModel().double()
     engine = _engine(model)
-    batch = _padded_text(4, 6, 40, torch.Generator().manual_seed(0))
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    losses = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten(), reduction="none"
-    )
-    with pytest.raises(RuntimeError, match=r"ZambaMambaMixer.*Cache.*use_cache=False"):
-        engine.backward(losses.view(4, -1).sum(1))
+    batch = {"x": torch.randn(4, 4, dtype=torch.float64), "y": torch.arange(4) % 3}
+    with pytest.raises(RuntimeError, match=r"CachedGate.*DynamicCache.*use_cache=False"):
+        engine.backward(_cross_entropy(model, batch))
 
 
 def test_the_fallback_searches_which_inputs_carry_the_example_once_per_call_structure(monkeypatch):

@@ -87,12 +87,12 @@ def test_a_declaration_on_a_type_with_a_rule_is_refused():
 
 @pytest.mark.parametrize("build", [zamba, lfm2, qwen3_5])
 def test_hybrid_with_one_padded_example_across_micro_batches_matches_oracle(build):
-    """Zamba's mixer (on the fallback), LFM2's short convolution (a rule since stop 50) and Qwen3.5's gated
-    delta net (a rule since stop 49) get the attention mask only where an example is padded (None
-    otherwise): with example 0 the only padded one, the second micro-batch passes None (the same verified
-    path: a rule-less layer's path counts its floating-point inputs, a rule's call keeps the mask out of its
-    tuple), and check 4's replay, which replaces example 0, passes None too (its arguments are compared where
-    both calls have a tensor)."""
+    """Zamba's mixer (a rule since stop 52, the fallback before), LFM2's short convolution (a rule since stop
+    50) and Qwen3.5's gated delta net (a rule since stop 49) get the attention mask only where an example is
+    padded (None otherwise): with example 0 the only padded one, the second micro-batch passes None (the same
+    verified path: a rule-less layer's path counts its floating-point inputs, a rule's call keeps the mask out
+    of its tuple), and check 4's replay, which replaces example 0, passes None too (its arguments are compared
+    where both calls have a tensor)."""
     model = build()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 40, (4, 8), generator=gen)

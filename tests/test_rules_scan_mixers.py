@@ -1,13 +1,14 @@
 """The state-space and delta-net mixers' rules against the brute-force oracle: Mamba's selective scan
 (``MambaMixer``, Falcon-Mamba's and Jamba's forms: ``A_log``, ``D`` and the ``conv1d`` and ``dt_proj`` weights
-the mixer reads itself), Mamba-2's (``Mamba2Mixer`` and its copies in Bamba, Nemotron-H, Granite-hybrid,
-Zamba2 and Falcon-H1: ``A_log``, ``D``, ``dt_bias`` and ``conv1d``) and the gated delta rule (Qwen3.5's,
-Qwen3-Next's and OLMo-hybrid's forms: ``A_log``, ``dt_bias`` and ``conv1d``; Kimi Linear's delta attention:
-``conv1d``). The ``mamba``, ``mamba2`` and ``qwen3_5`` cases of ``test_engine_oracle`` run every strategy x
-clipping mode (padding, two micro-batches, float64), and those cases with ``jamba``, ``nemotron_h``,
-``falcon_h1`` and ``qwen3_next`` in ``test_sensitivity`` the released sums; here the rules alone (the fallback
-must not be taken) on every form, in training mode and float32, frozen parameters, and the refusals of what
-the rules cannot recompute."""
+the mixer reads itself; Zamba's in heads, ``x_proj`` and ``dt_proj`` as its own parameters), Mamba-2's
+(``Mamba2Mixer`` and its copies in Bamba, Nemotron-H, Granite-hybrid, Zamba2 and Falcon-H1: ``A_log``, ``D``,
+``dt_bias`` and ``conv1d``) and the gated delta rule (Qwen3.5's, Qwen3-Next's and OLMo-hybrid's forms:
+``A_log``, ``dt_bias`` and ``conv1d``; Kimi Linear's delta attention: ``conv1d``). The ``mamba``, ``mamba2``
+and ``qwen3_5`` cases of ``test_engine_oracle`` run every strategy x clipping mode (padding, two
+micro-batches, float64), and those cases with ``jamba``, ``nemotron_h``, ``falcon_h1``, ``qwen3_next``,
+``zamba`` in ``test_sensitivity`` the released sums; here the rules alone (the fallback must not be taken) on
+every form, in training mode and float32, frozen parameters, and the refusals of what the rules cannot
+recompute."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from tests.engine_models import (
     olmo_hybrid,
     qwen3_5,
     qwen3_next,
+    zamba,
 )
 from tests.oracle import check_clipped_step
 
@@ -110,6 +112,7 @@ BUILDERS = {
     "qwen3_5_moe": qwen3_5_moe_hybrid,
     "qwen3_next": qwen3_next,
     "olmo_hybrid": olmo_hybrid,
+    "zamba": zamba,
 }
 
 
@@ -160,6 +163,9 @@ def test_no_mixer_is_left_to_the_fallback(name):
         ("qwen3_next", "ghost", "per_layer"),
         ("olmo_hybrid", "bk", "per_layer"),
         ("olmo_hybrid", "instantiate", "flat"),
+        ("zamba", "bk", "flat"),
+        ("zamba", "ghost", "per_layer"),
+        ("zamba", "instantiate", "per_layer"),
     ],
 )
 def test_rule_matches_oracle_without_the_fallback(name, strategy, clipping):
@@ -187,7 +193,7 @@ def test_kimi_delta_attention_matches_oracle_without_the_fallback(build, strateg
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
-@pytest.mark.parametrize("build", [mamba, mamba2, qwen3_5])
+@pytest.mark.parametrize("build", [mamba, mamba2, qwen3_5, zamba])
 def test_float32_matches_oracle(build):
     torch.manual_seed(0)
     check_clipped_step(build().float(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-4, floor=1e-6)

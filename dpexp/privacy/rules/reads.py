@@ -1,15 +1,14 @@
 """Hugging Face modules whose forward reads a submodule's parameters instead of calling it
 (:func:`~dpexp.privacy.rules.register_reads`).
 
-Zamba's state-space mixer and Inkling's short convolutions pass their causal depthwise convolution's weight to
-a kernel, ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1), self.conv1d.bias)`` (its reference
-implementation: ``F.conv1d`` with ``groups = channels``), never calling ``self.conv1d``. Their exact fallback
-takes the convolution's parameters with their own (``A_log``, ``D``, ``dt_bias``). Mamba's, Falcon-Mamba's and
-Jamba's mixers (which also read ``dt_proj``'s weight), the Mamba-2 mixers of Mamba-2, Bamba, Nemotron-H,
-Granite-hybrid, Zamba2 and Falcon-H1, the gated delta nets of Qwen3.5's, Qwen3-Next's and OLMo-hybrid's forms
-and the Kimi Delta Attention of Kimi Linear, Bailing-hybrid and GLM-5-Next
-(:mod:`dpexp.privacy.rules.scan_mixers`), and LFM2's short convolutions
-(:mod:`dpexp.privacy.rules.short_conv`) have rules that claim what they read.
+Inkling's short convolutions pass their causal depthwise convolution's weight to a kernel,
+``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1), self.conv1d.bias)`` (its reference implementation:
+``F.conv1d`` with ``groups = channels``), never calling ``self.conv1d``. Their exact fallback takes the
+convolution's parameters with their own. Mamba's, Falcon-Mamba's, Jamba's and Zamba's mixers (which also read
+``dt_proj``'s weight, or own it), the Mamba-2 mixers of Mamba-2, Bamba, Nemotron-H, Granite-hybrid, Zamba2 and
+Falcon-H1, the gated delta nets of Qwen3.5's, Qwen3-Next's and OLMo-hybrid's forms and the Kimi Delta
+Attention of Kimi Linear, Bailing-hybrid and GLM-5-Next (:mod:`dpexp.privacy.rules.scan_mixers`), and LFM2's
+short convolutions (:mod:`dpexp.privacy.rules.short_conv`) have rules that claim what they read.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 from dpexp.privacy.rules import register_reads
 
 _READS = {  # model family -> {its module class: the submodules its forward reads}
-    "zamba": {"ZambaMambaMixer": ("conv1d",)},
     "inkling": {"InklingShortConvolution": ("conv1d",)},
     "inkling2": {"Inkling2ShortConvolution": ("conv1d",)},
     "inkling2_loop": {"Inkling2LoopShortConvolution": ("conv1d",)},
