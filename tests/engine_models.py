@@ -737,6 +737,32 @@ def lfm2_moe() -> nn.Module:
     return model
 
 
+def inkling(shared: int = 2) -> nn.Module:
+    """Tiny random Inkling (text): a normed embedding (the table through an RMSNorm), hybrid sliding-window
+    and relative-position attention layers with short convolutions, and sparse MoE blocks whose sigmoid router
+    weighs the top 2 of 4 routed experts and ``shared`` shared experts together (its global scale a parameter,
+    its load-balancing bias a buffer, drawn at random here so that it changes the choice)."""
+    from transformers.models.inkling.configuration_inkling import InklingTextConfig
+    from transformers.models.inkling.modeling_inkling import InklingForCausalLM
+
+    config = InklingTextConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=8,
+        sliding_window_size=4, d_rel=4, rel_extent=8, conv_kernel_size=3, intermediate_size=24,
+        moe_intermediate_size=12, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=shared,
+        max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2, use_cache=False,
+    )  # fmt: skip
+    model = InklingForCausalLM(config).double().eval()
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "InklingTopkRouter":
+                module.weight.normal_(0.0, 0.5)
+                module.global_scale.fill_(1.3)
+                module.e_score_correction_bias.normal_(0.0, 0.3)
+    return model
+
+
 def zamba() -> nn.Module:
     """Tiny random Zamba (v1): a Mamba layer whose mixer (``A_log``, ``D``, its time-step and input
     projections as parameters of its own, per head) reads its convolution's weight and has no rule (the

@@ -653,6 +653,7 @@ NEW_CASES = [
     "falcon_h1",  # attention beside a Mamba-2 mixer with µP multipliers, gated without its norm
     "qwen3_next",  # a gated delta net with q, k, v, z and b, a interleaved per key head, beside MoE blocks
     "zamba",  # Mamba's scan in heads, each with its own x_proj and dt_proj, beside a shared attention block
+    "inkling",  # a normed embedding; a sigmoid router over routed and shared experts with a global scale
     "lfm2_moe",  # a short convolution, a sigmoid router choosing by scores plus its block's expert bias
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
@@ -691,6 +692,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "falcon_h1",
         "qwen3_next",
         "zamba",
+        "inkling",
         "lfm2_moe",
     ):
         builders = {
@@ -707,6 +709,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "falcon_h1": engine_models.falcon_h1,
             "qwen3_next": engine_models.qwen3_next,
             "zamba": engine_models.zamba,
+            "inkling": engine_models.inkling,
             "lfm2_moe": engine_models.lfm2_moe,
         }
         model = builders.get(name, engine_models.mixtral)()

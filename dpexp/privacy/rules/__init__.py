@@ -277,6 +277,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     expert_modules,
     forget_gate,
     grn,
+    inkling_moe,
     layer_scale,
     linear,
     moe,

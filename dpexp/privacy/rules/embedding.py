@@ -7,12 +7,14 @@ batch in the forward pass, so that each example's output gradient stays its own.
 
 Hugging Face's scaled word embeddings (Gemma, BART, M2M100, XGLM, ...; Vaswani et al. 2017, sec. 3.4:
 embeddings multiplied by sqrt(d_model)) return ``E[idx] * s``, so their per-example gradient is the table's
-for the output gradient ``s * dy``.
+for the output gradient ``s * dy``; Inkling's normed embedding returns ``norm(E[idx])``, the table's for the
+gradient at the norm's input.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Outer, PerExampleGrad
@@ -54,3 +56,33 @@ def scaled_embedding_grads(
 ) -> dict[str, PerExampleGrad]:
     scale = module.embed_scale
     return embedding_grads(module, idx, dy * (scale.to(dy.dtype) if torch.is_tensor(scale) else scale))
+
+
+def _check_normed(module: nn.Embedding) -> None:
+    _check(module)
+    if any(True for _ in module.embed_norm.children()):
+        raise ValueError(
+            f"{type(module).__name__}: its embed_norm has submodules, which the normed-embedding rule cannot "
+            "run outside the model's hooks. Freeze the embedding table (weight.requires_grad_(False))."
+        )
+
+
+@register_rule(
+    # forward: `self.embed_norm(super().forward(input_ids))`, the norm a submodule with its own rule
+    f"{_HF}.inkling.modeling_inkling.InklingNormedEmbedding",
+    check=_check_normed,
+    expand_broadcast_input=True,
+    position_wise=True,
+    copies=True,
+)
+def normed_embedding_grads(
+    module: nn.Embedding, idx: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Inkling's normed embedding returns ``norm(E[idx])``: the table's per-example gradient is that of
+    ``dz = J^T dy`` at ``e = E[idx]``, the norm's backward taken by autograd through its own forward, run
+    again outside the model's hooks. Without the rule the fallback formed each example's (V, d) table
+    gradient (179 of a 1,247 ms private step, d = 256, V = 32,000, B = 16, T = 64)."""
+    with torch.enable_grad():
+        e = F.embedding(idx, module.weight.detach(), module.padding_idx).requires_grad_()
+        (dz,) = torch.autograd.grad(module.embed_norm.forward(e), e, dy)
+    return embedding_grads(module, idx, dz)
