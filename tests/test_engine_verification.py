@@ -336,6 +336,23 @@ def test_running_statistics_are_refused_before_a_step(affine):
     assert engine.steps == 0
 
 
+def test_ibert_is_refused_in_training():
+    """I-BERT's ``QuantAct`` modules track the min and max of the whole batch's activations in buffers in
+    training, even with ``quant_mode`` off: refused at the first training forward, naming the buffer (its
+    quantised embedding takes the fallback; in evaluation mode nothing is tracked)."""
+    from transformers import IBertConfig, IBertForSequenceClassification
+
+    config = IBertConfig(
+        vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        max_position_embeddings=16, num_labels=2,
+    )  # fmt: skip
+    model = IBertForSequenceClassification(config).train()
+    engine = _engine(model)
+    with pytest.raises(ValueError, match=r"\(QuantAct\) changed its buffer 'x_min'"):
+        model(input_ids=torch.randint(3, 40, (4, 6)))
+    assert engine.steps == 0
+
+
 def test_running_statistics_are_refused_in_the_opacus_baseline():
     from dpexp.backends.opacus import OpacusBackend
 
