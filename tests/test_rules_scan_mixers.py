@@ -193,6 +193,21 @@ def test_kimi_delta_attention_matches_oracle_without_the_fallback(build, strateg
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
+@pytest.mark.parametrize("build", [mamba, zamba])
+def test_left_padded_examples_match_oracle(build):
+    """Padding on the left, where the mask the mixers apply before ``in_proj`` and after the convolution
+    changes the scan's state at the real positions (on the right it reaches padded positions only)."""
+    torch.manual_seed(0)
+    model = build().train()
+    with (
+        torch.no_grad()
+    ):  # biases away from their zero initialisation, so that a padded position's output is not
+        for p in model.parameters():  # zero before the mask
+            p.add_(0.1 * torch.randn_like(p))
+    batch = {key: value.flip(1) for key, value in _batch().items()}
+    check_clipped_step(model, lm_loss, batch, MICRO, "bk", "flat", rel=1e-6)
+
+
 @pytest.mark.parametrize("build", [mamba, mamba2, qwen3_5, zamba])
 def test_float32_matches_oracle(build):
     torch.manual_seed(0)

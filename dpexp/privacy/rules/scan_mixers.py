@@ -208,13 +208,23 @@ def _dtype(param: torch.Tensor) -> torch.dtype:
 
 
 def _grads(
-    leaves: dict[str, torch.Tensor], out: nn.Linear, y: torch.Tensor, dy: torch.Tensor
+    leaves: dict[str, torch.Tensor],
+    out: nn.Linear,
+    y: torch.Tensor,
+    dy: torch.Tensor,
+    rounded: tuple[str, ...] = (),
 ) -> dict[str, PerExampleGrad]:
     """Every copy's gradient of ``<out(y), dy>`` for the output projection's input ``y`` (B, T, d) computed
-    from the copies, in ``y``'s dtype; ``dy`` (B, T, d_model)."""
+    from the copies, in ``y``'s dtype; ``dy`` (B, T, d_model). The parameters ``rounded`` pass through
+    float32 in the module (``A_log.float()``), so autograd rounds their batch gradient to float32 whatever
+    the mixer's dtype: their per-example gradients are given in float32, which is what they are accurate to
+    (the engine's check of the per-example sums then expects float32's agreement, not float64's)."""
     loss = (y * (dy.to(y.dtype) @ out.weight.to(y.dtype))).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()))
-    return {name: Dense(g.to(leaves[name].dtype)) for name, g in zip(leaves, grads, strict=True)}
+    return {
+        name: Dense(g.to(torch.float32 if name in rounded else leaves[name].dtype))
+        for name, g in zip(leaves, grads, strict=True)
+    }
 
 
 def _selective_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
@@ -260,7 +270,7 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
             u.transpose(1, 2), F.softplus(delta), leaves["A_log"], leaves["D"], b[:, None], c[:, None], z
         )
         _same(module, "out_proj's input", seen["y"][0], y)
-        return _grads(leaves, module.out_proj, y, dy)
+        return _grads(leaves, module.out_proj, y, dy, rounded=("A_log", "D", "dt_proj.bias"))
 
 
 def _selective_scan(
@@ -415,7 +425,7 @@ def zamba_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
             z,
         )
         _same(module, "out_proj's input", seen["y"][0], y)
-        return _grads(leaves, module.out_proj, y, dy)
+        return _grads(leaves, module.out_proj, y, dy, rounded=("A_log", "D", "dt_proj_bias"))
 
 
 @dataclass(frozen=True)
