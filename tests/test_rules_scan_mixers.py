@@ -193,7 +193,9 @@ def test_kimi_delta_attention_matches_oracle_without_the_fallback(build, strateg
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
-@pytest.mark.parametrize("build", [mamba, zamba])
+@pytest.mark.parametrize(
+    "build", [mamba, zamba, jamba, mamba2, bamba, falcon_h1, qwen3_5, qwen3_next, olmo_hybrid]
+)
 def test_left_padded_examples_match_oracle(build):
     """Padding on the left, where the mask the mixers apply before ``in_proj`` and after the convolution
     changes the scan's state at the real positions (on the right it reaches padded positions only)."""
