@@ -216,15 +216,16 @@ def _grads(
 ) -> dict[str, PerExampleGrad]:
     """Every copy's gradient of ``<out(y), dy>`` for the output projection's input ``y`` (B, T, d) computed
     from the copies, in ``y``'s dtype; ``dy`` (B, T, d_model). The parameters ``rounded`` pass through
-    float32 in the module (``A_log.float()``), so autograd rounds their batch gradient to float32 whatever
-    the mixer's dtype: their per-example gradients are given in float32, which is what they are accurate to
-    (the engine's check of the per-example sums then expects float32's agreement, not float64's)."""
+    float32 in the module (``A_log.float()``), so in a float64 mixer autograd rounds their batch gradient to
+    float32: their per-example gradients are then given in float32, which is what they are accurate to (the
+    engine's check of the per-example sums expects float32's agreement for them, not float64's)."""
     loss = (y * (dy.to(y.dtype) @ out.weight.to(y.dtype))).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()))
-    return {
-        name: Dense(g.to(torch.float32 if name in rounded else leaves[name].dtype))
-        for name, g in zip(leaves, grads, strict=True)
+    out_dtypes = {
+        name: torch.float32 if name in rounded and leaf.dtype == torch.float64 else leaf.dtype
+        for name, leaf in leaves.items()
     }
+    return {name: Dense(g.to(out_dtypes[name])) for name, g in zip(leaves, grads, strict=True)}
 
 
 def _selective_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
