@@ -13,6 +13,8 @@ gradient at the norm's input.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,15 +43,17 @@ def embedding_grads(module: nn.Embedding, idx: torch.Tensor, dy: torch.Tensor) -
 _HF = "transformers.models"
 
 
-@register_rule(
+def _register_table(*types: str, check: Callable[[nn.Module], None]) -> Callable:
+    """Register a rule for Hugging Face embedding subclasses (and their copies) as for ``nn.Embedding``."""
+    return register_rule(*types, check=check, expand_broadcast_input=True, position_wise=True, copies=True)
+
+
+@_register_table(
     # forward: `super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)` (a 0-dim buffer)
     f"{_HF}.gemma.modeling_gemma.GemmaTextScaledWordEmbedding",
     # forward: `super().forward(input_ids) * self.embed_scale` (a float)
     f"{_HF}.m2m_100.modeling_m2m_100.M2M100ScaledWordEmbedding",
     check=_check,
-    expand_broadcast_input=True,
-    position_wise=True,
-    copies=True,
 )
 def scaled_embedding_grads(
     module: nn.Embedding, idx: torch.Tensor, dy: torch.Tensor
@@ -67,13 +71,10 @@ def _check_normed(module: nn.Embedding) -> None:
         )
 
 
-@register_rule(
+@_register_table(
     # forward: `self.embed_norm(super().forward(input_ids))`, the norm a submodule with its own rule
     f"{_HF}.inkling.modeling_inkling.InklingNormedEmbedding",
     check=_check_normed,
-    expand_broadcast_input=True,
-    position_wise=True,
-    copies=True,
 )
 def normed_embedding_grads(
     module: nn.Embedding, idx: torch.Tensor, dy: torch.Tensor
