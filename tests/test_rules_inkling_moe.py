@@ -1,7 +1,8 @@
-"""Inkling's mixture of experts (``dpexp/privacy/rules/inkling_moe.py``) and normed embedding
-(``rules/embedding.py``) against the brute-force oracle: its sigmoid router over routed and shared experts
-with a learnt global scale, its shared experts (one and two: the stacked factor), in every strategy x clipping
-mode, float64, padded examples, two micro-batches, in training mode; float32; the refusals."""
+"""Inkling's mixture of experts (``dpexp/privacy/rules/inkling_moe.py``), normed embedding
+(``rules/embedding.py``) and short convolution (``rules/short_conv.py``) against the brute-force oracle: its
+sigmoid router over routed and shared experts with a learnt global scale, its shared experts (one and two: the
+stacked factor), under bk, ghost and instantiation with flat, per-layer and group-wise clipping, float64,
+examples padded on the right or the left, two micro-batches, in training mode; float32; the refusals."""
 
 from __future__ import annotations
 

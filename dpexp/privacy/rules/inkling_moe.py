@@ -26,9 +26,10 @@ every row goes through every shared expert s, ``y_t = sum_s D_s (act(G_s x_t) * 
 factor holds expert s's rows in block s.
 
 Both act on each row alone: the engine folds the N rows to (B, T) once its probe establishes the layout
-(position-wise rules). Refused at construction: parameters the rules do not know; at the call: inputs other
-than the module's rows. Without these rules Inkling's MoE layers were refused (the router's and shared
-experts' rows are flattened over the batch, which the fallback cannot fold).
+(position-wise rules). Refused at construction: parameters the rules do not know, a shared-experts activation
+not known to act elementwise; at the shared experts' call: gammas other than one per row and expert. Without
+these rules Inkling's MoE layers were refused (the router's and shared experts' rows are flattened over the
+batch, which the fallback cannot fold).
 """
 
 from __future__ import annotations
