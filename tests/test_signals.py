@@ -14,8 +14,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from dpexp.privacy import accounting
 from dpexp.training.checkpoint import checkpoints, load_checkpoint
+from dpexp.training.signals import DUPLICATE_WINDOW, InterruptGuard, RunInterrupted
 from tests.conftest import REPO_ROOT, TINY_RUN
 from tests.test_checkpoint import identical, stable
 
@@ -129,3 +132,20 @@ def test_a_signal_as_the_record_is_created_is_recorded(compose_config, tmp_path,
     record = _record(tmp_path / "run")
     assert record["status"] == "interrupted" and record["steps_done"] == 0
     assert record["error"] == "RunInterrupted: SIGTERM received; stopped at a step boundary"
+
+
+def test_the_same_signal_twice_at_once_is_one_request():
+    """Ctrl-C reaches a whole process group, and a launcher may pass it on to its workers as well: the same
+    signal again within DUPLICATE_WINDOW still stops the run at the step boundary; a later one stops it at
+    once."""
+    guard = InterruptGuard()
+    with pytest.raises(RunInterrupted) as info, guard.step():
+        guard._handle(signal.SIGINT, None)
+        guard._handle(signal.SIGINT, None)  # the duplicate: held as one
+    assert not info.value.mid_step
+    guard = InterruptGuard()
+    with pytest.raises(RunInterrupted) as info, guard.step():
+        guard._handle(signal.SIGINT, None)
+        time.sleep(DUPLICATE_WINDOW)
+        guard._handle(signal.SIGINT, None)  # a second request: at once
+    assert info.value.mid_step

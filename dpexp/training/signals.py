@@ -1,7 +1,9 @@
 """SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) as a clean stop of a run.
 
 Inside :meth:`InterruptGuard.step` a signal is held until the step has ended, so the run stops at a step
-boundary, where its state can be checkpointed; a second signal does not wait. Outside a step (loading data,
+boundary, where its state can be checkpointed; a second signal does not wait (the same signal again within
+half a second is taken as one request delivered twice: Ctrl-C reaches a whole process group, and a launcher
+may pass it on to its workers as well). Outside a step (loading data,
 evaluating, writing the record) the signal stops the run at once. Either way the run sees
 :exc:`RunInterrupted`, a BaseException like KeyboardInterrupt, so that no ``except Exception`` swallows it.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -19,6 +22,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_WINDOW = 0.5  # seconds: the same signal again within this of the last is one request twice
 
 
 class RunInterrupted(BaseException):
@@ -45,6 +49,7 @@ class InterruptGuard:
         self._previous: dict[int, Any] = {}
         self._in_step = False
         self._pending: int | None = None
+        self._last: tuple[int, float] = (0, -DUPLICATE_WINDOW)  # the last signal and when (time.monotonic)
 
     def __enter__(self) -> InterruptGuard:
         if threading.current_thread() is threading.main_thread():
@@ -83,6 +88,10 @@ class InterruptGuard:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        if signum == self._last[0] and now - self._last[1] < DUPLICATE_WINDOW:
+            return  # one request delivered twice (to a process group, and passed on by a launcher)
+        self._last = (signum, now)
         if self._in_step and self._pending is None:
             self._pending = signum
             log.warning("%s received: stopping after this step (send it again to stop at once)", name)
