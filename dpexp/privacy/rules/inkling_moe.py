@@ -44,18 +44,14 @@ from torch import nn
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, per_example_copies, refuse, register_rule
 from dpexp.privacy.rules.moe import activation_refusal, compute_dtype
+from dpexp.privacy.rules.submodule_values import unfollowed
 
 _INKLING = "transformers.models.inkling.modeling_inkling"
 _FIX = "Otherwise freeze the module's parameters (requires_grad=False)."
 
 
-def _unknown(module: nn.Module, known: set[str]) -> str | None:
-    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    return f"it owns parameters {sorted(own - known)} the rule does not know" if own - known else None
-
-
 def _check_router(module: nn.Module) -> None:
-    refuse(module, "Inkling router", "router", _unknown(module, {"weight", "global_scale"}), _FIX)
+    refuse(module, "Inkling router", "router", unfollowed(module, {"weight", "global_scale"}, {}), _FIX)
 
 
 def router_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -111,7 +107,7 @@ def router_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Per
 
 
 def _check_shared(module: nn.Module) -> None:
-    reason = _unknown(module, {"gate_proj", "up_proj", "down_proj"})
+    reason = unfollowed(module, {"gate_proj", "up_proj", "down_proj"}, {})
     activation = activation_refusal(module.act_fn, "its")
     if reason is None and activation is not None:
         reason = activation[0]
