@@ -131,6 +131,8 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
         model, batch, loss = build(architecture, kind)
         record["fallback"] = {name.rsplit(".", 1)[1]: p for name, p in unsupported_modules(model).items()}
         grads = per_example_grads(model, loss, batch)
+        if not all(torch.isfinite(g).all() for example in grads for g in example.values()):
+            raise ArithmeticError("the model's own per-example gradients are not finite at this size")
         errors = []
         for strategy, clipping in SETTINGS:
             groups = PrivacyEngine(

@@ -737,6 +737,77 @@ def lfm2_moe() -> nn.Module:
     return model
 
 
+_EXPERTS = {"moe_intermediate_size": 12, "shared_expert_intermediate_size": 12}
+_LATENT = {"kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8}
+NEW_MOE = {  # stop 53: MoE families new in transformers 5.2x, (model type, configuration, in float32)
+    # a softmax (Cohere2-MoE) or sigmoid of the top-k logits
+    "cohere2_moe": ("cohere2_moe", {"num_experts": 4}, False),
+    "cohere2_moe_sigmoid": ("cohere2_moe", {"num_experts": 4, "expert_selection_fn": "sigmoid"}, False),
+    # sigmoid scores chosen by scores plus a load-balancing bias, passed by the block, scaled
+    "hy_v3": ("hy_v3", {"num_experts": 4, "moe_intermediate_size": 12}, False),
+    "minimax_m2": ("minimax_m2", {"num_local_experts": 4}, False),  # the same, the logits' sigmoid in float32
+    "minimax_m3_vl": ("minimax_m3_vl_text", {"num_local_experts": 4, "dense_intermediate_size": 24}, False),
+    # the top k of the logits plus a bias, their sigmoid; a shared expert
+    "kolibri1": ("kolibri1", {"num_local_experts": 4, **_EXPERTS}, False),
+    # soft-capped float32 logits (the router returns them capped), a frozen bias parameter
+    "laguna": ("laguna", {"num_experts": 4, **_EXPERTS, "moe_router_logit_softcapping": 2.0}, False),
+    # the softmax of float32 logits, beside a gated delta net
+    "lara_mini": ("lara_mini", {"num_experts": 4, **_EXPERTS}, False),
+    # experts with a clamped SiLU gate; attention sinks and hyper-connections (the fallback)
+    "hy_v4": ("hy_v4", {"n_routed_experts": 4, "moe_intermediate_size": 12}, False),
+    # DeepSeek-V3's sigmoid router without groups, multi-head latent attention
+    "axk2": (
+        "axk2",
+        {"n_routed_experts": 4, "moe_intermediate_size": 12, **_LATENT, "num_key_value_heads": 2},
+        False,
+    ),
+    # the top k of float32 sigmoid scores with autocast off; attention sinks (the fallback)
+    "flint": ("flint", {"num_experts": 4, "mlp_only_layers": [0], **_EXPERTS}, False),
+    # group-limited sigmoid routing, a float32 gate in the experts: in float32, where a float64 model's
+    # float32 gate rounds a row differently when the expert's other rows change, which the engine's probe
+    # reads as examples mixed (a refusal)
+    "beam": (
+        "beam",
+        {"num_experts": 4, "mlp_layer_types": ["dense", "sparse"], "n_group": 2, "topk_group": 1, **_EXPERTS},
+        True,
+    ),
+}
+
+
+def new_moe(name: str) -> nn.Module:
+    """Tiny random causal LM of :data:`NEW_MOE`: width 16, 2 layers, 2 of 4 experts, the routers' weights
+    drawn at scale 0.5 and their load-balancing biases at 0.3, so that routing differs visibly by token and
+    the bias changes the choice; parameters initialised to zero drawn at 0.1."""
+    import transformers
+
+    model_type, fields, float32 = NEW_MOE[name]
+    sizes = {
+        "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 32,
+        "pad_token_id": 1, "use_cache": False, "num_experts_per_tok": 2,
+    }  # fmt: skip
+    config = transformers.AutoConfig.for_model(model_type, **{**sizes, **fields})
+    for key, value in list(vars(config).items()):
+        if "drop" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for module in model.modules():
+            if "Router" in type(module).__name__ and hasattr(module, "weight"):
+                module.weight.normal_(0.0, 0.5)
+            if torch.is_tensor(getattr(module, "e_score_correction_bias", None)):
+                module.e_score_correction_bias.normal_(0.0, 0.3)
+        for parameter in model.parameters():  # HY-V4's hyper-connections start at 0: no gradient elsewhere
+            if not parameter.any():
+                parameter.normal_(0.0, 0.1)
+    for name, parameter in model.named_parameters():  # a sparse-attention indexer picks keys by top-k: the
+        if ".indexer." in name:  # language-model loss gives it no gradient (it trains by its own loss)
+            parameter.requires_grad_(False)
+    return model.float() if float32 else model
+
+
 def inkling(shared: int = 2) -> nn.Module:
     """Tiny random Inkling (text): a normed embedding (the table through an RMSNorm), hybrid sliding-window
     and relative-position attention layers with short convolutions, and sparse MoE blocks whose sigmoid router

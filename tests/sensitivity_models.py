@@ -655,6 +655,8 @@ NEW_CASES = [
     "zamba",  # Mamba's scan in heads, each with its own x_proj and dt_proj, beside a shared attention block
     "inkling",  # a normed embedding; a sigmoid router over routed and shared experts with a global scale
     "lfm2_moe",  # a short convolution, a sigmoid router choosing by scores plus its block's expert bias
+    "laguna",  # soft-capped float32 router logits, sigmoid scores chosen with a frozen bias parameter
+    "minimax_m2",  # sigmoid scores chosen by scores plus the bias its block passes to the router
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -694,6 +696,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "zamba",
         "inkling",
         "lfm2_moe",
+        "laguna",
+        "minimax_m2",
     ):
         builders = {
             "qwen2_moe": engine_models.qwen2_moe,
@@ -711,6 +715,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "zamba": engine_models.zamba,
             "inkling": engine_models.inkling,
             "lfm2_moe": engine_models.lfm2_moe,
+            "laguna": lambda: engine_models.new_moe("laguna"),
+            "minimax_m2": lambda: engine_models.new_moe("minimax_m2"),
         }
         model = builders.get(name, engine_models.mixtral)()
         batch = engine_models._padded_text(size, 8, 40, gen)

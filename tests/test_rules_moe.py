@@ -17,6 +17,7 @@ from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.per_example import Routed
 from dpexp.privacy.rules import moe, rule_for
 from tests.engine_models import (
+    NEW_MOE,
     _padded_text,
     aria,
     deepseek_v2,
@@ -31,6 +32,7 @@ from tests.engine_models import (
     lm_loss,
     mixtral,
     nemotron_h,
+    new_moe,
     qwen2_moe,
     qwen3_5_moe,
 )
@@ -163,6 +165,61 @@ def test_moe_models_match_oracle(name, strategy, clipping, groups):
     check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, groups, rel=rel)
 
 
+@pytest.mark.parametrize("name", list(NEW_MOE))
+@pytest.mark.parametrize("strategy,clipping,groups", [SETTINGS[0], SETTINGS[4], SETTINGS[8]])
+def test_new_moe_models_match_oracle(name, strategy, clipping, groups):
+    """Stop 53's MoE families (their routers' forms and experts with their own row gates), in three
+    strategy x clipping settings: bk flat, ghost per-layer, instantiate in groups; padded text, two
+    micro-batches. Their routers compute in float32 (Beam's whole model is float32, see ``NEW_MOE``)."""
+    torch.manual_seed(0)
+    model = new_moe(name)
+    batch = _padded_text(6, 8, 40, torch.Generator().manual_seed(0))
+    _routing_spreads(model, batch)
+    tolerance = {"rel": 2e-3, "floor": 1e-6} if NEW_MOE[name][2] else {"rel": 1e-6}
+    check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, groups, **tolerance)
+
+
+class _RoutedRows(nn.Module):
+    """An experts module behind a routing computed from each row alone (no router parameters): row t goes
+    to the experts of its k largest first E features, weighted by their softmax."""
+
+    def __init__(self, experts: nn.Module, k: int = 2) -> None:
+        super().__init__()
+        self.experts, self.k = experts, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        top, index = rows[:, : self.experts.num_experts].detach().topk(self.k, dim=-1)
+        return self.experts(rows, index, top.softmax(-1)).view(x.shape)
+
+
+@pytest.mark.parametrize("qualified", moe.EAGER_EXPERTS)
+def test_experts_with_their_own_row_gates_match_oracle(qualified):
+    """Each experts class of :data:`moe.EAGER_EXPERTS` (Mixtral's eager forward written out again, with its
+    own clamped or float32 gate) against the oracle, its weights drawn large enough that the clamps act."""
+    import importlib
+
+    module_name, _, name = qualified.rpartition(".")
+    config = type("Config", (), {"num_local_experts": 4, "num_experts": 4, "hidden_size": 8})()
+    config.moe_intermediate_size = 6
+    config.intermediate_size, config.hidden_act = 6, "silu"
+    config.swiglu_limit, config.swiglu_alpha = 0.5, 1.7  # clamps that act on these weights
+    config._experts_implementation = "eager"  # read by the forward use_experts_implementation wraps
+    experts = getattr(importlib.import_module(module_name), name)(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in experts.parameters():
+            parameter.normal_(0.0, 0.7)
+    model = _RoutedRows(experts).double()
+    batch = {"x": torch.randn(6, 5, 8, dtype=torch.float64)}
+
+    def loss(m: nn.Module, b: dict) -> torch.Tensor:
+        return (m(b["x"]) ** 2).sum((1, 2))
+
+    assert rule_for(experts).per_example_grads is moe.experts_grads
+    check_clipped_step(model, loss, batch, [[0, 1, 2], [3, 4, 5]], "bk", "per_layer", rel=1e-6)
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("name", KERNEL_MODELS)
 def test_moe_models_match_oracle_under_kernels(name, implementation):
@@ -212,16 +269,23 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
     config.n_group, config.topk_group, config.routed_scaling_factor = 1, 1, 2.5  # DeepSeek-V2's and V3's
     config.topk_method = "group_limited_greedy"  # DeepSeek-V2's
     config.use_expert_bias = True  # LFM2-MoE's: its block passes the bias
+    config.expert_selection_fn = "sigmoid" if norm_topk_prob else "softmax"  # Cohere2-MoE's
+    config.router_scaling_factor, config.scoring_func = 1.5, "sigmoid"  # HY-V3's, DeepSeek-V4's
+    config.moe_router_logit_softcapping, config.output_multiplier = 2.0, 0.7  # Laguna's, Muse Spark's
     router = getattr(importlib.import_module(module_name), name)(config).double()
     with torch.no_grad():
         for tensor in (*router.parameters(), *router.buffers()):  # GPT-OSS's bias, DeepSeek-V3's buffer
             tensor.normal_()
         x = torch.randn(11, 6, dtype=torch.float64)
-        takes_bias = "expert_bias" in inspect.signature(router.forward).parameters
+        takes_bias = len(inspect.signature(router.forward).parameters) > 1  # LFM2-MoE, HY-V3, MiniMax-M2
         others = (torch.randn(5, dtype=torch.float64),) if takes_bias else ()
         form = moe.ROUTERS[qualified]
         outputs, logits_at = router(x, *others), form.logits_at  # Llama 4: (scores, logits)
         logits = F.linear(x, router.weight, router.bias if form.bias else None)
+        if form.float32_logits:
+            logits = F.linear(x.float(), router.weight.float(), router.bias.float() if form.bias else None)
+        if form.logits is not None:  # Laguna's soft cap, Muse Spark's multiplier
+            logits = form.logits(router, logits)
         torch.testing.assert_close(outputs[logits_at], logits.to(outputs[logits_at]))
         assert torch.equal(form.scores(router, outputs[logits_at], *others), outputs[1 - logits_at])
 

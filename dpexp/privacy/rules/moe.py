@@ -76,6 +76,7 @@ ARIA = "transformers.models.aria.modeling_aria"
 JAMBA = "transformers.models.jamba.modeling_jamba"
 NEMOTRON_H = "transformers.models.nemotron_h.modeling_nemotron_h"
 LFM2_MOE = "transformers.models.lfm2_moe.modeling_lfm2_moe"
+_MODELS = "transformers.models"
 
 ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
     f"transformers.activations.{name}"
@@ -112,9 +113,31 @@ EAGER_LAYOUTS = {  # (is_transposed, has_bias, has_gate) of the eager forwards; 
     f"{ARIA}.AriaExperts": (True, False, True),
     f"{NEMOTRON_H}.NemotronHExperts": (False, False, False),  # up_proj, act, down_proj: no gate
 }
-ROW_GATES = {  # classes' own ``_apply_gate`` known to act on each row alone
+ROW_GATES = {  # classes' own ``_apply_gate`` known to act on each row alone (through ``act_fn``, where the
+    # class has one, which must then act elementwise)
     f"{GPT_OSS}.GptOssExperts._apply_gate",  # interleaved halves: clamped g * sigmoid(alpha g) * (u + 1)
+    # stop 53, the halves concatenated: clamped silu(g) * u; act(g) * u clamped; act(g) * u in float32;
+    # clamped g * sigmoid(alpha g) * (u + 1)
+    f"{_MODELS}.hy_v4.modeling_hy_v4.HYV4Experts._apply_gate",
+    f"{_MODELS}.hy_v4_vl.modeling_hy_v4_vl.HYV4VLExperts._apply_gate",
+    f"{_MODELS}.glm5_next.modeling_glm5_next.Glm5NextTextExperts._apply_gate",
+    f"{_MODELS}.deepseek_v4.modeling_deepseek_v4.DeepseekV4Experts._apply_gate",
+    f"{_MODELS}.step3p7.modeling_step3p7.Step3p7Experts._apply_gate",
+    f"{_MODELS}.beam.modeling_beam.BeamExperts._apply_gate",
+    f"{_MODELS}.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLExperts._apply_gate",
 }
+EAGER_EXPERTS = [  # classes whose eager forward is Mixtral's, written out again, with their own row gate
+    f"{_MODELS}.{name}"
+    for name in (
+        "hy_v4.modeling_hy_v4.HYV4Experts",
+        "hy_v4_vl.modeling_hy_v4_vl.HYV4VLExperts",
+        "glm5_next.modeling_glm5_next.Glm5NextTextExperts",
+        "deepseek_v4.modeling_deepseek_v4.DeepseekV4Experts",
+        "step3p7.modeling_step3p7.Step3p7Experts",
+        "beam.modeling_beam.BeamExperts",
+        "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLExperts",
+    )
+]
 
 
 def _extra_parameters(module: nn.Module, own: tuple[str, ...]) -> str | None:
@@ -160,13 +183,13 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
     if extra is not None:
         return extra, "Freeze the experts or remove the extra parameters."
     gate = _custom_gate(module)
-    if gate is not None:
-        if f"{gate.__module__}.{gate.__qualname__}" in ROW_GATES:
-            return None
+    if gate is not None and f"{gate.__module__}.{gate.__qualname__}" not in ROW_GATES:
         return (
             f"its gate {gate.__qualname__} is not one it knows to act on each row alone",
             "Freeze the experts.",
         )
+    if gate is not None and not hasattr(module, "act_fn"):
+        return None
     return activation_refusal(module.act_fn, "its")
 
 
@@ -333,6 +356,7 @@ register_rule(
     f"{GPT_OSS}.GptOssExperts",
     f"{ARIA}.AriaExperts",
     f"{NEMOTRON_H}.NemotronHExperts",
+    *EAGER_EXPERTS,
     check=_check_experts,
     position_wise=True,
     call=CallLayout(experts_inputs, first_output, rows=(0, 1, 2)),
@@ -480,6 +504,31 @@ def llama4_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(scores.float()).to(scores.dtype)
 
 
+def _group_limited(
+    choice: torch.Tensor, groups: int, topk_group: int, fill: float, best_two: bool = True
+) -> torch.Tensor:
+    """``choice`` (N, E) with the experts outside the ``topk_group`` best of ``groups`` equal groups set to
+    ``fill``, a group's score the sum of its two highest entries (DeepSeek-AI 2024, DeepSeek-V3, sec. 2.1.2:
+    node-limited routing) or, not ``best_two``, its highest (DeepSeek-V2, sec. 2.2)."""
+    experts = choice.shape[-1]
+    grouped = choice.view(-1, groups, experts // groups)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if best_two else grouped.max(dim=-1).values
+    group_index = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_index, 1)
+    mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+    return choice.masked_fill(~mask.bool(), fill)
+
+
+def _chosen(scores: torch.Tensor, choice: torch.Tensor, k: int, sorted: bool = False) -> torch.Tensor:
+    """``scores`` (N, E) of the k experts with the highest ``choice`` (N, E), in ``torch.topk``'s order."""
+    return scores.gather(1, torch.topk(choice, k=k, dim=-1, sorted=sorted)[1])
+
+
+def _renormalised(weights: torch.Tensor, eps: float = 0.0, scale: float = 1.0) -> torch.Tensor:
+    """``weights / (sum + eps) * scale`` over the last dim (eps 0 and scale 1 change no bit)."""
+    return weights / (weights.sum(dim=-1, keepdim=True) + eps) * scale
+
+
 def deepseek_v3_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``DeepseekV3TopkRouter``'s weights of its chosen experts (N, k) from its float32 logits (DeepSeek-AI
     2024, sec. 2.1.2): sigmoid scores; the experts chosen among the ``topk_group`` groups of the best
@@ -487,14 +536,8 @@ def deepseek_v3_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     scores, renormalised if ``norm_topk_prob``, times ``routed_scaling_factor``."""
     scores = logits.sigmoid()
     choice = scores + module.e_score_correction_bias
-    groups, experts = module.num_group, logits.shape[-1]
-    group_scores = choice.view(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
-    group_index = torch.topk(group_scores, k=module.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_index, 1)
-    mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
-    choice = choice.masked_fill(~mask.bool(), float("-inf"))
-    index = torch.topk(choice, k=module.top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, index)
+    choice = _group_limited(choice, module.num_group, module.topk_group, float("-inf"))
+    weights = _chosen(scores, choice, module.top_k)
     if module.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * module.routed_scaling_factor
@@ -506,12 +549,7 @@ def deepseek_v2_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     groups of the highest maximum, its top k (unsorted, as the module) times ``routed_scaling_factor``."""
     scores = logits.softmax(dim=-1, dtype=torch.float32)
     if module.topk_method == "group_limited_greedy":
-        groups, experts = module.num_group, logits.shape[-1]
-        group_scores = scores.view(-1, groups, experts // groups).max(dim=-1).values
-        group_index = torch.topk(group_scores, k=module.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_index, 1)
-        mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
-        scores = scores.masked_fill(~mask.bool(), 0.0)
+        scores = _group_limited(scores, module.num_group, module.topk_group, 0.0, best_two=False)
     weights, _ = torch.topk(scores, k=module.top_k, dim=-1, sorted=False)
     return weights * module.routed_scaling_factor
 
@@ -541,6 +579,112 @@ def lfm2_moe_scores(
     if module.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
     return weights * module.routed_scaling_factor
+
+
+def cohere2_moe_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``Cohere2MoeTopKRouter``'s scores (N, k): its top-k logits through a softmax taken in float32, or
+    (``expert_selection_fn = "sigmoid"``) a sigmoid renormalised if ``norm_topk_prob``; cast back to the
+    logits' dtype."""
+    top = torch.topk(logits, module.top_k, dim=-1)[0]
+    if module.expert_selection_fn == "softmax":
+        return F.softmax(top, dim=1, dtype=torch.float).to(logits.dtype)
+    scores = top.sigmoid()  # the module refuses any other function itself
+    return (_renormalised(scores) if module.norm_topk_prob else scores).to(logits.dtype)
+
+
+def biased_sigmoid_scores(
+    eps: float = 0.0, scale: str | None = None, float32: bool = False
+) -> Callable[..., torch.Tensor]:
+    """The scores (N, k) of the sigmoid routers that choose by scores plus a load-balancing bias
+    (DeepSeek-AI 2024, DeepSeek-V3, sec. 2.1.2, without groups): the module's ``score_fn`` (else a sigmoid) of
+    the logits (taken to float32 first where ``float32``), the top k of scores + bias unsorted, renormalised
+    (sum + ``eps``) and times the module's attribute ``scale``. The bias is the router's argument where its
+    block passes it (HY-V3, MiniMax-M2), else its buffer ``e_score_correction_bias``."""
+
+    def scores_of(module: nn.Module, logits: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        score_fn = getattr(module, "score_fn", torch.sigmoid)
+        scores = score_fn(logits.float() if float32 else logits)
+        bias = module.e_score_correction_bias if bias is None else bias
+        factor = getattr(module, scale) if scale else 1.0
+        return _renormalised(_chosen(scores, scores + bias, module.top_k), eps, factor)
+
+    return scores_of
+
+
+def kolibri1_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``Kolibri1TopKRouter``'s scores (N, k): the top k of its float32 logits plus the load-balancing bias
+    (sorted), the sigmoid of their logits, renormalised if ``norm_topk_prob``."""
+    scores = _chosen(logits, logits + module.e_score_correction_bias, module.top_k, sorted=True).sigmoid()
+    return _renormalised(scores) if module.norm_topk_prob else scores
+
+
+def laguna_logits(module: nn.Module, linear: torch.Tensor) -> torch.Tensor:
+    """``LagunaTopKRouter``'s logits from ``W x``: taken to float32, soft-capped by ``c tanh(z / c)`` where
+    ``router_logit_softcapping`` c > 0."""
+    logits = linear.float()
+    cap = module.router_logit_softcapping
+    return torch.tanh(logits / cap) * cap if cap > 0.0 else logits
+
+
+def laguna_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``LagunaTopKRouter``'s scores (N, k): sigmoid; the top k of scores plus its frozen bias (sorted),
+    renormalised, in the model's dtype (its weight's)."""
+    scores = logits.sigmoid()
+    bias = module.e_score_correction_bias.to(scores.dtype)
+    return _renormalised(_chosen(scores, scores + bias, module.top_k, sorted=True)).to(module.weight.dtype)
+
+
+def lara_mini_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``LaraMiniTopKRouter``'s scores (N, k): the top k of the softmax of its float32 logits, renormalised
+    if ``norm_topk_prob``, in the model's dtype (its weight's)."""
+    top = torch.topk(F.softmax(logits, dim=-1), module.top_k, dim=-1)[0]
+    return (_renormalised(top) if module.norm_topk_prob else top).to(module.weight.dtype)
+
+
+def flint_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``FlintTopKRouter``'s scores (N, k): the top k of the sigmoid of its float32 logits, renormalised if
+    ``norm_topk_prob``."""
+    top = torch.topk(logits.sigmoid(), module.top_k, dim=-1)[0]
+    return _renormalised(top) if module.norm_topk_prob else top
+
+
+def axk2_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``AXK2TopkRouter``'s scores (N, k): DeepSeek-V3's form, its other groups set to 0 (not -inf) and
+    without groups where ``n_group`` is None."""
+    scores = logits.sigmoid()
+    choice = scores + module.e_score_correction_bias
+    if module.num_group is not None:
+        choice = _group_limited(choice, module.num_group, module.topk_group, 0.0)
+    weights = _chosen(scores, choice, module.top_k)
+    weights = _renormalised(weights, 1e-20) if module.norm_topk_prob else weights
+    return weights * module.routed_scaling_factor
+
+
+def mistral4_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``Mistral4TopkRouter``'s and ``MistralLarge4TextTopkRouter``'s scores (N, k): the softmax of the
+    logits, the top k within the ``topk_group`` best groups (by two-score sums, the others set to 0),
+    renormalised (sum + 1e-20; the large model always, the other if ``norm_topk_prob``), times
+    ``routed_scaling_factor``."""
+    scores = logits.softmax(-1)
+    choice = _group_limited(scores, module.num_group, module.topk_group, 0.0)
+    weights = _chosen(scores, choice, module.top_k)
+    weights = _renormalised(weights, 1e-20) if getattr(module, "norm_topk_prob", True) else weights
+    return weights * module.routed_scaling_factor
+
+
+def beam_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``BeamTopKRouter``'s scores (N, k): DeepSeek-V3's form with a sorted top k and no scaling (its block
+    scales after the experts)."""
+    scores = logits.sigmoid()
+    choice = scores + module.e_score_correction_bias
+    choice = _group_limited(choice, module.num_group, module.topk_group, float("-inf"))
+    weights = _chosen(scores, choice, module.top_k, sorted=True)
+    return _renormalised(weights, 1e-20) if module.norm_topk_prob else weights
+
+
+def muse_spark_logits(module: nn.Module, linear: torch.Tensor) -> torch.Tensor:
+    """``MuseSparkTopkRouter``'s logits: ``W x`` (float32) times ``output_multiplier``."""
+    return linear * module.output_multiplier
 
 
 def router_inputs(
@@ -578,7 +722,8 @@ def router_output_grad(logits_at: int) -> Callable[[nn.Module, list[torch.Tensor
 
 
 def router_rule(form: RouterForm) -> Callable:
-    """The router rule for a module whose scores come from its logits ``W x (+ b)`` by ``form.scores``."""
+    """The router rule for a module whose logits come from ``W x (+ b)`` by ``form.logits`` and its scores
+    from its logits by ``form.scores``: the gradients of both taken back to ``W x`` by autograd."""
 
     def router_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
         hidden, dtype, *others = x
@@ -588,10 +733,13 @@ def router_rule(form: RouterForm) -> Callable:
         dy = dy.reshape(rows.shape[0], -1)
         bias = module.bias.detach().to(dtype) if form.bias else None
         with torch.enable_grad():
-            logits = F.linear(rows, module.weight.detach().to(dtype), bias).requires_grad_()
+            linear = F.linear(rows, module.weight.detach().to(dtype), bias).requires_grad_()
+            logits = linear if form.logits is None else form.logits(module, linear)
             scores = form.scores(module, logits, *others)
-        (through_scores,) = torch.autograd.grad(scores, logits, dy[:, experts:].to(scores.dtype))
-        left = (dy[:, :experts].to(logits.dtype) + through_scores).view(batch, -1, experts)
+        (left,) = torch.autograd.grad(
+            (logits, scores), linear, (dy[:, :experts].to(logits.dtype), dy[:, experts:].to(scores.dtype))
+        )
+        left = left.view(batch, -1, experts)
         grads: dict[str, PerExampleGrad] = {
             "weight": Outer(left, rows.view(batch, -1, width), module.weight.shape, experts)
         }
@@ -604,12 +752,13 @@ def router_rule(form: RouterForm) -> Callable:
 
 class RouterForm(NamedTuple):
     """A top-k router whose outputs are its logits, its scores and more: ``scores`` recomputes the scores from
-    the logits (and the router's other arguments), ``logits_at`` is the output holding the logits (the scores
-    are the other of the first two), ``float32_logits`` whether it casts both factors of its logits' matmul to
-    float32, ``bias`` whether it adds a bias to its logits, ``autocast_off`` whether it turns autocast off
-    around them."""
+    the logits (and the router's other arguments), ``logits`` the logits it returns from ``W x (+ b)``
+    (None: those), ``logits_at`` is the output holding the logits (the scores are the other of the first
+    two), ``float32_logits`` whether it casts both factors of its logits' matmul to float32, ``bias`` whether
+    it adds a bias to its logits, ``autocast_off`` whether it turns autocast off around them."""
 
     scores: Callable[..., torch.Tensor]  # (module, logits, *other arguments) -> scores
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     logits_at: int = 0
     float32_logits: bool = False
     bias: bool = False  # logits W x + b
@@ -631,6 +780,40 @@ ROUTERS = {
         ernie4_5_moe_scores, float32_logits=True, autocast_off=True
     ),
     f"{LFM2_MOE}.Lfm2MoeTopKRouter": RouterForm(lfm2_moe_scores),  # (logits, weights (N, k), indices)
+    # stop 53: the routers of the MoE models new in transformers 5.2x
+    f"{_MODELS}.cohere2_moe.modeling_cohere2_moe.Cohere2MoeTopKRouter": RouterForm(cohere2_moe_scores),
+    f"{_MODELS}.hy_v3.modeling_hy_v3.HYV3TopKRouter": RouterForm(
+        biased_sigmoid_scores(1e-20, "router_scaling_factor"), float32_logits=True
+    ),
+    f"{_MODELS}.minimax_m2.modeling_minimax_m2.MiniMaxM2TopKRouter": RouterForm(
+        biased_sigmoid_scores(float32=True)
+    ),
+    f"{_MODELS}.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLTopKRouter": RouterForm(
+        biased_sigmoid_scores(float32=True)
+    ),
+    f"{_MODELS}.step3p7.modeling_step3p7.Step3p7TopKRouter": RouterForm(biased_sigmoid_scores(float32=True)),
+    f"{_MODELS}.deepseek_v4.modeling_deepseek_v4.DeepseekV4TopKRouter": RouterForm(
+        biased_sigmoid_scores(1e-20, "routed_scaling_factor")
+    ),
+    f"{_MODELS}.muse_spark.modeling_muse_spark.MuseSparkTopkRouter": RouterForm(
+        biased_sigmoid_scores(1e-15, "routed_scaling_factor"), logits=muse_spark_logits, float32_logits=True
+    ),
+    f"{_MODELS}.kolibri1.modeling_kolibri1.Kolibri1TopKRouter": RouterForm(
+        kolibri1_scores, float32_logits=True
+    ),
+    f"{_MODELS}.laguna.modeling_laguna.LagunaTopKRouter": RouterForm(laguna_scores, logits=laguna_logits),
+    f"{_MODELS}.lara_mini.modeling_lara_mini.LaraMiniTopKRouter": RouterForm(
+        lara_mini_scores, float32_logits=True
+    ),
+    f"{_MODELS}.flint.modeling_flint.FlintTopKRouter": RouterForm(
+        flint_scores, float32_logits=True, autocast_off=True
+    ),
+    f"{_MODELS}.axk2.modeling_axk2.AXK2TopkRouter": RouterForm(axk2_scores, float32_logits=True),
+    f"{_MODELS}.mistral4.modeling_mistral4.Mistral4TopkRouter": RouterForm(mistral4_scores),
+    f"{_MODELS}.mistral_large4.modeling_mistral_large4.MistralLarge4TextTopkRouter": RouterForm(
+        mistral4_scores, float32_logits=True
+    ),
+    f"{_MODELS}.beam.modeling_beam.BeamTopKRouter": RouterForm(beam_scores, float32_logits=True),
 }
 for _name, _form in ROUTERS.items():
     register_rule(
