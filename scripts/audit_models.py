@@ -11,8 +11,12 @@ the whole update's, and the modules left to the ``torch.func`` fallback; the sta
 run in float32 inside a float64 model, and a parameter whose update is 1e-8 of the whole, such as Falcon-H1's
 ``A_log``, differs from the oracle's by float32's rounding then), ``REFUSED`` (the engine's one-line
 refusal: a ``VerificationError`` or ``ValueError``), ``ERROR`` (anything else, including a configuration the
-tiny sizes do not fit) or ``VIOLATION`` (an update off the oracle's by more than ``--tolerance``: the
+tiny sizes do not fit, or a model whose own gradients are not finite at them) or
+``VIOLATION`` (an update off the oracle's by more than ``--tolerance``: the
 outcome that must never occur). Exits non-zero on a violation. ``--json`` writes the lines as records.
+``--all`` (stop 53) audits every other model type of transformers' causal-LM, sequence- and
+image-classification mappings, each in a process of its own, ``--jobs`` at a time: NOT BUILT for one that
+runs out of ``--seconds`` or memory (the multimodal wrappers, whose towers keep their default sizes).
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ import argparse
 import contextlib
 import copy
 import json
+import subprocess
 import sys
+import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -64,6 +71,12 @@ HYBRID = [  # the state-space and linear-attention hybrids (stop 47), each with 
     "mamba", "falcon_mamba", "mamba2", "bamba", "granitemoehybrid", "falcon_h1", "qwen3_5_text",
     "jamba", "nemotron_h",
 ]  # fmt: skip
+LATENT = {"kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+          "num_key_value_heads": 2}  # fmt: skip
+LATENT_MODELS = [  # multi-head latent attention (stop 53)
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "sarvam_mla",
+    "axk1", "longcat_flash", "youtu", "mistral4",
+]  # fmt: skip
 OVERRIDES = {  # per model type: what its configuration needs beyond SIZES to build with a mixer at width 16
     "mamba2": {"num_heads": 4, "head_dim": 8, "n_groups": 1},
     "bamba": {"mamba_n_heads": 4, "mamba_d_head": 8, "mamba_n_groups": 1},
@@ -71,6 +84,11 @@ OVERRIDES = {  # per model type: what its configuration needs beyond SIZES to bu
                          "layer_types": ["mamba", "attention"]},
     "zamba2": {"layer_types": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 4},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
+    # stop 53: multi-head latent attention, partial rotary dimensions, equal key/value heads
+    **{name: dict(LATENT) for name in LATENT_MODELS},
+    "codegen": {"rotary_dim": 4},
+    "gptj": {"rotary_dim": 4},
+    "dots3_note_text": {"num_key_value_heads": 2},
 }  # fmt: skip
 SETTINGS = [("bk", "flat"), ("ghost", "per_layer")]
 
@@ -161,24 +179,69 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
     return record
 
 
+def every_other_type() -> list[tuple[str, str]]:
+    """(model type, kind) of every type in transformers' causal-LM, sequence-classification and
+    image-classification mappings that the default lists leave out, each under its first mapping."""
+    from transformers.models.auto import modeling_auto as auto
+
+    mappings = {
+        "causal": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "text": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "vision": auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    }
+    seen = set(CAUSAL + HYBRID + TEXT + VISION)
+    todo = []
+    for kind, names in mappings.items():
+        todo += [(name, kind) for name in names if name not in seen]
+        seen |= set(names)
+    return todo
+
+
+def audit_apart(architecture: str, kind: str, tolerance: float, seconds: int) -> dict:
+    """:func:`audit` in a process of its own, stopped after ``seconds`` (a multimodal wrapper keeps its
+    towers' full default sizes): NOT BUILT when it ran out of time or memory."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "record.json"
+        command = [sys.executable, __file__, architecture, "--kind", kind, "--tolerance", str(tolerance)]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([*command, "--json", str(out)], capture_output=True, timeout=seconds)
+        if out.is_file():
+            return json.loads(out.read_text())[0]
+    return {
+        "model": architecture,
+        "kind": kind,
+        "outcome": "NOT BUILT",
+        "message": f"over {seconds} s or memory",
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", help="model types (default: the stop-46 audit's 40)")
     parser.add_argument("--kind", choices=list(SIZES), help="how to build the named models (default: causal)")
+    parser.add_argument("--all", action="store_true", help="every other type (stop 53), each in a process")
+    parser.add_argument("--seconds", type=int, default=240, help="the time each --all process has")
+    parser.add_argument("--jobs", type=int, default=1, help="--all processes at a time")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--json", type=Path, help="write the records here")
     args = parser.parse_args()
     todo = (
         [(name, args.kind or "causal") for name in args.models]
         if args.models
+        else every_other_type()
+        if args.all
         else [(n, "causal") for n in CAUSAL + HYBRID]
         + [(n, "text") for n in TEXT]
         + [(n, "vision") for n in VISION]
     )
     warnings.filterwarnings("ignore")
+    if args.all:  # processes of their own, --jobs at a time
+        pool = ThreadPoolExecutor(args.jobs)
+        done = pool.map(lambda job: audit_apart(*job, args.tolerance, args.seconds), todo)
+    else:
+        done = (audit(name, kind, args.tolerance) for name, kind in todo)
     records = []
-    for name, kind in todo:
-        record = audit(name, kind, args.tolerance)
+    for (name, kind), record in zip(todo, done, strict=True):
         records.append(record)
         detail = (
             f"errors {[f'{e:.1e}' for e in record['errors']]} fallback {record['fallback']}"
