@@ -12,7 +12,11 @@ bias on its logits) and experts (OpenAI 2025: weights stored transposed, (E, d, 
 router and experts (transposed), Jamba's router (its top-k softmax probabilities not renormalised) and
 Nemotron-H's experts (no gate: ``up_proj`` (E, I, d), ``act(u)``, ``down_proj``): the experts rule follows the
 layout that transformers' ``use_experts_implementation`` declares (``is_transposed``, ``has_bias``,
-``has_gate``) and the class's ``_apply_gate``.
+``has_gate``) and the class's ``_apply_gate``. Since stop 53 also the routers of 15 families new in
+transformers 5.2x (Cohere2-MoE, HY-V3, MiniMax-M2 and -M3-VL, Step-3.7, DeepSeek-V4's top-k router, Muse
+Spark, Kolibri-1, Laguna, Lara-Mini, Flint, AXK2, Mistral 4 and Large 4, Beam: the end of :data:`ROUTERS`)
+and the experts classes that write Mixtral's eager forward out again with their own row gates
+(:data:`EAGER_EXPERTS`, :data:`ROW_GATES`).
 
 A sparse MoE block flattens its (B, T, d) input to N = B*T rows x_t. The router maps row t to logits
 ``z_t = W x_t`` (E,), probabilities ``softmax(z_t)`` in float32 and their top k, the scores ``s_t``
