@@ -761,6 +761,20 @@ NEW_MOE = {  # stop 53: MoE families new in transformers 5.2x, (model type, conf
         {"n_routed_experts": 4, "moe_intermediate_size": 12, **_LATENT, "num_key_value_heads": 2},
         False,
     ),
+    # softmax scores, group-limited (the other groups' scores set to 0), multi-head latent attention
+    "mistral4": (
+        "mistral4",
+        {
+            "n_routed_experts": 4,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 0,
+            "moe_intermediate_size": 12,
+            **_LATENT,
+            "num_key_value_heads": 2,
+        },
+        False,
+    ),
     # the top k of float32 sigmoid scores with autocast off; attention sinks (the fallback)
     "flint": ("flint", {"num_experts": 4, "mlp_only_layers": [0], **_EXPERTS}, False),
     # group-limited sigmoid routing, a float32 gate in the experts: in float32, where a float64 model's
@@ -791,7 +805,11 @@ def new_moe(name: str) -> nn.Module:
         if "drop" in key and isinstance(value, float):
             setattr(config, key, 0.0)
     config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError:  # Mistral 4's causal LM, which the auto mapping leaves out
+        model = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM")(config)
+    model = model.double().eval()
     model.set_experts_implementation("eager")
     with torch.no_grad():
         for module in model.modules():
