@@ -5,7 +5,7 @@ whose 3-D weights are ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I); L
 experts (:func:`llama4_experts_grads`, at the end of the experts section); DeepSeek-V2's softmax router
 (greedy or group-limited, :func:`deepseek_v2_scores`), ERNIE-4.5-MoE's (:func:`ernie4_5_moe_scores`) and
 DeepSeek-V3's sigmoid router
-(:func:`deepseek_v3_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...), Qwen3.5-MoE's and
+(:func:`group_limited_sigmoid_scores`) and its copies (GLM-4-MoE, Dots1, EXAONE-MoE, ...), Qwen3.5-MoE's and
 Granite-MoE's routers, and Gemma 4's router (:func:`gemma4_router_grads`, at the end); GPT-OSS's router (a
 bias on its logits) and experts (OpenAI 2025: weights stored transposed, (E, d, 2I) and (E, I, d) applied as
 ``x @ W``, a bias per expert after each projection, and the class's own gate on interleaved halves), Aria's
@@ -533,18 +533,27 @@ def _renormalised(weights: torch.Tensor, eps: float = 0.0, scale: float = 1.0) -
     return weights / (weights.sum(dim=-1, keepdim=True) + eps) * scale
 
 
-def deepseek_v3_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """``DeepseekV3TopkRouter``'s weights of its chosen experts (N, k) from its float32 logits (DeepSeek-AI
-    2024, sec. 2.1.2): sigmoid scores; the experts chosen among the ``topk_group`` groups of the best
-    two-score sums, by scores plus the load-balancing bias ``e_score_correction_bias`` (a buffer); their
-    scores, renormalised if ``norm_topk_prob``, times ``routed_scaling_factor``."""
-    scores = logits.sigmoid()
-    choice = scores + module.e_score_correction_bias
-    choice = _group_limited(choice, module.num_group, module.topk_group, float("-inf"))
-    weights = _chosen(scores, choice, module.top_k)
-    if module.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * module.routed_scaling_factor
+def group_limited_sigmoid_scores(
+    fill: float, sorted: bool = False, scaled: bool = True
+) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """The scores (N, k) of DeepSeek-V3's router form (DeepSeek-AI 2024, sec. 2.1.2) from its float32 logits:
+    sigmoid scores; the experts chosen by scores plus the load-balancing bias ``e_score_correction_bias`` (a
+    buffer) among the ``topk_group`` groups of the best two-score sums (the other groups set to ``fill``; no
+    groups where ``n_group`` is None), in ``torch.topk``'s order (``sorted``); their scores, renormalised
+    (sum + 1e-20) if ``norm_topk_prob``, times ``routed_scaling_factor`` where ``scaled``. DeepSeek-V3's and
+    its copies' (GLM-4-MoE, Dots1, EXAONE-MoE, ...): -inf, unsorted, scaled; AXK2's: 0, unsorted, scaled;
+    Beam's: -inf, sorted, not scaled (its block scales after the experts)."""
+
+    def scores_of(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+        scores = logits.sigmoid()
+        choice = scores + module.e_score_correction_bias
+        if module.num_group is not None:
+            choice = _group_limited(choice, module.num_group, module.topk_group, fill)
+        weights = _chosen(scores, choice, module.top_k, sorted)
+        weights = _renormalised(weights, 1e-20) if module.norm_topk_prob else weights
+        return weights * module.routed_scaling_factor if scaled else weights
+
+    return scores_of
 
 
 def deepseek_v2_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
@@ -652,18 +661,6 @@ def flint_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return _renormalised(top) if module.norm_topk_prob else top
 
 
-def axk2_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """``AXK2TopkRouter``'s scores (N, k): DeepSeek-V3's form, its other groups set to 0 (not -inf) and
-    without groups where ``n_group`` is None."""
-    scores = logits.sigmoid()
-    choice = scores + module.e_score_correction_bias
-    if module.num_group is not None:
-        choice = _group_limited(choice, module.num_group, module.topk_group, 0.0)
-    weights = _chosen(scores, choice, module.top_k)
-    weights = _renormalised(weights, 1e-20) if module.norm_topk_prob else weights
-    return weights * module.routed_scaling_factor
-
-
 def mistral4_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``Mistral4TopkRouter``'s and ``MistralLarge4TextTopkRouter``'s scores (N, k): the softmax of the
     logits, the top k within the ``topk_group`` best groups (by two-score sums, the others set to 0),
@@ -674,16 +671,6 @@ def mistral4_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     weights = _chosen(scores, choice, module.top_k)
     weights = _renormalised(weights, 1e-20) if getattr(module, "norm_topk_prob", True) else weights
     return weights * module.routed_scaling_factor
-
-
-def beam_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """``BeamTopKRouter``'s scores (N, k): DeepSeek-V3's form with a sorted top k and no scaling (its block
-    scales after the experts)."""
-    scores = logits.sigmoid()
-    choice = scores + module.e_score_correction_bias
-    choice = _group_limited(choice, module.num_group, module.topk_group, float("-inf"))
-    weights = _chosen(scores, choice, module.top_k, sorted=True)
-    return _renormalised(weights, 1e-20) if module.norm_topk_prob else weights
 
 
 def muse_spark_logits(module: nn.Module, linear: torch.Tensor) -> torch.Tensor:
@@ -773,7 +760,9 @@ ROUTERS = {
     f"{MIXTRAL}.MixtralTopKRouter": RouterForm(mixtral_scores),  # (logits, scores (N, k), indices)
     f"{QWEN2_MOE}.Qwen2MoeTopKRouter": RouterForm(qwen2_moe_scores),  # the same
     f"{LLAMA4}.Llama4Router": RouterForm(llama4_scores, logits_at=1),  # (scores (N, E), logits)
-    f"{DEEPSEEK_V3}.DeepseekV3TopkRouter": RouterForm(deepseek_v3_scores, float32_logits=True),
+    f"{DEEPSEEK_V3}.DeepseekV3TopkRouter": RouterForm(
+        group_limited_sigmoid_scores(float("-inf")), float32_logits=True
+    ),
     f"{QWEN3_5_MOE}.Qwen3_5MoeTopKRouter": RouterForm(qwen3_5_moe_scores),
     f"{GRANITE_MOE}.GraniteMoeTopKRouter": RouterForm(granite_moe_scores),  # logits returned in float32
     f"{GPT_OSS}.GptOssTopKRouter": RouterForm(top_k_softmax_scores, bias=True),
@@ -812,12 +801,16 @@ ROUTERS = {
     f"{_MODELS}.flint.modeling_flint.FlintTopKRouter": RouterForm(
         flint_scores, float32_logits=True, autocast_off=True
     ),
-    f"{_MODELS}.axk2.modeling_axk2.AXK2TopkRouter": RouterForm(axk2_scores, float32_logits=True),
+    f"{_MODELS}.axk2.modeling_axk2.AXK2TopkRouter": RouterForm(
+        group_limited_sigmoid_scores(0.0), float32_logits=True
+    ),
     f"{_MODELS}.mistral4.modeling_mistral4.Mistral4TopkRouter": RouterForm(mistral4_scores),
     f"{_MODELS}.mistral_large4.modeling_mistral_large4.MistralLarge4TextTopkRouter": RouterForm(
         mistral4_scores, float32_logits=True
     ),
-    f"{_MODELS}.beam.modeling_beam.BeamTopKRouter": RouterForm(beam_scores, float32_logits=True),
+    f"{_MODELS}.beam.modeling_beam.BeamTopKRouter": RouterForm(
+        group_limited_sigmoid_scores(float("-inf"), sorted=True, scaled=False), float32_logits=True
+    ),
 }
 for _name, _form in ROUTERS.items():
     register_rule(
