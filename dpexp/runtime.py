@@ -1,5 +1,5 @@
 """Small facts about the machine a run uses, shared by training and the benchmark: which device, writing
-a JSON record so that a reader never sees half of it, and which code version makes a run."""
+a JSON record so that a reader never sees half of it, and which code version and machine make a run."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import functools
 import hashlib
 import json
 import os
+import platform
+import re
 import subprocess
 import traceback
 from pathlib import Path
@@ -26,6 +28,30 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor name where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else platform.machine()
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What a run computes on, beside its code version: ``cpu`` (model name), ``cpu_capability`` (the
+    instruction set torch's CPU kernels were chosen for: ``AVX2``, ``AVX512``, ...), ``torch`` (version and
+    build), and ``gpu`` (the device's name, None on CPU). The same code and config give the same numbers
+    only on the same kind of machine: kernels for another instruction set or another torch build round
+    floats differently, and a training run amplifies the difference."""
+    return {
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
 def write_json_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (atomic on POSIX)."""
     path = Path(path)
@@ -41,7 +67,8 @@ def dump_json(payload: Any, **kwargs: Any) -> str:
 
 
 # ------------------------------------------------------------------ errors at the entry points
-PROJECT_ERRORS = (ValueError, OSError, RuntimeError, ImportError, ArithmeticError)
+# TypeError: the engine's refusal of a layer whose output it cannot capture, a pipeline stage's inputs
+PROJECT_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError, ArithmeticError)
 DEBUG_VARIABLE = "DPEXP_DEBUG"
 
 

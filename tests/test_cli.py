@@ -135,6 +135,42 @@ def test_invalid_values_print_one_line_naming_the_key(monkeypatch, capsys, tmp_p
     assert record["status"] == "failed" and record["steps_done"] == 0
 
 
+def test_a_refusal_raised_as_a_type_error_is_the_projects_own():
+    """The engine refuses a layer whose output it cannot capture with a TypeError (a layer returning an
+    object); an entry point prints it in one line like any other refusal, and not a library's TypeError."""
+    import torch
+    from torch import nn
+
+    from dpexp.privacy import PrivacyEngine
+    from dpexp.runtime import is_project_error
+
+    class Returns(nn.Module):  # a layer with parameters that returns neither a tensor nor tensors
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return {"y": self.linear(x)}
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Returns()
+            self.block.scale = nn.Parameter(torch.ones(2))  # the block's own parameter: it has no rule
+
+        def forward(self, x):
+            return self.block(x)["y"] * self.block.scale
+
+    model = Model()
+    engine = PrivacyEngine(model, batch_size=2, sample_size=4, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(TypeError, match="register a rule") as refusal:
+        engine.backward(model(torch.randn(2, 3)).sum(1))
+    assert is_project_error(refusal.value)
+    with pytest.raises(TypeError) as library:
+        torch.zeros("x")
+    assert not is_project_error(library.value)
+
+
 def test_debug_shows_the_traceback(monkeypatch, capsys, tmp_path):
     """The error leaves the entry point, which Python reports with its traceback and exit code 1."""
     with pytest.raises(ConfigError, match=r"optim\.lrr") as info:

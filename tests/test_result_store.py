@@ -130,7 +130,10 @@ def _write_run(folder: Path, record: dict) -> Path:
 def test_index_reads_every_record_and_round_trips(tmp_path: Path) -> None:
     code = {"source_hash": "abc", "commit": "1234", "dirty": False}
     base = {"metric_names": ["accuracy"], "accuracy": 0.9, "seed": 0, "config": CONFIG}
-    _write_run(tmp_path / "s" / "b", {**base, "status": "completed", "code_version": code})
+    machine = {"cpu": "Xeon", "cpu_capability": "AVX512", "torch": "2.14.1", "gpu": None}
+    _write_run(
+        tmp_path / "s" / "b", {**base, "status": "completed", "code_version": code, "machine": machine}
+    )
     legacy = {k: v for k, v in base.items() if k != "config"}  # an old record: config only in .hydra
     run = _write_run(tmp_path / "s" / "a", {**legacy, "status": "failed", "accuracy": "NaN"})
     (run / ".hydra").mkdir()
@@ -138,6 +141,10 @@ def test_index_reads_every_record_and_round_trips(tmp_path: Path) -> None:
     entries = store.scan(tmp_path)
     assert [Path(e["run_dir"]).name for e in entries] == ["a", "b"]
     assert entries[0]["source_hash"] == store.UNKNOWN_CODE and entries[1]["source_hash"] == "abc"
+    assert entries[0]["machine"] is None and entries[1]["machine"] == machine  # kept, not part of the keys
+    assert store.summarize(entries, entries[1]["setting_key"], "accuracy", "abc").machines == {
+        "Xeon (AVX512), torch 2.14.1": 1
+    }
     assert entries[0]["run_key"] == entries[1]["run_key"] == store.config_key(CONFIG)
     assert math.isnan(entries[0]["metrics"]["accuracy"]) and entries[1]["metrics"]["accuracy"] == 0.9
     store.write_index(entries, tmp_path / "index.jsonl")

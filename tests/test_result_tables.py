@@ -88,6 +88,26 @@ def test_runs_of_older_code_are_flagged_never_mixed() -> None:
     assert "†: only runs of older code versions" in text and "difference to the paper is marked † too" in text
 
 
+def test_the_footer_names_the_machines_of_the_runs_shown() -> None:
+    """The same code gives the same numbers only on the same kind of machine: the footer counts the machines
+    of the runs each cell shows (an older version's where it is shown), not those of runs it leaves out."""
+    avx2 = {"cpu": "Xeon", "cpu_capability": "AVX2", "torch": "2.14.1", "gpu": None}
+    avx512 = {**avx2, "cpu_capability": "AVX512"}
+    entries = [
+        {**_entry("dp", 0, 0.60), "machine": avx2},
+        {**_entry("dp", 1, 0.64), "machine": avx512},
+        {**_entry("np_small", 0, 0.70, code="old"), "machine": avx512},  # shown (†): no current run
+        {**_entry("np_large", 0, 0.60, code="old"), "machine": avx2},  # not shown: np_small is better
+        _entry("np_small", 1, 0.80, code="older"),  # another older version, not shown: no machine kept
+    ]
+    text = tables.markdown(SPEC, "offline", tables.build_cells(SPEC, POINTS, KEYS, entries, "new"), SOURCE)
+    assert "Machines: Xeon (AVX2), torch 2.14.1 (1 run); Xeon (AVX512), torch 2.14.1 (2 runs)." in text
+    text = tables.markdown(
+        SPEC, "offline", tables.build_cells(SPEC, POINTS, KEYS, [_entry("dp", 0, 0.6)], "new"), SOURCE
+    )
+    assert "Machines: machine not recorded (1 run)." in text  # records written before they kept it
+
+
 def test_older_code_versions_are_not_mixed_with_one_another() -> None:
     """A cell with only older runs shows one older version, the one with the most seeds, then the latest
     started; the others' runs are counted, never averaged in (and a seed run twice is not counted twice)."""

@@ -216,6 +216,31 @@ def test_record_keeps_the_code_version_that_started_it_and_each_other_that_resum
         run_training(cfg, tmp_path, resume=True)
     data = _read(tmp_path)
     assert data["code_version"] == started and data["resumed_by_code"] == [other]
+    assert "resumed_on" not in data  # the same machine
+
+
+def test_record_keeps_the_machine_that_started_it_and_each_other_that_resumed_it(
+    compose_config, tmp_path, monkeypatch
+):
+    """The same code gives the same numbers only on the same kind of machine: the record keeps its CPU, the
+    instruction set torch's kernels were chosen for, the torch build and the GPU; a resume elsewhere adds."""
+    from dpexp.runtime import machine
+    from dpexp.training import loop
+
+    cfg = compose_config([*TINY_RUN, _target(MissingDataTask)])
+    with pytest.raises(FileNotFoundError):
+        run_training(cfg, tmp_path)
+    started = _read(tmp_path)["machine"]
+    assert started == machine(torch.device("cpu")) and started["gpu"] is None
+    assert started["torch"] == torch.__version__
+    assert started["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    other = {**started, "cpu_capability": "elsewhere"}
+    monkeypatch.setattr(loop, "machine", lambda device: other)
+    for _ in range(2):  # resumed twice there: each resume is listed
+        with pytest.raises(FileNotFoundError):
+            run_training(cfg, tmp_path, resume=True)
+    data = _read(tmp_path)
+    assert data["machine"] == started and data["resumed_on"] == [other, other]
 
 
 def test_a_record_that_cannot_be_written_leaves_no_file_behind(tmp_path):

@@ -7,20 +7,12 @@ import datetime as dt
 import hashlib
 import os
 import platform
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def _cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    return match.group(1).strip() if match else platform.machine()
+from dpexp.runtime import cpu_model
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -35,7 +27,8 @@ def machine_info(device: str) -> dict[str, Any]:
         "host": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),

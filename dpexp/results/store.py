@@ -11,6 +11,10 @@ Every ``<run dir>/metrics.json`` under a runs folder (``results/runs``) becomes 
 - ``setting_key``: the same without ``seed``: the runs that differ only by seed, averaged into mean +- std;
 - ``source_hash``: the code version that made it (:func:`dpexp.runtime.code_version`).
 
+The ``machine`` a run started on (:func:`dpexp.runtime.machine`) is kept beside, not in its identity: the same
+config and code on another kind of machine is the same experiment, whose numbers may differ at float rounding
+(and more after a long training run); a summary counts its runs' machines (:func:`machine_label`).
+
 :func:`summarize` averages a setting's completed runs made by one code version, one run per seed (a rerun
 of the same config and code counts once); runs by other code versions are summarized apart, one summary per
 version (``Summary.older``), never mixed in nor with one another; failed, diverged, interrupted or still
@@ -132,6 +136,7 @@ def index_entry(run_dir: Path, record: Mapping[str, Any], root: Path | None = No
         "source_hash": code.get("source_hash", UNKNOWN_CODE),
         "commit": code.get("commit"),
         "dirty": code.get("dirty"),
+        "machine": record.get("machine"),  # None for a record written before records kept it (stop 54)
         "started_at": record.get("started_at"),
         "task": record.get("task"),
         "model": record.get("model"),
@@ -190,6 +195,7 @@ class Summary:
     started: str = ""  # the latest ``started_at`` (UTC, ISO 8601) of the completed runs; "" for older records
     older: dict[str, Summary] = field(default_factory=dict)  # other code versions with a completed run
     lacking: int = 0  # completed runs of any code version whose records lack the metric (offline, older code)
+    machines: Counter = field(default_factory=Counter)  # the completed runs' machines (:func:`machine_label`)
 
     @property
     def n(self) -> int:
@@ -219,6 +225,14 @@ def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
+def machine_label(machine: Mapping[str, Any] | None) -> str:
+    """A run's machine in a few words: ``<cpu> (<instruction set>), torch <version>[, <gpu>]``."""
+    if not machine:
+        return "machine not recorded"
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    return f"{machine.get('cpu')} ({machine.get('cpu_capability')}), torch {machine.get('torch')}{gpu}"
+
+
 def summarize(
     entries: Iterable[Mapping[str, Any]], setting_key: str, metric: str, source_hash: str
 ) -> Summary:
@@ -243,6 +257,7 @@ def summarize(
             version.values.append(value)
             version.seeds.append(entry["seed"])
             version.started = max(version.started, entry.get("started_at") or "")
+            version.machines[machine_label(entry.get("machine"))] += 1
     summary = versions.pop(source_hash, Summary())
     summary.older = {code: older for code, older in versions.items() if older.n}
     summary.lacking = len(lacking)

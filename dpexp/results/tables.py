@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +227,13 @@ def footer(spec: DictConfig, scale: str, cells: list[list[Cell]], source: Mappin
         "averaged. n/a: the experiment has no such run at this scale.",
         f"Code version: source {source.get('source_hash')}, commit {str(source.get('commit'))[:10]}{dirty}.",
     ]
+    machines = Counter()
+    for cell in (cell for row in cells for cell in row):
+        shown = cell.ours if cell.ours is not None and cell.ours.n else cell.stale
+        machines.update(shown.machines if shown is not None else {})
+    if machines:  # the same code gives the same numbers only on the same kind of machine
+        counted = [f"{label} ({n} run{'s' * (n > 1)})" for label, n in sorted(machines.items())]
+        lines.append(f"Machines: {'; '.join(counted)}.")
     if stale:
         lines.append(
             "†: only runs of older code versions exist for this cell, not mixed with current runs nor with "

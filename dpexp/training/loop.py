@@ -40,7 +40,7 @@ from dpexp.backends import build_backend
 from dpexp.config import ConfigError, check_config
 from dpexp.models.base import ModelFactory
 from dpexp.privacy import accounting
-from dpexp.runtime import process_code_version, resolve_device
+from dpexp.runtime import machine, process_code_version, resolve_device
 from dpexp.tasks.base import Task
 from dpexp.training.budget import PrivacyBudget, accounting_limits
 from dpexp.training.checkpoint import Checkpointer, CheckpointPolicy, checkpoints, load_checkpoint
@@ -119,25 +119,30 @@ def run_training(
     (``cfg`` is its config: :func:`dpexp.training.resume.load_run_config`) from its latest checkpoint, or from
     the start if it has none. A new run refuses a directory that holds another run's record. If the run fails,
     diverges or is interrupted, the record says so and the exception is re-raised. The record keeps the
-    ``code_version`` of the process that started the run (:func:`dpexp.runtime.process_code_version`); a
-    resume by other code is appended to ``resumed_by_code``.
+    ``code_version`` of the process that started the run (:func:`dpexp.runtime.process_code_version`) and
+    the ``machine`` it started on (:func:`dpexp.runtime.machine`); a resume by other code is appended to
+    ``resumed_by_code``, one on another machine to ``resumed_on``.
     """
     started = time.perf_counter()
     with InterruptGuard() as guard:
-        parallel = start_data_parallel(cfg.get("distributed"), resolve_device(cfg.device))
+        device = resolve_device(cfg.device)
+        parallel = start_data_parallel(cfg.get("distributed"), device)
         writer = parallel is None or parallel.rank == 0  # only rank 0 writes the record and checkpoints
         record: RunRecord | None = None
         run: _Run | None = None
         try:
             with guard.step():  # a signal waits until the run exists to record it (raised at the block's end)
-                code = process_code_version()
+                code, computer = process_code_version(), machine(device)
                 if resume:
                     record = RunRecord.reopen(output_dir, writer=writer)
                     if record.data.get("code_version", {}).get("source_hash") != code["source_hash"]:
                         record.update(resumed_by_code=[*record.data.get("resumed_by_code", []), code])
+                    if record.data.get("machine") != computer:
+                        record.update(resumed_on=[*record.data.get("resumed_on", []), computer])
                 else:
                     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
                     fields = {"seed": cfg.seed, "sampling": _choice(cfg.sampling), "code_version": code}
+                    fields["machine"] = computer
                     record = RunRecord.create(output_dir, {**fields, "config": resolved}, writer=writer)
                 run = _Run(cfg, record, dict(choices or {}), hooks or RunHooks(), started, parallel)
             run.run(guard, resume)

@@ -13,8 +13,10 @@ end, so a run that dies keeps everything measured so far. Its ``status``:
 
 ``started_at`` is when the run first started (UTC, ISO 8601; a resumed run keeps it). Whatever the status,
 ``steps_done`` says how many steps ran and ``epsilon`` what they spent; ``config`` is the
-resolved config and ``code_version`` the code that started the run (:func:`dpexp.runtime.code_version`), which
-the result store (:mod:`dpexp.results.store`) keys runs by. Non-finite
+resolved config and ``code_version`` the code that started the run (:func:`dpexp.runtime.code_version`),
+which the result store (:mod:`dpexp.results.store`) keys runs by; ``machine`` the CPU, its instruction set,
+the torch build and GPU it started on (:func:`dpexp.runtime.machine`: the same code gives the same numbers
+only on the same kind of machine). Non-finite
 numbers are stored as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (``float()`` reads them back),
 so the file is always strict JSON. Optional wandb mirroring (``logger=wandb``) logs the same evaluation
 entries; wandb is imported only when selected and runs offline unless configured otherwise.
