@@ -10,13 +10,17 @@ One line per model: ``EXACT`` (the worst error of any parameter's update, relati
 the whole update's, and the modules left to the ``torch.func`` fallback; the state-space and delta-rule scans
 run in float32 inside a float64 model, and a parameter whose update is 1e-8 of the whole, such as Falcon-H1's
 ``A_log``, differs from the oracle's by float32's rounding then), ``REFUSED`` (the engine's one-line
-refusal: a ``VerificationError`` or ``ValueError``), ``ERROR`` (anything else, including a configuration the
-tiny sizes do not fit, or a model whose own gradients are not finite at them) or
-``VIOLATION`` (an update off the oracle's by more than ``--tolerance``: the
-outcome that must never occur). Exits non-zero on a violation. ``--json`` writes the lines as records.
+refusal, raised by dpexp's own code), ``ERROR`` (anything else raised while the engine runs the model, or a
+model whose own gradients are not finite at the tiny sizes), ``NOT BUILT`` (the tiny configuration does not
+build, or the model's own forward and backward fail on it, before the engine is involved: a configuration
+check, sizes it does not fit) or ``VIOLATION`` (an update off the oracle's by more than ``--tolerance``: the
+outcome that must never occur). Exits non-zero on a violation. ``--json`` writes the lines as records, with
+the ``phase`` an unfinished audit stopped in (``build``, ``model``, ``engine``).
 ``--all`` (stop 53) audits every other model type of transformers' causal-LM, sequence- and
-image-classification mappings, each in a process of its own, ``--jobs`` at a time: NOT BUILT for one that
-runs out of ``--seconds`` or memory (the multimodal wrappers, whose towers keep their default sizes).
+image-classification mappings, each in a process of its own, ``--jobs`` at a time: NOT BUILT also for one
+that runs out of ``--seconds`` or memory (the multimodal wrappers, whose towers keep their default sizes).
+``--again FILE`` (stop 54) audits once more the records of FILE that did not finish (every outcome but EXACT
+and VIOLATION, save those out of time) and writes FILE with them replaced.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,6 +78,9 @@ HYBRID = [  # the state-space and linear-attention hybrids (stop 47), each with 
 ]  # fmt: skip
 LATENT = {"kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
           "num_key_value_heads": 2}  # fmt: skip
+STAGES = {  # vision models of two stages, their widths per stage
+          "depths": [1, 1], "hidden_size": None, "num_hidden_layers": None, "num_attention_heads": None,
+          "intermediate_size": None}  # fmt: skip
 LATENT_MODELS = [  # multi-head latent attention (stop 53)
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "sarvam_mla",
     "axk1", "longcat_flash", "youtu", "mistral4",
@@ -89,6 +97,38 @@ OVERRIDES = {  # per model type: what its configuration needs beyond SIZES to bu
     "codegen": {"rotary_dim": 4},
     "gptj": {"rotary_dim": 4},
     "dots3_note_text": {"num_key_value_heads": 2},
+    # stop 54: the configurations that did not build at SIZES (None leaves a SIZES key out)
+    # (multi-head latent attention whose head_dim is the rotary part, as their configurations set it)
+    **{name: {**LATENT, "head_dim": 4} for name in ("deepseek_v3", "axk1", "axk2", "longcat_flash", "youtu")},
+    "deepseek_v2": {**LATENT, "head_dim": 4, "num_experts_per_tok": 2},
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    "dbrx": {"d_model": 16, "n_heads": 2, "n_layers": 2, "ffn_config": {"ffn_hidden_size": 24,
+             "moe_num_experts": 4, "moe_top_k": 2},
+             "attn_config": {"kv_n_heads": 1, "rope_theta": 1e4, "clip_qkv": 8.0}},
+    "dots1": {"moe_intermediate_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "n_shared_experts": 1, "first_k_dense_replace": 1},
+    "falcon": {"num_kv_heads": 1, "head_dim": None},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 8},
+    "prophetnet": {"num_hidden_layers": None, "num_encoder_layers": 1, "num_decoder_layers": 2, "ngram": 2},
+    **{name: {**STAGES, "embed_dim": 8, "num_heads": [1, 2], "window_size": 2}
+       for name in ("swin", "swinv2", "donut-swin")},
+    **{name: {**STAGES, "hidden_sizes": [8, 16], "num_stages": 2} for name in ("convnext", "convnextv2")},
+    **{name: {**STAGES, "hidden_sizes": [8, 16], "num_encoder_blocks": 2, "num_attention_heads": [1, 2],
+              "sr_ratios": [2, 1], "sequence_reduction_ratios": [2, 1], "patch_sizes": [4, 2],
+              "strides": [4, 2], "mlp_ratios": [2, 2], "decoder_hidden_size": 16}
+       for name in ("pvt", "pvt_v2", "segformer")},
+    "regnet": {**STAGES, "embedding_size": 8, "hidden_sizes": [8, 16], "groups_width": 4, "layer_type": "x"},
+    "bit": {**STAGES, "embedding_size": 8, "hidden_sizes": [8, 16], "layer_type": "preactivation",
+            "num_groups": 2},
+    "hiera": {**STAGES, "image_size": [16, 16], "patch_size": [3, 3], "patch_stride": [2, 2],
+              "patch_padding": [1, 1], "embed_dim": 8, "num_heads": [1, 2], "query_stride": [2, 2],
+              "masked_unit_size": [2, 2], "num_query_pool": 1},
+    "efficientnet": {**STAGES, "image_size": 64, "width_coefficient": 0.1, "depth_coefficient": 0.1,
+                     "hidden_dim": 32},
+    "mobilevitv2": {"image_size": 64},
 }  # fmt: skip
 SETTINGS = [("bk", "flat"), ("ghost", "per_layer")]
 
@@ -98,6 +138,7 @@ def build(architecture: str, kind: str) -> tuple[nn.Module, dict, callable]:
     import transformers
 
     fields = {**SIZES[kind], **OVERRIDES.get(architecture, {})}
+    fields = {key: value for key, value in fields.items() if value is not None}  # None: leave it out
     config = transformers.AutoConfig.for_model(architecture, **fields)
     for key, value in list(vars(config).items()):
         if "drop" in key and isinstance(value, float):  # the fallback and the oracle need determinism
@@ -115,7 +156,8 @@ def build(architecture: str, kind: str) -> tuple[nn.Module, dict, callable]:
     generator = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 2, (6,), generator=generator)
     if kind == "vision":
-        batch = {"pixel_values": torch.randn(6, 3, 16, 16, generator=generator, dtype=torch.float64)}
+        side = fields.get("image_size", 16) if isinstance(fields.get("image_size", 16), int) else 16
+        batch = {"pixel_values": torch.randn(6, 3, side, side, generator=generator, dtype=torch.float64)}
     else:
         ids = torch.randint(3, 40, (6, 8), generator=generator)
         mask = torch.ones(6, 8, dtype=torch.long)
@@ -144,11 +186,14 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
     from dpexp.privacy.capture import unsupported_modules
 
     record = {"model": architecture, "kind": kind}
+    phase = "build"
     try:
         torch.manual_seed(0)
         model, batch, loss = build(architecture, kind)
         record["fallback"] = {name.rsplit(".", 1)[1]: p for name, p in unsupported_modules(model).items()}
+        phase = "model"
         grads = per_example_grads(model, loss, batch)
+        phase = "engine"
         if not all(torch.isfinite(g).all() for example in grads for g in example.values()):
             raise ArithmeticError("the model's own per-example gradients are not finite at this size")
         errors = []
@@ -173,10 +218,25 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
         record["errors"] = errors
         record["outcome"] = "EXACT" if max(errors) < tolerance else "VIOLATION"
     except Exception as error:  # every outcome is reported
-        refused = type(error).__name__ in ("VerificationError", "ValueError")
-        record["outcome"] = "REFUSED" if refused else "ERROR"
+        record["outcome"] = "NOT BUILT" if phase != "engine" else "REFUSED" if _ours(error) else "ERROR"
+        record["phase"] = phase
         record["message"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
     return record
+
+
+FINISHED = ("EXACT", "VIOLATION")
+
+
+def _timed_out(record: dict) -> bool:
+    return record.get("phase") == "time" or record.get("message", "").startswith("over ")
+
+
+def _ours(error: BaseException) -> bool:
+    """Whether ``error`` was raised by dpexp's own code (a refusal), not by torch or the model inside it."""
+    import dpexp
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(str(Path(dpexp.__file__).parent))
 
 
 def every_other_type() -> list[tuple[str, str]]:
@@ -211,6 +271,7 @@ def audit_apart(architecture: str, kind: str, tolerance: float, seconds: int) ->
         "model": architecture,
         "kind": kind,
         "outcome": "NOT BUILT",
+        "phase": "time",
         "message": f"over {seconds} s or memory",
     }
 
@@ -224,10 +285,14 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="--all processes at a time")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--json", type=Path, help="write the records here")
+    parser.add_argument("--again", type=Path, help="audit this file's unfinished records again, rewrite it")
     args = parser.parse_args()
+    earlier = json.loads(args.again.read_text()) if args.again else []
     todo = (
         [(name, args.kind or "causal") for name in args.models]
         if args.models
+        else [(r["model"], r["kind"]) for r in earlier if r["outcome"] not in FINISHED and not _timed_out(r)]
+        if args.again
         else every_other_type()
         if args.all
         else [(n, "causal") for n in CAUSAL + HYBRID]
@@ -235,7 +300,7 @@ def main() -> int:
         + [(n, "vision") for n in VISION]
     )
     warnings.filterwarnings("ignore")
-    if args.all:  # processes of their own, --jobs at a time
+    if args.all or args.again:  # processes of their own, --jobs at a time
         pool = ThreadPoolExecutor(args.jobs)
         done = pool.map(lambda job: audit_apart(*job, args.tolerance, args.seconds), todo)
     else:
@@ -249,8 +314,11 @@ def main() -> int:
             else record["message"]
         )
         print(f"{name} ({kind}): {record['outcome']} {detail}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    if args.again:  # the file's records in their order, the audited ones replaced
+        again = {(r["model"], r["kind"]): r for r in records}
+        records = [again.get((r["model"], r["kind"]), r) for r in earlier]
+    if args.json or args.again:
+        (args.json or args.again).write_text(json.dumps(records, indent=1) + "\n")
     return 1 if any(r["outcome"] == "VIOLATION" for r in records) else 0
 
 
