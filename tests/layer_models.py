@@ -4,6 +4,8 @@ and BEiT's embeddings, timm's and Hugging Face's Swin window attention."""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -130,20 +132,25 @@ def beit_loss(model: BeitLayerNet, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 class Dinov2Net(nn.Module):
-    """A two-layer DINOv2 on 8x8 images in 4x4 patches (a 2x2 grid), its pooled output -> head."""
+    """A two-layer DINOv2 on 8x8 images in 4x4 patches (a 2x2 grid), its pooled output -> head; with
+    ``registers`` > 0, DINOv2 with that many register tokens (Darcet et al. 2024)."""
 
-    def __init__(self, hidden_dropout: float = 0.0) -> None:
+    def __init__(self, hidden_dropout: float = 0.0, registers: int = 0) -> None:
         super().__init__()
-        from transformers import Dinov2Config, Dinov2Model
+        import transformers
 
-        config = Dinov2Config(
+        family = "Dinov2WithRegisters" if registers else "Dinov2"
+        config = getattr(transformers, f"{family}Config")(
             hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, image_size=8,
             patch_size=4, num_channels=3, layerscale_value=0.5, hidden_dropout_prob=hidden_dropout,
+            **({"num_register_tokens": registers} if registers else {}),
         )  # fmt: skip
-        self.backbone = Dinov2Model(config)
+        self.backbone = getattr(transformers, f"{family}Model")(config)
         with torch.no_grad():  # away from their zero start, so that every token matters
             self.backbone.embeddings.cls_token.normal_()
             self.backbone.embeddings.mask_token.normal_()
+            if registers:
+                self.backbone.embeddings.register_tokens.normal_()
         self.head = nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -345,3 +352,28 @@ class BilinearNet(nn.Module):
     def forward(self, x):  # x: (B, T, 4)
         h = torch.tanh(self.proj(x))
         return self.head(torch.tanh(self.pair(h, x)).mean(1) + self.pair(h.mean(1), x.mean(1)))
+
+
+class ProbeNet(nn.Module):
+    """Tokens (B, T, 4) -> Linear -> SigLIP's (or SigLIP 2's, with a padding mask of the last ``padded``
+    tokens of every other example) attention-pooling head -> Linear: its learned probe queries the tokens."""
+
+    def __init__(self, version: str) -> None:
+        import transformers
+
+        super().__init__()
+        config = getattr(transformers, f"{version}VisionConfig")(
+            hidden_size=8, num_attention_heads=2, intermediate_size=12
+        )
+        module = importlib.import_module(f"transformers.models.{version.lower()}.modeling_{version.lower()}")
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.pool = getattr(module, f"{version}MultiheadAttentionPoolingHead")(config)
+        self.masked = version == "Siglip2"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = None
+        if self.masked:
+            mask = torch.ones(x.shape[:2], dtype=torch.long)
+            mask[::2, -2:] = 0
+        hidden = self.embed(x)
+        return self.head(self.pool(hidden, mask) if self.masked else self.pool(hidden))

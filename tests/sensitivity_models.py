@@ -30,6 +30,7 @@ from tests.layer_models import (
     Dinov2Net,
     HFSwinNet,
     HFSwinv2Net,
+    ProbeNet,
     ScaleNet,
     bag_batch,
     bag_loss,
@@ -284,6 +285,8 @@ def _layer_case(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return HFViTLogits(kind=name[3:]), (3, 8, 8)
     if name == "bilinear":
         return BilinearNet(), (3, 4)
+    if name in ("siglip_probe", "siglip2_probe"):  # the probe queries every example's own tokens
+        return ProbeNet("Siglip2" if name.startswith("siglip2") else "Siglip"), (5, 4)
     raise KeyError(name)
 
 
@@ -295,6 +298,8 @@ LAYER_CASES = (
     "hf_clip",
     "hf_pvt",
     "bilinear",
+    "siglip_probe",
+    "siglip2_probe",
 )
 
 
@@ -486,6 +491,32 @@ def bert_mean_pool() -> nn.Module:
     return MeanPoolClassifier(encoder, 2, dropout=0.0).double().eval()
 
 
+TEXT_CLASSIFIERS = {  # model type -> what its tiny configuration needs beyond hf_text_classifier's sizes
+    "mobilebert": {"num_attention_heads": 2, "embedding_size": 8, "true_hidden_size": 8,
+                   "intra_bottleneck_size": 8},  # NoNorm in place of LayerNorm
+    "convbert": {"num_attention_heads": 4, "embedding_size": 16, "conv_kernel_size": 3},  # its own bias
+    "esmc": {"num_attention_heads": 2},  # ESM C's LayerNorm, cast back to its input's dtype
+}  # fmt: skip
+
+
+def hf_text_classifier(architecture: str) -> nn.Module:
+    """A tiny float64 Hugging Face sequence classifier of 2 labels from its model type
+    (:data:`TEXT_CLASSIFIERS`), vocabulary 32 with padding id 1, its parameters drawn away from their starts
+    (NoNorm's ones and zeros)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    sizes = {"vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1, "intermediate_size": 24,
+             "max_position_embeddings": 16, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+             "pad_token_id": 1, "num_labels": 2}  # fmt: skip
+    config = AutoConfig.for_model(architecture, **sizes, **TEXT_CLASSIFIERS[architecture])
+    model = AutoModelForSequenceClassification.from_config(config).double().eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
 def distilbert() -> nn.Module:
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
@@ -620,12 +651,19 @@ NEW_CASES = [
     "nf_resnet",  # timm ScaledStdConv2d: scaled weight standardisation with a learnable gain
     "nfnet_skipinit",  # timm NormFreeBlock's skipinit_gain: the block rerun with the gain raised by one
     "bit",  # timm StdConv2d: weight standardisation
+    "hf_convnext",  # HF ConvNextLayerNorm (both data formats), ConvNextLayer's layer_scale_parameter
+    "hf_convnextv2",  # HF ConvNextV2GRN: statistics over each example's own positions
+    "hf_bit",  # HF WeightStandardizedConv2d with its DynamicPad2d, BitGroupNormActivation
+    "mobilebert",  # HF MobileBERT's NoNorm
+    "convbert",  # HF ConvBERT's SeparableConv1D bias
+    "esmc",  # HF ESM C's EsmcLayerNorm
     "embedding_bag_rows_weighted",
     "embedding_bag_offsets_mean_padding",
     "layer_scale_dinov2",
     "layer_scale_timm_flattened",
     "layer_scale_beit",  # HF BeitLayer's own lambda_1, lambda_2 (numbered taps of its drop_path)
     "dinov2_masked",  # HF Dinov2Embeddings: cls, position and mask tokens (bool_masked_pos)
+    "dinov2_registers_masked",  # HF Dinov2WithRegistersEmbeddings: the same and register tokens
     "swin_windows",  # timm WindowAttention's relative position table: (B * windows) rows, shifted windows
     "beit_masked",  # HF BeitEmbeddings: cls, absolute position and mask tokens (bool_masked_pos)
     "hf_swin_windows",  # HF SwinAttention's relative position table, recomputed scores: (B * windows) rows
@@ -730,11 +768,12 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             engine_models._padded_text(size, 8, 32, gen),
             {"padding": LM_PADDING},
         )
-    if name in ("distilbert", "bert_mean_pool"):
+    if name in ("distilbert", "bert_mean_pool", *TEXT_CLASSIFIERS):
         batch = engine_models._padded_text(size, 8, 32, gen)
         batch["labels"] = _labels(gen, size, 2)
         info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
-        model = distilbert() if name == "distilbert" else bert_mean_pool()
+        builders = {"distilbert": distilbert, "bert_mean_pool": bert_mean_pool}
+        model = builders[name]() if name in builders else hf_text_classifier(name)
         return model, engine_models.seq_classification_loss, batch, info
     if name.startswith(("t5", "longt5", "bart", "blenderbot", "switch")):
         source = engine_models._padded_text(size, length, 32, gen)
@@ -793,7 +832,18 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "functional_linear":
         batch = {"x": _floats(gen, size, 6), "y": _labels(gen, size, 3)}
         return FunctionalLinearNet().double(), engine_models.classification_loss, batch, float_info
-    if name in ("convnext", "convnextv2", "efficientnet_gn", "nf_resnet", "nfnet_skipinit", "bit"):  # timm
+    if name in (
+        "convnext",
+        "convnextv2",
+        "efficientnet_gn",
+        "nf_resnet",
+        "nfnet_skipinit",
+        "bit",
+    ) or name in (
+        "hf_convnext",
+        "hf_convnextv2",
+        "hf_bit",
+    ):  # timm's and Hugging Face's CNNs
         builder = timm_cnn_models.BUILDERS["efficientnet" if name == "efficientnet_gn" else name]
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return builder(), engine_models.classification_loss, batch, float_info
@@ -826,11 +876,11 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "beit_relative_shared":
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return BeitNet(relative="shared").double(), beit_embeddings_loss, batch, float_info
-    if name == "dinov2_masked":
+    if name in ("dinov2_masked", "dinov2_registers_masked"):
         mask = torch.rand(size, 4, generator=gen) < 0.5
         mask[0] = False  # an example without masked patches
         batch = {"x": _floats(gen, size, 3, 8, 8), "mask": mask, "y": _labels(gen, size, 3)}
-        return Dinov2Net().double(), dinov2_loss, batch, float_info
+        return Dinov2Net(registers=2 if "registers" in name else 0).double(), dinov2_loss, batch, float_info
     if name == "layer_scale_beit":
         batch = {"x": _floats(gen, size, 4, 5), "y": _labels(gen, size, 3)}
         return BeitLayerNet("beit").double(), beit_loss, batch, float_info

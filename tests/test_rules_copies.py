@@ -93,6 +93,30 @@ def test_hugging_face_copies_take_the_rule_of_their_original():
     assert rule_for(embedding).per_example_grads.__name__ == "scaled_embedding_grads"
 
 
+def test_clips_copies_take_its_class_embedding_rule():
+    """GIT's, MetaCLIP-2's, X-CLIP's, AltCLIP's and Chinese-CLIP's vision embeddings are copies of CLIP's
+    (stop 54); CLIPSeg's, whose forward differs, is not."""
+    import importlib
+
+    from transformers import CLIPVisionConfig
+
+    config = CLIPVisionConfig(
+        hidden_size=8, num_attention_heads=2, image_size=8, patch_size=4, num_channels=3
+    )
+    copies = {"git": "GitVisionEmbeddings", "metaclip_2": "MetaClip2VisionEmbeddings",
+              "x_clip": "XCLIPVisionEmbeddings", "altclip": "AltCLIPVisionEmbeddings",
+              "chinese_clip": "ChineseCLIPVisionEmbeddings",
+              "clipseg": "CLIPSegVisionEmbeddings"}  # fmt: skip
+    for family, name in copies.items():
+        module = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)(
+            config
+        )
+        rule = rule_for(module)
+        assert (rule is not None and rule.per_example_grads.__name__ == "clip_class_embedding_grads") == (
+            family != "clipseg"
+        ), name
+
+
 def test_copies_are_looked_up_in_their_own_library_only():
     """A class outside transformers with the body of Llama's RMSNorm takes no rule from it."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm

@@ -1,9 +1,10 @@
-"""Hugging Face DINOv2's embeddings (``cls_token``, ``mask_token``, ``position_embeddings``) against the
-brute-force oracle in every strategy x clipping mode (float64, two micro-batches), without and with
-``bool_masked_pos`` (the mask token's gradient is the sum of the masked positions' token gradients, zero
-for an example without masked patches), resampled (interpolated) position embeddings for other image sizes
-(in float32), and the refusals of what the rule cannot establish: embedding dropout in training, resampling
-in a float64 model, a mask that is not one row per image."""
+"""Hugging Face DINOv2's embeddings (``cls_token``, ``mask_token``, ``position_embeddings``; and with register
+tokens, ``register_tokens``, the positions resampled antialiased) against the brute-force oracle in every
+strategy x clipping mode (float64, two micro-batches), without and with ``bool_masked_pos`` (the mask token's
+gradient is the sum of the masked positions' token gradients, zero for an example without masked patches),
+resampled (interpolated) position embeddings for other image sizes (in float32), and the refusals of what
+the rule cannot establish: embedding dropout in training, resampling in a float64 model, a mask that is not
+one row per image."""
 
 from __future__ import annotations
 
@@ -25,23 +26,31 @@ pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 MICRO = [[0, 1, 2], [3, 4, 5]]
 
 
-def test_dinov2_needs_no_fallback():
-    assert unsupported_modules(Classifier()) == {}
+REGISTERS = pytest.mark.parametrize("registers", [0, 2], ids=["dinov2", "registers"])
 
 
+@REGISTERS
+def test_dinov2_needs_no_fallback(registers):
+    assert unsupported_modules(Classifier(registers=registers)) == {}
+
+
+@REGISTERS
 @pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "mask"])
 @pytest.mark.parametrize("strategy,clipping,groups", SETTINGS, ids=[f"{s}-{c}" for s, c, _ in SETTINGS])
-def test_dinov2_embeddings_match_oracle(masked, strategy, clipping, groups):
+def test_dinov2_embeddings_match_oracle(masked, strategy, clipping, groups, registers):
     torch.manual_seed(0)
-    model = Classifier().double()
+    model = Classifier(registers=registers).double()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")  # the embeddings must not take it
         check_clipped_step(model, loss_fn, masked_image_batch(masked), MICRO, strategy, clipping, groups)
 
 
-@pytest.mark.parametrize("height,width", [(12, 12), (8, 12)], ids=["3x3_grid", "2x3_grid"])
+@REGISTERS
+@pytest.mark.parametrize(
+    "height,width", [(12, 12), (8, 12), (4, 8)], ids=["3x3_grid", "2x3_grid", "1x2_grid"]
+)
 @pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
-def test_resampled_positions_match_oracle(strategy, height, width):
+def test_resampled_positions_match_oracle(strategy, height, width, registers):
     """Images of another size: the module resamples its 2x2 table of patch positions (bicubic, always in
     float32) to the patch grid; the per-example gradient goes back through that resampling. In float32, as
     the resampling is (a float64 model is refused: the engine's check that the per-example gradients add up
@@ -51,7 +60,8 @@ def test_resampled_positions_match_oracle(strategy, height, width):
         k: v.float() if v.is_floating_point() else v
         for k, v in masked_image_batch(False, height, width).items()
     }
-    check_clipped_step(Classifier(), loss_fn, batch, MICRO, strategy, "per_layer", rel=1e-5, floor=1e-6)
+    model = Classifier(registers=registers)
+    check_clipped_step(model, loss_fn, batch, MICRO, strategy, "per_layer", rel=1e-5, floor=1e-6)
 
 
 def _engine(model: nn.Module) -> PrivacyEngine:

@@ -1,7 +1,8 @@
 """Rules for InstanceNorm (affine), PReLU, xIELU, nn.Bilinear (called on positions and on pooled pairs),
-Hugging Face ViT's class and position tokens (and ViT-MSN's, I-JEPA's), CLIP's class embedding and
-PoolFormer's layer scales and GroupNorm subclass against the brute-force oracle, for every strategy x
-flat/per-layer clipping; no fallback left on these models."""
+Hugging Face ViT's class and position tokens (and ViT-MSN's, I-JEPA's), CLIP's class embedding,
+PoolFormer's layer scales and GroupNorm subclass, MobileBERT's NoNorm, ConvBERT's separable convolution
+bias, ESM C's LayerNorm and SigLIP's (and SigLIP 2's) attention-pooling probe against the brute-force
+oracle, for every strategy x flat/per-layer clipping; no fallback left on these models."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine
-from tests.layer_models import BilinearNet
+from tests.layer_models import BilinearNet, ProbeNet
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -73,6 +74,18 @@ def _cases() -> dict:
         batch = {"x": torch.randn(6, 3, 8, 8, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
         return AutoModelForImageClassification.from_config(config), batch
 
+    def tokens():
+        return {"x": torch.randn(6, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
+
+    def hf_text(architecture: str):
+        """MobileBERT (NoNorm in place of LayerNorm), ConvBERT (a separable convolution's own bias after its
+        depthwise and pointwise convolutions), ESM C (its LayerNorm subclass): the sensitivity tests' tiny
+        classifiers."""
+        from tests.sensitivity_models import hf_text_classifier
+
+        batch = {"x": torch.randint(2, 32, (6, 8)), "y": torch.randint(0, 2, (6,))}
+        return hf_text_classifier(architecture), batch
+
     vit_sizes = {"image_size": 8, "patch_size": 4, "hidden_size": 8, "num_hidden_layers": 1,
                  "num_attention_heads": 2, "intermediate_size": 12, "hidden_dropout_prob": 0.0,
                  "attention_probs_dropout_prob": 0.0}  # fmt: skip
@@ -89,6 +102,11 @@ def _cases() -> dict:
         "hf_pvt": lambda: hf_image("pvt", **pvt_sizes),  # two stages' position tables, a class token
         "hf_ijepa": lambda: hf_image("ijepa", **vit_sizes),
         "hf_poolformer": lambda: hf_image("poolformer", **poolformer_sizes),
+        "hf_siglip_probe": lambda: (ProbeNet("Siglip"), tokens()),
+        "hf_siglip2_probe": lambda: (ProbeNet("Siglip2"), tokens()),
+        "hf_mobilebert": lambda: hf_text("mobilebert"),
+        "hf_convbert": lambda: hf_text("convbert"),
+        "hf_esmc": lambda: hf_text("esmc"),
         "instance_norm": lambda: vision(nn.InstanceNorm2d(4, affine=True), nn.Tanh()),
         "prelu_shared": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU()),
         "prelu_per_channel": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU(4, init=0.1)),

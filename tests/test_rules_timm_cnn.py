@@ -1,6 +1,8 @@
-"""timm CNN rules (LayerNorm2d, ConvNeXt layer scale, GroupNormAct, StdConv2d, ScaledStdConv2d) against the
-brute-force oracle: every strategy x clipping mode on tiny ConvNeXt, EfficientNet, NF-ResNet and BiT models
-(slow), representatives in the fast suite, and no module of these models on the torch.func fallback."""
+"""timm CNN rules (LayerNorm2d, ConvNeXt layer scale, GroupNormAct, StdConv2d, ScaledStdConv2d) and Hugging
+Face's (ConvNeXt's LayerNorm of either data format and layer scale, ConvNeXt V2's GRN, BiT's standardised
+convolutions and GroupNorm with activation) against the brute-force oracle: every strategy x clipping mode on
+tiny ConvNeXt, EfficientNet, NF-ResNet and BiT models (slow), representatives in the fast suite, and no
+module of these models on the torch.func fallback."""
 
 from __future__ import annotations
 
@@ -39,6 +41,14 @@ FAST = {
     ("bit", "ghost", "flat"),
     ("std_conv_same", "bk", "per_layer"),
     ("std_conv_same", "instantiate", "flat"),
+    ("hf_convnext", "bk", "per_layer"),
+    ("hf_convnext", "ghost", "flat"),
+    ("hf_convnext", "instantiate", "groups"),
+    ("hf_convnextv2", "bk", "flat"),
+    ("hf_convnextv2", "ghost", "per_layer"),
+    ("hf_bit", "bk", "flat"),
+    ("hf_bit", "ghost", "per_layer"),
+    ("hf_bit", "instantiate", "groups"),
 }
 
 

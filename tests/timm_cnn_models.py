@@ -1,7 +1,8 @@
 """Tiny float64 timm CNNs (ConvNeXt, ConvNeXt-V2, EfficientNet with GroupNorm, an NF-ResNet, a BiT ResNet-V2)
-for the oracle and sensitivity tests: every module they hold has a per-example gradient rule (timm
-LayerNorm2d, ConvNeXt layer scale, Global Response Normalization, GroupNormAct, depthwise and squeeze-excite
-convolutions, scaled and plain weight-standardised convolutions)."""
+and their Hugging Face forms (ConvNeXt, ConvNeXt V2, BiT) for the oracle and sensitivity tests: every module
+they hold has a per-example gradient rule (timm LayerNorm2d and Hugging Face's LayerNorm of either data
+format, ConvNeXt layer scale, Global Response Normalization, GroupNormAct and BiT's GroupNorm with its
+activation, depthwise and squeeze-excite convolutions, scaled and plain weight-standardised convolutions)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def _perturbed(model: nn.Module, seed: int) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() <= 1 or name.endswith("gain") or "head" in name or "fc." in name:
+            if p.dim() <= 1 or name.endswith("gain") or "head" in name or "fc." in name or ".grn." in name:
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
     return model.double().eval()
 
@@ -133,6 +134,43 @@ class SameConvs(nn.Module):
         return self.head(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))).mean((2, 3)))
 
 
+class Logits(nn.Module):
+    """A Hugging Face image classifier called on pixel values, returning its logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits
+
+
+def hf_image_classifier(architecture: str, seed: int, **config) -> nn.Module:
+    """A Hugging Face image classifier of 3 classes for 8x8 images, its parameters drawn away from their
+    starts (ConvNeXt's layer scale 1e-6, GRN's zeros, the norms' ones) and signed."""
+    from transformers import AutoConfig, AutoModelForImageClassification
+
+    config = AutoConfig.for_model(architecture, num_labels=3, image_size=8, **config)
+    return Logits(_perturbed(AutoModelForImageClassification.from_config(config), seed))
+
+
+def hf_convnext(v2: bool = False) -> nn.Module:
+    """Hugging Face ConvNeXt (or V2: GRN in the MLP, no layer scale): two stages of one block, widths 4 and 8,
+    a 2x2 patch stem; its LayerNorms channels-first (the stem's, the downsampling's) and channels-last (the
+    blocks')."""
+    sizes = {"depths": [1, 1], "hidden_sizes": [4, 8], "num_stages": 2, "patch_size": 2}
+    return hf_image_classifier(
+        "convnextv2" if v2 else "convnext", 6 if v2 else 7, **sizes, drop_path_rate=0.0
+    )
+
+
+def hf_bit() -> nn.Module:
+    """Hugging Face BiT (pre-activation ResNet-V2): weight-standardised convolutions with TensorFlow's SAME
+    padding by its ``DynamicPad2d`` (uneven at stride 2), GroupNorm with ReLU."""
+    sizes = {"depths": [1, 1], "hidden_sizes": [8, 16], "embedding_size": 8, "num_groups": 2}
+    return hf_image_classifier("bit", 8, **sizes, global_padding="SAME", layer_type="preactivation")
+
+
 BUILDERS = {
     "convnext": convnext,
     "convnext_conv_mlp": partial(convnext, conv_mlp=True),
@@ -143,6 +181,9 @@ BUILDERS = {
     "nfnet_skipinit": partial(nf_resnet, skipinit=True),
     "bit": bit,
     "std_conv_same": lambda: _perturbed(SameConvs(), 5),
+    "hf_convnext": hf_convnext,
+    "hf_convnextv2": partial(hf_convnext, v2=True),
+    "hf_bit": hf_bit,
 }
 
 

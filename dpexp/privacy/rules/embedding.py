@@ -9,18 +9,26 @@ Hugging Face's scaled word embeddings (Gemma, BART, M2M100, XGLM, ...; Vaswani e
 embeddings multiplied by sqrt(d_model)) return ``E[idx] * s``, so their per-example gradient is the table's
 for the output gradient ``s * dy``; Inkling's normed embedding returns ``norm(E[idx])``, the table's for the
 gradient at the norm's input.
+
+Learned positions that compute their own indices (OPT's from the attention mask, ``cumsum(mask) * mask - 1``
+offset by 2; MVP's and TrOCR's ``arange`` after a cache, offset by 2; Zhang et al. 2022, OPT, sec. 2.2) are
+looked up per example too: the rule reads the indices from the module's own forward, run once more without
+recording under a mode that sees its ``F.embedding`` call on the table, and refuses a forward that does not
+return exactly one lookup of its table (no index arithmetic of its own copied here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dpexp.privacy.per_example import Outer, PerExampleGrad
-from dpexp.privacy.rules import register_rule
+from dpexp.privacy.rules import CallLayout, first_output, register_rule
 
 
 def _check(module: nn.Embedding) -> None:
@@ -87,3 +95,49 @@ def normed_embedding_grads(
         e = F.embedding(idx, module.weight.detach(), module.padding_idx).requires_grad_()
         (dz,) = torch.autograd.grad(module.embed_norm.forward(e), e, dy)
     return embedding_grads(module, idx, dz)
+
+
+class _Lookups(TorchFunctionMode):
+    """Records every ``F.embedding`` call on ``weight`` during a forward: (indices, result)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.calls = weight, []
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None):
+        result = func(*args, **(kwargs or {}))
+        if func is F.embedding and len(args) > 1 and args[1] is self.weight:
+            self.calls.append((args[0], result))
+        return result
+
+
+def lookup_inputs(module: nn.Embedding, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor]:
+    """``(indices,)``: the rows a table that computes its own indices looks up, from its forward run once more
+    without recording; refused unless that forward returns one lookup of its table, unchanged."""
+    lookups = _Lookups(module.weight)
+    with torch.no_grad(), lookups:
+        output = type(module).forward(module, *args, **kwargs)
+    if len(lookups.calls) != 1 or lookups.calls[0][1] is not output:
+        raise ValueError(
+            f"its forward makes {len(lookups.calls)} lookups of its table and returns "
+            f"{'one of them' if any(r is output for _, r in lookups.calls) else 'something else'}, where the "
+            "learned-positions rule reads the indices of its one lookup; freeze the table or register a rule"
+        )
+    return (lookups.calls[0][0],)
+
+
+# Not their copies: BART's, mBART's, PLBART's and BioGPT's are looked up once for all examples and declared
+# shared (dpexp.privacy.shared).
+@register_rule(
+    # forward: `super().forward(position_ids + self.offset)`, the ids computed from its arguments
+    f"{_HF}.opt.modeling_opt.OPTLearnedPositionalEmbedding",
+    f"{_HF}.mvp.modeling_mvp.MvpLearnedPositionalEmbedding",
+    f"{_HF}.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
+    check=_check,
+    call=CallLayout(lookup_inputs, first_output),
+)
+def learned_position_grads(
+    module: nn.Embedding, call: tuple[torch.Tensor], dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """``call = (indices (B, T),)`` as the module looked them up, ``dy`` (B, T, d): the table's rule."""
+    return embedding_grads(module, call[0], dy)

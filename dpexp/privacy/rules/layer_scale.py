@@ -5,7 +5,8 @@
 over every axis between the batch and the channels (position-wise, as RMSNorm's scale). timm's in-place
 variant (``inplace=True``: ``x.mul_(gamma)``) overwrites the input the rule reads, and is refused.
 
-*ConvNeXt's block* (timm's ``ConvNeXtBlock``, Liu et al. 2022): the block
+*ConvNeXt's block* (timm's ``ConvNeXtBlock``, Liu et al. 2022, sec. 2.6; Hugging Face's ``ConvNextLayer``,
+whose scale is ``layer_scale_parameter``, applied channels-last before the permute back): the block
 owns ``gamma`` (C,) and computes ``v = u * gamma`` (per channel) from its branch output ``u``, then
 ``drop_path(v) + shortcut``.
 
@@ -80,12 +81,19 @@ def channels_last_scale_grads(
     return {_scale_parameter(module): Dense(as_sequence(dy * x).sum(1))}
 
 
+_BLOCK_SCALE = {  # a ConvNeXt block's one layer scale: timm's, Hugging Face's
+    "timm.models.convnext.ConvNeXtBlock": "gamma",
+    f"{_HF}.convnext.modeling_convnext.ConvNextLayer": "layer_scale_parameter",
+}
+
+
 def _check(module: nn.Module) -> None:
+    scale = _BLOCK_SCALE[qualified_name(type(module))]
     own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    if own != {"gamma"} or not isinstance(getattr(module, "drop_path", None), nn.Module):
+    if own != {scale} or not isinstance(getattr(module, "drop_path", None), nn.Module):
         raise ValueError(
             f"{type(module).__name__}: the privacy engine's layer-scale rule expects the block's own "
-            f"trainable parameters to be just `gamma` and a drop_path module after it; got {sorted(own)}. "
+            f"trainable parameters to be just `{scale}` and a drop_path module after it; got {sorted(own)}. "
             "Freeze these parameters or register a rule for the block."
         )
 
@@ -104,10 +112,11 @@ def _unscale(module: nn.Module, name: str, scaled: torch.Tensor) -> torch.Tensor
     return scaled / scale.to(scaled.dtype)
 
 
-@register_rule("timm.models.convnext.ConvNeXtBlock", check=_check, tap="drop_path")
+@register_rule(*_BLOCK_SCALE, check=_check, tap="drop_path")
 def layer_scale_grads(module: nn.Module, v: torch.Tensor, dz: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``v``, ``dz``: (B, C, H, W) at the input of ``module.drop_path``; returns ``dgamma`` (B, C)."""
-    return {"gamma": Dense(_unscale(module, "gamma", (dz * v).sum((2, 3))))}
+    scale = _BLOCK_SCALE[qualified_name(type(module))]
+    return {scale: Dense(_unscale(module, scale, (dz * v).sum((2, 3))))}
 
 
 _BEIT = "transformers.models.beit.modeling_beit.BeitLayer"

@@ -1,6 +1,8 @@
 """``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d/2d/3d``, timm's ``LayerNorm`` and ``LayerNorm2d``
-(ConvNeXt), Cohere's bias-free float32 LayerNorm, DeBERTa's, and xLSTM's RMSNorm and multi-head LayerNorm:
-``y = x_hat * w + b`` with ``x_hat`` the normalised input.
+(ConvNeXt), Hugging Face ConvNeXt's LayerNorm of either data format, BiT's GroupNorm with its activation,
+ConvNeXt V2's global response normalisation, MobileBERT's ``NoNorm`` (no normalisation), Cohere's bias-free
+float32 LayerNorm, DeBERTa's, and xLSTM's RMSNorm and multi-head LayerNorm: ``y = x_hat * w + b`` with
+``x_hat`` the normalised input.
 
 The per-example gradients ``dw_i = sum (dy_i * x_hat_i)`` and ``db_i = sum dy_i`` (summed over all axes
 that the affine parameters are broadcast along) are small, so they are held explicitly. ``x_hat`` is
@@ -14,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import register_rule
+from dpexp.privacy.rules import refuse, register_rule
+from dpexp.privacy.rules.moe import activation_refusal
 
 
 def _affine_grads(module: nn.Module, x_hat: torch.Tensor, dy: torch.Tensor, reduce: tuple[int, ...]):
@@ -29,8 +32,14 @@ def _affine_grads(module: nn.Module, x_hat: torch.Tensor, dy: torch.Tensor, redu
     return grads
 
 
-# timm's LayerNorm subclass computes the same F.layer_norm (optionally with a fused kernel).
-@register_rule(nn.LayerNorm, "timm.layers.norm.LayerNorm", position_wise=True)
+# timm's LayerNorm subclass computes the same F.layer_norm (optionally with a fused kernel); ESM C's casts
+# the result back to its input's dtype (under autocast, that of its output gradient).
+@register_rule(
+    nn.LayerNorm,
+    "timm.layers.norm.LayerNorm",
+    "transformers.models.esmc.modeling_esmc.EsmcLayerNorm",
+    position_wise=True,
+)
 def layer_norm_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)
     reduce = tuple(range(1, x.dim() - len(module.normalized_shape)))
@@ -43,6 +52,33 @@ def layer_norm_2d_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor)
     position (``F.layer_norm`` on the channels-last view), so ``dw_i = sum_hw dy_i * x_hat_i``."""
     x_hat = F.layer_norm(x.permute(0, 2, 3, 1), module.normalized_shape, eps=module.eps).permute(0, 3, 1, 2)
     return _affine_grads(module, x_hat, dy, (2, 3))
+
+
+_HF = "transformers.models"
+
+
+@register_rule(
+    f"{_HF}.convnext.modeling_convnext.ConvNextLayerNorm",
+    f"{_HF}.convnextv2.modeling_convnextv2.ConvNextV2LayerNorm",
+    copies=True,
+)
+def data_format_layer_norm_grads(
+    module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Hugging Face ConvNeXt's LayerNorm (Liu et al. 2022, sec. 2.6; and its copies): ``nn.LayerNorm``'s
+    forward over the channels, the last axis (``data_format="channels_last"``: ``x`` (B, H, W, C)) or the
+    second (``"channels_first"``: (B, C, H, W), which it permutes to channels-last and back, as timm's
+    ``LayerNorm2d``)."""
+    if module.data_format == "channels_first":
+        return layer_norm_2d_grads(module, x, dy)
+    return layer_norm_grads(module, x, dy)
+
+
+@register_rule(f"{_HF}.mobilebert.modeling_mobilebert.NoNorm", position_wise=True, copies=True)
+def no_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """MobileBERT's ``NoNorm`` (Sun et al. 2020, sec. 4.1: LayerNorm replaced by an elementwise affine map),
+    ``y = x * w + b``: the affine gradients with ``x_hat = x``."""
+    return _affine_grads(module, x, dy, tuple(range(1, x.dim() - 1)))
 
 
 @register_rule("transformers.models.cohere.modeling_cohere.CohereLayerNorm", position_wise=True, copies=True)
@@ -128,6 +164,43 @@ def group_norm_grads(module: nn.GroupNorm, x: torch.Tensor, dy: torch.Tensor) ->
     if module.bias is not None:
         grads["bias"] = Dense(db.view(b, c))
     return grads
+
+
+def _check_activation(module: nn.Module) -> None:
+    refusal = activation_refusal(module.activation, "its")
+    refuse(module, "GroupNorm-and-activation", "norm", refusal and refusal[0], "Freeze the norm.")
+
+
+@register_rule(f"{_HF}.bit.modeling_bit.BitGroupNormActivation", check=_check_activation, copies=True)
+def group_norm_activation_grads(
+    module: nn.GroupNorm, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """BiT's GroupNorm followed by its activation (Kolesnikov et al. 2020, sec. 3.1; Hugging Face's
+    ``BitGroupNormActivation``): ``y = act(GN(x))``, so GroupNorm's per-example gradients for the gradient at
+    the norm's output, ``dy * act'(GN(x))``, the activation's derivative taken by autograd (it acts on each
+    value alone: checked)."""
+    with torch.enable_grad():
+        z = F.group_norm(x.detach(), module.num_groups, module.weight, module.bias, module.eps)
+        z = z.detach().requires_grad_()
+        (dz,) = torch.autograd.grad(module.activation(z), z, dy)
+    return group_norm_grads(module, x, dz)
+
+
+@register_rule(f"{_HF}.convnextv2.modeling_convnextv2.ConvNextV2GRN", copies=True)
+def global_response_norm_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """ConvNeXt V2's global response normalisation (Woo et al. 2023, sec. 3.2, eqs. 1-3): for ``x``
+    (B, H, W, C), ``G = ||x||_2`` over H and W per example and channel, ``N = G / (mean_c G + 1e-6)``,
+    ``y = w * (x * N) + b + x``; every statistic is the example's own, so ``dw_i = sum_hw dy_i * x_i * N_i``
+    and ``db_i = sum_hw dy_i``, each (1, 1, 1, C) per example."""
+    g = torch.linalg.vector_norm(x, ord=2, dim=(1, 2), keepdim=True)
+    response = x * (g / (g.mean(dim=-1, keepdim=True) + 1e-6))
+    shape = (-1, *module.weight.shape)  # (B, 1, 1, 1, C)
+    return {
+        "weight": Dense((dy * response).sum((1, 2)).view(shape)),
+        "bias": Dense(dy.sum((1, 2)).view(shape)),
+    }
 
 
 @register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)

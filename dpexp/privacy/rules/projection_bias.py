@@ -15,6 +15,10 @@ which the rule reads there (an output tap): exact, whatever the attention does w
 the disentangled content-to-position and position-to-content terms, the masked softmax). Without the rule
 the module took the exact fallback, which recomputed the whole attention per example. A forward that does
 not call ``in_proj`` (the ``query_states`` path, which reads its weight) is refused by the verification.
+
+ConvBERT's ``SeparableConv1D`` (Jiang et al. 2020, sec. 3.2: a depthwise then a pointwise ``nn.Conv1d``,
+both bias-free and rules of their own) adds its ``bias`` (C_out, 1) to the pointwise output last, so its
+per-example gradient is ``d bias_i = sum_t dy_i[:, t]`` from the gradient at the module's output.
 """
 
 from __future__ import annotations
@@ -49,3 +53,15 @@ def projection_bias_grads(
     return {
         name: Dense(blocks[:, :, k].flatten(1).to(getattr(module, name).dtype)) for name, k in _BIASES.items()
     }
+
+
+def _check_separable(module: nn.Module) -> None:
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    reason = f"it owns parameters {sorted(own - {'bias'})} the rule does not know" if own - {"bias"} else None
+    refuse(module, "separable-convolution bias", "module", reason, "Otherwise freeze its bias.")
+
+
+@register_rule("transformers.models.convbert.modeling_convbert.SeparableConv1D", check=_check_separable)
+def separable_bias_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """``dy``: (B, C_out, T) at the module's output; returns ``d bias`` (B, C_out, 1)."""
+    return {"bias": Dense(dy.sum(2, keepdim=True).to(module.bias.dtype))}

@@ -1,7 +1,8 @@
 """Vision Transformers' own parameters: class, distillation, register and mask tokens and absolute position
 embedding (timm's ``VisionTransformer``, DeiT's ``VisionTransformerDistilled`` and ``Beit``, Hugging Face's
-``ViTEmbeddings``, CLIP's ``CLIPVisionEmbeddings``, DINOv2's ``Dinov2Embeddings`` and BEiT's (and
-data2vec-vision's) ``BeitEmbeddings``).
+``ViTEmbeddings``, CLIP's ``CLIPVisionEmbeddings``, DINOv2's ``Dinov2Embeddings`` (and, with register
+tokens, ``Dinov2WithRegistersEmbeddings``) and BEiT's (and data2vec-vision's) ``BeitEmbeddings``); and
+SigLIP's attention-pooling probe, a learned query token.
 
 timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
 (or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``; a ``Beit``
@@ -129,7 +130,7 @@ def _check_clip(module: nn.Module) -> None:
         )
 
 
-@register_rule("transformers.models.clip.modeling_clip.CLIPVisionEmbeddings", check=_check_clip)
+@register_rule("transformers.models.clip.modeling_clip.CLIPVisionEmbeddings", check=_check_clip, copies=True)
 def clip_class_embedding_grads(
     module: nn.Module, x: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
@@ -166,13 +167,18 @@ def _resamples(module: nn.Module, height: int, width: int) -> bool:
 
 
 def _resampled_position_grads(
-    module: nn.Module, dy: torch.Tensor, height: int, width: int, in_float32: bool = True
+    module: nn.Module,
+    dy: torch.Tensor,
+    height: int,
+    width: int,
+    in_float32: bool = True,
+    antialias: bool = False,
 ) -> torch.Tensor:
     """``J^T dy_i`` (B, 1 + P, d) for every example, J the Jacobian of the module's resampling of its position
     table (1, 1 + P, d) to the (height, width) image (``interpolate_pos_encoding``: the class position as it
     is, the s x s patch positions bicubically to the patch grid, in float32 as DINOv2 computes them, or in
-    the table's own dtype as BEiT does: ``in_float32=False``), taken with the table expanded to one copy per
-    example, as the module resamples it once for all."""
+    the table's own dtype as BEiT does: ``in_float32=False``; antialiased as DINOv2 with registers does),
+    taken with the table expanded to one copy per example, as the module resamples it once for all."""
     table = module.position_embeddings.detach()
     batch, dim = dy.shape[0], dy.shape[-1]
     side = math.isqrt(table.shape[1] - 1)
@@ -185,6 +191,7 @@ def _resampled_position_grads(
             size=(height // patch_h, width // patch_w),
             mode="bicubic",
             align_corners=False,
+            antialias=antialias,
         ).to(table.dtype)
         out = torch.cat((rows[:, :1], grid.permute(0, 2, 3, 1).reshape(batch, -1, dim)), 1)
         (grad,) = torch.autograd.grad(out, rows, dy)
@@ -240,7 +247,11 @@ def dinov2_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> t
 
 
 def _token_grads(
-    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor, in_float32: bool
+    module: nn.Module,
+    call: tuple[torch.Tensor, torch.Tensor | None],
+    dy: torch.Tensor,
+    in_float32: bool,
+    antialias: bool = False,
 ) -> dict[str, PerExampleGrad]:
     """``d cls_i = dy_i[0]``, ``d pos_i = dy_i`` (or ``J^T dy_i`` through a resampling), ``d mask_token_i =
     sum_t m_{i,t} dy_i[1 + t]`` for ``dropout(cat(cls, p * (1 - m) + mask_token * m) + pos)``."""
@@ -251,7 +262,7 @@ def _token_grads(
     table = module.position_embeddings
     if table is not None:
         resampled = _resamples(module, height, width)
-        pos = _resampled_position_grads(module, dy, height, width, in_float32) if resampled else dy
+        pos = _resampled_position_grads(module, dy, height, width, in_float32, antialias) if resampled else dy
         grads["position_embeddings"] = Dense(pos.reshape(batch, *table.shape))
     if module.mask_token is not None:
         token = torch.zeros((batch, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
@@ -275,6 +286,39 @@ def dinov2_token_grads(
     every example when no mask is passed (the token is then unused). Without the rule, the
     fallback recomputed the module per example (1.7x the non-private step, results/bench/fallbacks.json)."""
     return _token_grads(module, call, dy, in_float32=True)
+
+
+def _check_registers(module: nn.Module) -> None:
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    refuse(
+        module,
+        "class/register/mask/position-token",
+        "module",
+        f"it owns parameters {sorted(own - _DINOV2_TOKENS - {'register_tokens'})} the rule does not know"
+        if own - _DINOV2_TOKENS - {"register_tokens"}
+        else None,
+        "Freeze them or register a rule for it.",
+    )
+
+
+@register_rule(
+    "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers.Dinov2WithRegistersEmbeddings",
+    check=_check_registers,
+    call=CallLayout(dinov2_inputs, dinov2_output_grad),
+)
+def dinov2_register_token_grads(
+    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Hugging Face DINOv2 with registers (Darcet et al. 2024, "Vision Transformers Need Registers", sec. 3):
+    DINOv2's sequence ``e = cat(cls, p * (1 - m) + mask_token * m) + position_embeddings``, then the R
+    register tokens inserted after the class token, ``dropout(cat(e[:1], registers, e[1:]))``; its position
+    table resampled antialiased. With ``dy`` (B, 1 + R + N, d), ``d registers_i = dy_i[1 : 1 + R]`` and the
+    other tokens' gradients are DINOv2's (:func:`dinov2_token_grads`) for ``cat(dy_i[:1], dy_i[1 + R:])``."""
+    registers = module.register_tokens.shape[1]
+    tokens = torch.cat((dy[:, :1], dy[:, 1 + registers :]), 1)
+    grads = _token_grads(module, call, tokens, in_float32=True, antialias=True)
+    grads["register_tokens"] = Dense(dy[:, 1 : 1 + registers].reshape(-1, *module.register_tokens.shape))
+    return grads
 
 
 _BEIT = (
@@ -302,3 +346,28 @@ def beit_token_grads(
     ``J^T dy_i`` through that resampling (:func:`_resampled_position_grads`), exact in float64 too. Without
     the rule, the fallback recomputed the module per example."""
     return _token_grads(module, call, dy, in_float32=False)
+
+
+def _check_probe(module: nn.Module) -> None:
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    reason = (
+        f"it owns parameters {sorted(own - {'probe'})} the rule does not know" if own - {"probe"} else None
+    )
+    if reason is None and not isinstance(getattr(module, "attention", None), nn.MultiheadAttention):
+        reason = "its attention is not an nn.MultiheadAttention, whose query input the rule reads"
+    refuse(module, "attention-pooling probe", "module", reason, "Freeze its probe.")
+
+
+@register_rule(
+    "transformers.models.siglip.modeling_siglip.SiglipMultiheadAttentionPoolingHead",
+    "transformers.models.siglip2.modeling_siglip2.Siglip2MultiheadAttentionPoolingHead",  # a padding mask
+    check=_check_probe,
+    tap="attention",
+    copies=True,
+)
+def probe_grads(module: nn.Module, query: torch.Tensor, dq: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """SigLIP's attention pooling (Zhai et al. 2023, sec. 2; the multihead attention pooling of Lee et al.
+    2019): the learned ``probe`` (1, 1, d), repeated to one query per image, attends over the image's tokens
+    (``attention``, an ``nn.MultiheadAttention`` with its own rule). The rule taps the attention's query
+    input, (B, 1, d), and ``d probe_i = dq_i``. Without it the fallback recomputed the head per example."""
+    return {"probe": Dense(dq.reshape(-1, *module.probe.shape))}

@@ -1,5 +1,6 @@
 """Weight-standardised convolutions: ``dpexp.layers.WSConv2d`` (De et al. 2022, used by He et al. A.1), timm's
-``StdConv2d`` (BiT, Kolesnikov et al. 2020) and timm's ``ScaledStdConv2d`` (NF-ResNets and NFNets, Brock et
+``StdConv2d`` and Hugging Face's ``WeightStandardizedConv2d`` (BiT, Kolesnikov et al. 2020, sec. 3.1; its
+copies, such as ViT-hybrid's) and timm's ``ScaledStdConv2d`` (NF-ResNets and NFNets, Brock et
 al. 2021, sec. 3: scaled weight standardisation with a learnable gain per output channel), each also in
 timm's ``*Same`` form (TensorFlow's SAME padding, applied to the input first as the module does).
 
@@ -186,7 +187,10 @@ def check_functional_conv(module: nn.Conv2d) -> None:
 
 def same_padded(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """The input as timm's ``*Same`` convolutions pad it in their forward (TensorFlow's SAME: the padding
-    depends on the input's size, the extra pixel at the end), by timm's own ``pad_same``; else ``x``."""
+    depends on the input's size, the extra pixel at the end), by timm's own ``pad_same``, or as Hugging Face
+    BiT's does, by its own ``pad`` module (``DynamicPad2d``, None where the padding is static); else ``x``."""
+    if isinstance(getattr(module, "pad", None), nn.Module):
+        return module.pad(x)
     if not getattr(module, "same_pad", False):
         return x
     from timm.layers.padding import pad_same
@@ -199,7 +203,12 @@ _TIMM = "timm.layers.std_conv"
 
 @register_rule(WSConv2d, check=check_conv, keep_output=keeps_output)
 @register_rule(
-    f"{_TIMM}.StdConv2d", f"{_TIMM}.StdConv2dSame", check=check_functional_conv, keep_output=keeps_output
+    f"{_TIMM}.StdConv2d",
+    f"{_TIMM}.StdConv2dSame",
+    "transformers.models.bit.modeling_bit.WeightStandardizedConv2d",
+    check=check_functional_conv,
+    keep_output=keeps_output,
+    copies=True,
 )
 def ws_conv_grads(
     module: nn.Conv2d, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
