@@ -155,6 +155,24 @@ def test_rule_matches_oracle(name, strategy, clipping, recwarn):
         torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    "name,module",
+    [("hf_siglip_probe", "pool"), ("hf_convbert", "SeparableConv1D"), ("hf_mobilebert", "NoNorm")],
+)
+def test_a_parameter_the_rule_does_not_know_is_refused_naming_it(name, module):
+    """A module the rules above cover, given one more trainable parameter of its own, is refused with the
+    parameter's name: by the rule's check as the engine is built, or (NoNorm's rule, which checks nothing) at
+    the first backward, by the engine's rule that no trainable parameter is left without its gradient."""
+    model, batch = _cases()[name]()
+    model = model.double()
+    target = next(m for m in model.modules() if type(m).__name__ == module) if module[0].isupper() else None
+    target = target if target is not None else model.get_submodule(module)
+    target.extra = nn.Parameter(torch.ones(2, dtype=torch.float64))
+    with pytest.raises((ValueError, RuntimeError), match=r"'extra'"):
+        engine = PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+        engine.backward(_loss(model, batch))
+
+
 def test_hf_vit_trainable_mask_token_is_refused():
     from transformers import ViTConfig
     from transformers.models.vit.modeling_vit import ViTEmbeddings

@@ -141,6 +141,13 @@ def per_example_copies(param: torch.Tensor, batch: int) -> torch.Tensor:
     return param.detach().unsqueeze(0).repeat(batch, *([1] * param.dim())).requires_grad_(True)
 
 
+def unknown_parameters(module: nn.Module, known: set[str]) -> str | None:
+    """A ``check``'s reason to refuse ``module`` when it owns trainable parameters outside ``known`` (the
+    ones its rule gives gradients for), else None."""
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    return f"it owns parameters {sorted(own - known)} the rule does not know" if own - known else None
+
+
 def refuse(module: nn.Module, rule: str, kind: str, reason: str | None, fix: str) -> None:
     """A rule's ``check``: the one-line refusal of a ``module`` the ``rule`` cannot handle, when ``reason``
     (why not) is set; ``fix`` says what to do instead."""

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import refuse, register_rule
+from dpexp.privacy.rules import refuse, register_rule, unknown_parameters
 
 _DEBERTA = "transformers.models.deberta.modeling_deberta.DisentangledSelfAttention"
 _BIASES = {"q_bias": 0, "v_bias": 2}  # parameter -> its block of each head's (query, key, value)
@@ -56,9 +56,8 @@ def projection_bias_grads(
 
 
 def _check_separable(module: nn.Module) -> None:
-    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    reason = f"it owns parameters {sorted(own - {'bias'})} the rule does not know" if own - {"bias"} else None
-    refuse(module, "separable-convolution bias", "module", reason, "Otherwise freeze its bias.")
+    reason = unknown_parameters(module, {"bias"})
+    refuse(module, "separable-convolution bias", "module", reason, "Freeze them, or register a rule for it.")
 
 
 @register_rule("transformers.models.convbert.modeling_convbert.SeparableConv1D", check=_check_separable)

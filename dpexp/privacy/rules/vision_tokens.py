@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, qualified_name, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, qualified_name, refuse, register_rule, unknown_parameters
 
 _PREFIX = ("cls_token", "dist_token", "reg_token")  # in their order in the sequence
 _TOKENS = (*_PREFIX, "pos_embed")
@@ -289,16 +289,8 @@ def dinov2_token_grads(
 
 
 def _check_registers(module: nn.Module) -> None:
-    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    refuse(
-        module,
-        "class/register/mask/position-token",
-        "module",
-        f"it owns parameters {sorted(own - _DINOV2_TOKENS - {'register_tokens'})} the rule does not know"
-        if own - _DINOV2_TOKENS - {"register_tokens"}
-        else None,
-        "Freeze them or register a rule for it.",
-    )
+    reason = unknown_parameters(module, _DINOV2_TOKENS | {"register_tokens"})
+    refuse(module, "class/register/mask/position-token", "module", reason, "Freeze them, or register a rule.")
 
 
 @register_rule(
@@ -349,13 +341,10 @@ def beit_token_grads(
 
 
 def _check_probe(module: nn.Module) -> None:
-    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    reason = (
-        f"it owns parameters {sorted(own - {'probe'})} the rule does not know" if own - {"probe"} else None
-    )
+    reason = unknown_parameters(module, {"probe"})
     if reason is None and not isinstance(getattr(module, "attention", None), nn.MultiheadAttention):
         reason = "its attention is not an nn.MultiheadAttention, whose query input the rule reads"
-    refuse(module, "attention-pooling probe", "module", reason, "Freeze its probe.")
+    refuse(module, "attention-pooling probe", "module", reason, "Freeze them, or register a rule for it.")
 
 
 @register_rule(
