@@ -10,7 +10,8 @@ One line per model: ``EXACT`` (the worst error of any parameter's update, relati
 the whole update's, and the modules left to the ``torch.func`` fallback; the state-space and delta-rule scans
 run in float32 inside a float64 model, and a parameter whose update is 1e-8 of the whole, such as Falcon-H1's
 ``A_log``, differs from the oracle's by float32's rounding then), ``REFUSED`` (the engine's one-line
-refusal, raised by dpexp's own code), ``ERROR`` (anything else raised while the engine runs the model, or a
+refusal: an error of the kinds the entry points print in one line, raised by dpexp's own code,
+:func:`dpexp.runtime.is_project_error`), ``ERROR`` (anything else raised while the engine runs the model, or a
 model whose own gradients are not finite at the tiny sizes), ``NOT BUILT`` (the tiny configuration does not
 build, or the model's own forward and backward fail on it, before the engine is involved: a configuration
 check, sizes it does not fit) or ``VIOLATION`` (an update off the oracle's by more than ``--tolerance``: the
@@ -32,7 +33,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -184,6 +184,7 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
     """One model's record: its outcome, the worst relative errors and the modules left to the fallback."""
     from dpexp.privacy import PrivacyEngine
     from dpexp.privacy.capture import unsupported_modules
+    from dpexp.runtime import is_project_error
 
     record = {"model": architecture, "kind": kind}
     phase = "build"
@@ -218,7 +219,8 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
         record["errors"] = errors
         record["outcome"] = "EXACT" if max(errors) < tolerance else "VIOLATION"
     except Exception as error:  # every outcome is reported
-        record["outcome"] = "NOT BUILT" if phase != "engine" else "REFUSED" if _ours(error) else "ERROR"
+        refused = phase == "engine" and is_project_error(error)
+        record["outcome"] = "NOT BUILT" if phase != "engine" else "REFUSED" if refused else "ERROR"
         record["phase"] = phase
         record["message"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
     return record
@@ -229,14 +231,6 @@ FINISHED = ("EXACT", "VIOLATION")
 
 def _timed_out(record: dict) -> bool:
     return record.get("phase") == "time" or record.get("message", "").startswith("over ")
-
-
-def _ours(error: BaseException) -> bool:
-    """Whether ``error`` was raised by dpexp's own code (a refusal), not by torch or the model inside it."""
-    import dpexp
-
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and frames[-1].filename.startswith(str(Path(dpexp.__file__).parent))
 
 
 def every_other_type() -> list[tuple[str, str]]:
