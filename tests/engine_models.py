@@ -576,6 +576,79 @@ def gpt_oss() -> nn.Module:
     return _routed(model)
 
 
+SINKS_DECODERS = {  # model type -> what its tiny configuration needs beyond _decoder's sizes
+    "flint": {"num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 12,
+              "moe_intermediate_size": 12, "layer_types": ["sliding_attention", "full_attention"]},
+    "mimo_v2_flash": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 12,
+                      "layer_types": ["sliding_attention", "full_attention"], "v_head_dim": 4},
+    "hy_v4": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 12, "index_topk": 4,
+              "index_head_dim": 8, "index_n_heads": 2, "kv_lora_rank": 8, "q_lora_rank": 8,
+              "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8},
+    # a window of 6: with 4 a padded query row sees only padded keys, whose float64 mask overflows to -inf in
+    # Granite's logsumexp and gives NaN
+    "granite_swa": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6},
+    "granitemoe_swa": {"num_local_experts": 4, "layer_types": ["sliding_attention", "full_attention"],
+                       "sliding_window": 6},
+}  # fmt: skip
+
+
+def sinks_decoder(architecture: str) -> nn.Module:
+    """Tiny random decoder of ``architecture`` (a key of ``SINKS_DECODERS``) whose attention owns per-head
+    sinks (``rules/sinks.py``), drawn at scale 1 so that each head's sink takes a visible share of its
+    softmax: Flint's and MiMo-V2-Flash's appended as a score column (MiMo's on its sliding-window layer
+    only, its values narrower than its keys), HY-V4's behind a gate on the heads' outputs and a top-4 key
+    selection (its indexer frozen: no gradient reaches it), Granite-SWA's and Granite-MoE-SWA's as the
+    ``sigmoid(logsumexp - sink)`` scale of the output in float32. A sliding window shorter than the texts;
+    the cache off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = {
+        "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 16,
+        "attention_dropout": 0.0, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2,
+        "sliding_window": 4, "use_cache": False,
+    }  # fmt: skip
+    config = AutoConfig.for_model(architecture, **{**sizes, **SINKS_DECODERS[architecture]})
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), nn.Parameter):
+                module.sinks.normal_(0.0, 1.0)
+            if type(module).__name__ == "HYV4Indexer":  # reaches the loss through top-k indices only
+                module.requires_grad_(False)
+    return model
+
+
+def beam_attention(implementation: str = "eager") -> nn.Module:
+    """Tiny random Beam with dense MLPs only (its experts are ``NEW_MOE``'s): attention whose output is
+    gated per head by ``sigmoid(gate_proj(x) + gate_bias)`` (``rules/attention_gate.py``), the bias drawn
+    at scale 1; a sliding-window layer (window 6 < T, rotary; with 4 a padded query row sees only padded
+    keys and gives NaN) and a full one (no positions, query scaling by position); ``implementation``: the
+    attention function."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "beam", vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32,
+        attention_dropout=0.0, pad_token_id=1, use_cache=False, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+    )  # fmt: skip
+    config._attn_implementation = implementation
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.gate_bias.normal_(0.0, 1.0)
+    return model
+
+
+def padded_lm_batch(batch_size: int = 6, seed: int = 0) -> Batch:
+    """Padded texts of length 8 over a vocabulary of 40, for the tiny causal LMs."""
+    return _padded_text(batch_size, 8, 40, torch.Generator().manual_seed(seed))
+
+
 def mamba() -> nn.Module:
     """Tiny random Mamba: each mixer owns ``A_log`` and ``D`` and reads its causal convolution's and
     ``dt_proj``'s weights itself (its rule, ``dpexp.privacy.rules.scan_mixers``, claims them), on the

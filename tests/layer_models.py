@@ -301,6 +301,23 @@ class HFSwinNet(_HFSwinClassifier):
                     p.normal_()
 
 
+class HFSwinSelfAttentionNet(_HFSwinClassifier):
+    """Hugging Face's older Swin attention form (``DonutSwinSelfAttention``, also MaskFormer-Swin's and CLAP's
+    audio encoder's: the table owned by the self-attention, an eager softmax in the model's dtype) in
+    Donut-Swin on the images and windows of :class:`HFSwinNet`; tables randomised, no dropout.
+    ``attentions``: the probabilities also enter the loss."""
+
+    def __init__(self, attentions: bool = False, attention_dropout: float = 0.0) -> None:
+        from transformers import DonutSwinConfig, DonutSwinModel
+
+        config = DonutSwinConfig(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
+        super().__init__(DonutSwinModel(config), attentions)
+        with torch.no_grad():
+            for name, p in self.backbone.named_parameters():
+                if name.endswith("relative_position_bias_table"):
+                    p.normal_()
+
+
 def hf_swin_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example cross-entropy on (B, 3, 16, 16) images, shape (B,)."""
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")

@@ -29,6 +29,7 @@ from tests.layer_models import (
     BilinearNet,
     Dinov2Net,
     HFSwinNet,
+    HFSwinSelfAttentionNet,
     HFSwinv2Net,
     ProbeNet,
     ScaleNet,
@@ -392,15 +393,18 @@ def longt5(attention: str) -> nn.Module:
 def bart(family: str = "bart") -> nn.Module:
     """Tiny random BART: the decoder's learned positions looked up for ``arange(T)`` (batch size 1), added to
     every example (declared shared), the encoder's expanded to the batch; scaled word embeddings.
-    ``family="blenderbot_small"`` or ``"blenderbot"``: the same sizes, whose encoder's and decoder's positions
-    are called on a shape with position ids (T,) by keyword (both declared shared)."""
+    ``family="blenderbot_small"``, ``"blenderbot"`` or ``"bigbird_pegasus"`` (its full attention): the same
+    sizes, whose encoder's and decoder's positions are called on a shape (BigBird-Pegasus' decoder's on the
+    ids) with position ids (T,) by keyword, or none (both declared shared)."""
     import transformers
 
     config_cls, model_cls = {
         "bart": ("BartConfig", "BartForConditionalGeneration"),
         "blenderbot_small": ("BlenderbotSmallConfig", "BlenderbotSmallForConditionalGeneration"),
         "blenderbot": ("BlenderbotConfig", "BlenderbotForConditionalGeneration"),
+        "bigbird_pegasus": ("BigBirdPegasusConfig", "BigBirdPegasusForConditionalGeneration"),
     }[family]
+    extra = {"attention_type": "original_full"} if family == "bigbird_pegasus" else {}
     config = getattr(transformers, config_cls)(
         vocab_size=32,
         d_model=8,
@@ -420,6 +424,7 @@ def bart(family: str = "bart") -> nn.Module:
         eos_token_id=2,
         decoder_start_token_id=2,
         use_cache=False,
+        **extra,
     )
     return getattr(transformers, model_cls)(config).double().eval()
 
@@ -631,6 +636,7 @@ NEW_CASES = [
     "longt5_transient_global",  # and the transient-global side bias
     "bart",  # the decoder's learned positions for arange(T), shared by all examples
     "blenderbot_small",  # learned positions called on a shape, position ids (T,) by keyword
+    "bigbird_pegasus",  # the same, the decoder's called on the ids
     "mpnet",  # one relative attention bias, expanded to the batch, added to the scores in place
     "time_major_len_eq_batch",
     "time_major_len_ne_batch",
@@ -668,6 +674,7 @@ NEW_CASES = [
     "beit_masked",  # HF BeitEmbeddings: cls, absolute position and mask tokens (bool_masked_pos)
     "hf_swin_windows",  # HF SwinAttention's relative position table, recomputed scores: (B * windows) rows
     "hf_swinv2_windows",  # HF Swinv2SelfAttention's temperature and bias MLP on a shared coordinate buffer
+    "hf_swin_self_attention_windows",  # HF DonutSwinSelfAttention's own table (the older Swin form)
     "frozen_prefix_centred",  # examples mixed after a frozen prefix on token ids (check 4)
     "detached_batch_normaliser",  # examples mixed by a detached batch statistic (check 4)
     *LAYER_CASES,
@@ -695,6 +702,9 @@ NEW_CASES = [
     "lfm2_moe",  # a short convolution, a sigmoid router choosing by scores plus its block's expert bias
     "laguna",  # soft-capped float32 router logits, sigmoid scores chosen with a frozen bias parameter
     "minimax_m2",  # sigmoid scores chosen by scores plus the bias its block passes to the router
+    # attention sinks (rules/sinks.py) in their three forms: a score column, a gate after it, an output scale
+    *(f"sinks_{architecture}" for architecture in engine_models.SINKS_DECODERS),
+    "beam_gate",  # Beam's per-head bias on the attention's output gate
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -760,6 +770,13 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         batch = engine_models._padded_text(size, 8, 40, gen)
         loss = _lm_loss_with_router_aux_loss if name == "mixtral_aux_loss" else engine_models.lm_loss
         return model, loss, batch, {"padding": LM_PADDING}
+    if name == "beam_gate":
+        batch = engine_models._padded_text(size, 8, 40, gen)
+        return engine_models.beam_attention(), engine_models.lm_loss, batch, {"padding": LM_PADDING}
+    if name.startswith("sinks_"):
+        model = engine_models.sinks_decoder(name.removeprefix("sinks_"))
+        batch = engine_models._padded_text(size, 8, 40, gen)
+        return model, engine_models.lm_loss, batch, {"padding": LM_PADDING}
     if name.startswith("llama"):
         model = llama(tied=name == "llama_tied")
         return (
@@ -775,7 +792,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         builders = {"distilbert": distilbert, "bert_mean_pool": bert_mean_pool}
         model = builders[name]() if name in builders else hf_text_classifier(name)
         return model, engine_models.seq_classification_loss, batch, info
-    if name.startswith(("t5", "longt5", "bart", "blenderbot", "switch")):
+    if name.startswith(("t5", "longt5", "bart", "blenderbot", "bigbird", "switch")):
         source = engine_models._padded_text(size, length, 32, gen)
         source["input_ids"] = source["input_ids"].masked_fill(source["attention_mask"] == 0, 0)
         target = torch.randint(2, 32, (size, length), generator=gen)
@@ -785,7 +802,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "attention_mask": source["attention_mask"],
             "labels": target,
         }
-        if name in ("bart", "blenderbot_small"):
+        if name in ("bart", "blenderbot_small", "bigbird_pegasus"):
             source_pad = {"input_ids": 1, "attention_mask": 0}
             batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 1)
             return bart(name), seq2seq_loss, batch, {"padding": source_pad}
@@ -861,6 +878,9 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "hf_swin_windows":
         batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
         return HFSwinNet().double(), hf_swin_loss, batch, float_info
+    if name == "hf_swin_self_attention_windows":
+        batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
+        return HFSwinSelfAttentionNet().double(), hf_swin_loss, batch, float_info
     if name == "hf_swinv2_windows":
         batch = {"x": _floats(gen, size, 3, 16, 16), "y": _labels(gen, size, 3)}
         return HFSwinv2Net().double(), hf_swin_loss, batch, float_info

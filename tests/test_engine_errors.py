@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -200,3 +201,43 @@ def test_detach_restores_the_model():
     assert model.weight.requires_grad
     model(torch.randn(2, 3)).sum().backward()
     assert model.weight.grad is not None
+
+
+class BatchCentred(WithOwnParameter):
+    """Subtracts the batch mean of its scaled input: no choice of per-example inputs reproduces it."""
+
+    def forward(self, x):
+        h = x * self.scale
+        return self.fc(h - h.mean(0))
+
+
+class ThroughNumPy(WithOwnParameter):
+    """Takes the sign of its input through NumPy, example by example: torch.func cannot run it."""
+
+    def forward(self, x):
+        return self.fc(x * self.scale * torch.from_numpy(np.sign(x.detach().numpy())))
+
+
+@pytest.mark.parametrize(
+    "model,match",
+    [
+        (
+            BatchCentred,
+            r"\(BatchCentred\) .*no choice .*: the closest choice missed its output by \d\.\de[+-]\d+ of its "
+            r"largest value, where torch.float64 rounding allows 1e-09: .*mixes examples",
+        ),
+        (
+            ThroughNumPy,
+            r"\(ThroughNumPy\) .*no choice .*: recomputing it per example \(torch.func.vmap\) failed for "
+            r"every choice \(RuntimeError: Cannot access data pointer",
+        ),
+    ],
+    ids=["mixes_examples", "cannot_be_vmapped"],
+)
+def test_the_fallback_search_says_why_no_choice_reproduced_the_module(model, match):
+    """The fallback's message states what its search saw: how far the closest choice was from the recorded
+    output (rounding, or a forward that is not per example), or the error that stopped every choice."""
+    module = model().double()
+    engine = _engine(module, noise_multiplier=0.0)
+    with pytest.raises(RuntimeError, match=match):
+        engine.backward(module(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum(1))

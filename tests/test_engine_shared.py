@@ -187,6 +187,7 @@ SHARED_POSITIONS = {  # model, per-example loss, batch
     "bart": lambda gen: (bart(), seq2seq_loss, _seq2seq_batch(gen, 1)),
     "blenderbot_small": lambda gen: (bart("blenderbot_small"), seq2seq_loss, _seq2seq_batch(gen, 1)),
     "blenderbot": lambda gen: (bart("blenderbot"), seq2seq_loss, _seq2seq_batch(gen, 1)),
+    "bigbird_pegasus": lambda gen: (bart("bigbird_pegasus"), seq2seq_loss, _seq2seq_batch(gen, 1)),
     "biogpt": lambda gen: (biogpt(), engine_models.lm_loss, engine_models._padded_text(4, 7, 40, gen)),
     "mpnet": lambda gen: (mpnet(), engine_models.seq_classification_loss, _classified_text(gen)),
 }

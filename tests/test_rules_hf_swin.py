@@ -20,6 +20,7 @@ from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.verification import VerificationError
 from tests.layer_models import HFSwinNet as SwinNet
+from tests.layer_models import HFSwinSelfAttentionNet as SelfAttentionNet
 from tests.layer_models import HFSwinv2Net as Swinv2Net
 from tests.layer_models import hf_swin_batch as _batch
 from tests.layer_models import hf_swin_loss as loss_fn
@@ -28,7 +29,7 @@ from tests.oracle import SETTINGS, check_clipped_step
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
 MICRO = [[0, 1, 2], [3, 4, 5]]
-NETS = {"swin": SwinNet, "swinv2": Swinv2Net}
+NETS = {"swin": SwinNet, "swinv2": Swinv2Net, "donut_swin": SelfAttentionNet}
 
 
 @pytest.mark.parametrize("net", NETS)
@@ -60,15 +61,18 @@ def test_eager_attention_matches_oracle(strategy, attentions):
 
 
 @pytest.mark.parametrize("strategy", ["bk", "instantiate"])
-def test_swinv2_probabilities_in_the_loss_match_oracle(strategy):
+@pytest.mark.parametrize("net", ["swinv2", "donut_swin"])
+def test_probabilities_in_the_loss_match_oracle(net, strategy):
     torch.manual_seed(0)
-    model = Swinv2Net(attentions=True).double()
+    model = NETS[net](attentions=True).double()
     check_clipped_step(model, loss_fn, _batch(), MICRO, strategy, "per_layer")
 
 
-def test_swinv2_float32_matches_oracle():
+@pytest.mark.parametrize("net", ["swinv2", "donut_swin"])
+def test_float32_matches_oracle(net):
     torch.manual_seed(0)
-    check_clipped_step(Swinv2Net(), loss_fn, _batch(torch.float32), MICRO, "bk", "flat", rel=1e-5, floor=1e-6)
+    model = NETS[net]()
+    check_clipped_step(model, loss_fn, _batch(torch.float32), MICRO, "bk", "flat", rel=1e-5, floor=1e-6)
 
 
 def test_swinv2_frozen_temperature_and_bias_need_no_rule():
@@ -110,8 +114,18 @@ def _custom_attention() -> str:
             lambda: Swinv2Net(attention_dropout=0.1).double(),
             r"\(Swinv2SelfAttention\): .*attention dropout \(p=0.1\)",
         ),
+        (
+            lambda: SelfAttentionNet(attention_dropout=0.1).double().train(),
+            r"\(DonutSwinSelfAttention\): .*attention dropout \(p=0.1\)",
+        ),
     ],
-    ids=["eager_float64", "attention_dropout", "other_implementation", "swinv2_attention_dropout"],
+    ids=[
+        "eager_float64",
+        "attention_dropout",
+        "other_implementation",
+        "swinv2_attention_dropout",
+        "donut_swin_attention_dropout",
+    ],
 )
 def test_what_the_rule_cannot_recompute_is_refused(model, match):
     net = model()
@@ -125,6 +139,11 @@ def _wrapped_output_projection(model: SwinNet) -> None:
     attention.o_proj = nn.Sequential(attention.o_proj)
 
 
+def _wrapped_value(model: SelfAttentionNet) -> None:
+    attention = model.backbone.encoder.layers[0].blocks[0].attention.self
+    attention.value = nn.Sequential(attention.value)
+
+
 def _other_bias_network(model: Swinv2Net) -> None:
     model.backbone.encoder.layers[0].blocks[0].attention.self.continuous_position_bias_mlp.append(nn.Tanh())
 
@@ -134,8 +153,9 @@ def _other_bias_network(model: Swinv2Net) -> None:
     [
         (SwinNet, _wrapped_output_projection, r"SwinAttention: .*o_proj is a Sequential, not an nn.Linear"),
         (Swinv2Net, _other_bias_network, r"Swinv2SelfAttention: .*not Sequential\(Linear, ReLU, Linear\)"),
+        (SelfAttentionNet, _wrapped_value, r"DonutSwinSelfAttention: .*not all nn.Linear.*leave them"),
     ],
-    ids=["swin_wrapped_output_projection", "swinv2_other_bias_network"],
+    ids=["swin_wrapped_output_projection", "swinv2_other_bias_network", "donut_swin_wrapped_value"],
 )
 def test_what_the_rule_does_not_know_is_refused_at_construction(net, change, match):
     model = net().double()
@@ -162,6 +182,14 @@ def _swinv2_attention() -> tuple[nn.Module, str]:
     return Swinv2SelfAttention(config, dim=8, num_heads=2, window_size=2), "logit_scale"
 
 
+def _self_attention() -> tuple[nn.Module, str]:
+    from transformers import DonutSwinConfig
+    from transformers.models.donut.modeling_donut_swin import DonutSwinSelfAttention
+
+    config = DonutSwinConfig(embed_dim=8, window_size=2, attention_probs_dropout_prob=0.0)
+    return DonutSwinSelfAttention(config, dim=8, num_heads=2, window_size=2), "relative_position_bias_table"
+
+
 class _WindowMajor(nn.Module):
     """Windows laid out window-major, (nW*B, N, C): row w*B + i is example i's window w. The rows cannot be
     folded per example as [i*nW, (i+1)*nW); the probe must find that, whatever the sizes (nW = B here)."""
@@ -178,7 +206,9 @@ class _WindowMajor(nn.Module):
         return self.head(windows.view(h.shape[1], h.shape[0], *h.shape[2:]).mean((0, 2)))
 
 
-@pytest.mark.parametrize("attention", [_swin_attention, _swinv2_attention], ids=["swin", "swinv2"])
+@pytest.mark.parametrize(
+    "attention", [_swin_attention, _swinv2_attention, _self_attention], ids=["swin", "swinv2", "donut_swin"]
+)
 def test_window_major_rows_are_refused(attention):
     module, own = attention()
     model = _WindowMajor(module).double()

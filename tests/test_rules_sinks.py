@@ -1,8 +1,10 @@
-"""GPT-OSS's attention sinks (``GptOssAttention.sinks``, one logit per head in every query row's softmax,
-its column dropped) against the brute-force oracle: every strategy x clipping mode is in
-``test_engine_oracle`` (the ``gpt_oss`` case: padding, two micro-batches, float64, a sliding-window and a full
-layer); here the rule alone (the fallback must not be taken), the returned probabilities reaching the loss,
-float32, frozen sinks, and the refusals of what the rule cannot run again."""
+"""Attention sinks (one learnt logit per head in every query row's softmax, ``rules/sinks.py``) against the
+brute-force oracle. GPT-OSS's: every strategy x clipping mode is in ``test_engine_oracle`` (the ``gpt_oss``
+case: padding, two micro-batches, float64, a sliding-window and a full layer); here the rule alone (the
+fallback must not be taken), the returned probabilities reaching the loss, float32, frozen sinks, and the
+refusals of what the rule cannot run again. The other models that
+carry sinks (Flint, MiMo-V2-Flash, HY-V4, Granite-SWA, Granite-MoE-SWA: the score column, a gate after it,
+the ``sigmoid(logsumexp - sink)`` scale) under every strategy x clipping mode."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import _padded_text, gpt_oss, lm_loss
+from tests.engine_models import SINKS_DECODERS, _padded_text, gpt_oss, lm_loss, sinks_decoder
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -77,6 +79,18 @@ def test_frozen_sinks_need_no_rule():
     for layer in model.model.layers:
         layer.self_attn.sinks.requires_grad_(False)
     check_clipped_step(model, lm_loss, _batch(), MICRO, "bk", "flat", rel=REL)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "groups"])
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("architecture", list(SINKS_DECODERS))
+def test_every_model_with_sinks_matches_oracle_without_the_fallback(architecture, strategy, clipping):
+    torch.manual_seed(0)
+    model = sinks_decoder(architecture)
+    left = {name.rsplit(".", 1)[1] for name in unsupported_modules(model)}
+    assert not {name for name in left if name.endswith("Attention")}, left  # HY-V4's hyper-connections stay
+    groups = 2 if clipping == "groups" else None
+    check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, groups=groups, rel=REL)
 
 
 def _engine(model: nn.Module) -> PrivacyEngine:

@@ -181,3 +181,14 @@ def test_a_timm_standardised_convolution_with_another_padding_mode_is_refused():
     model = nn.Sequential(conv, nn.Flatten(), nn.Linear(64, 2))
     with pytest.raises(ValueError, match="pads with zeros whatever padding_mode says"):
         PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_a_bit_norm_with_an_activation_not_known_elementwise_is_refused():
+    """BiT's norm rule applies its activation's derivative elementwise; a softmax over channels is not."""
+    model = BUILDERS["hf_bit"]()
+    norm = next(m for m in model.modules() if type(m).__name__ == "BitGroupNormActivation")
+    norm.activation = nn.Softmax(dim=1)
+    with pytest.raises(
+        ValueError, match=r"BitGroupNormActivation.*activation Softmax is not one it knows.*freeze the norm"
+    ):
+        PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=1.0)

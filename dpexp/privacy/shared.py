@@ -116,9 +116,13 @@ for _attention in ("LongT5Attention", "LongT5LocalAttention", "LongT5TransientGl
 for _family, _owner in (("bart", "BartDecoder"), ("mbart", "MBartDecoder"), ("plbart", "PLBartDecoder")):
     register_shared(f"transformers.models.{_family}.modeling_{_family}.{_owner}", "embed_positions")
 register_shared("transformers.models.biogpt.modeling_biogpt.BioGptModel", "embed_positions")
-# learned positions called on a shape, with position ids (T,) passed by keyword (Blenderbot's and
-# Blenderbot-small's encoders and decoders), added to every example
-for _family, _name in (("blenderbot", "Blenderbot"), ("blenderbot_small", "BlenderbotSmall")):
+# learned positions called on a shape, with position ids (T,) passed by keyword (Blenderbot's,
+# Blenderbot-small's and BigBird-Pegasus' encoders and decoders), added to every example
+for _family, _name in (
+    ("blenderbot", "Blenderbot"),
+    ("blenderbot_small", "BlenderbotSmall"),
+    ("bigbird_pegasus", "BigBirdPegasus"),  # the encoder's called on a shape without position ids
+):
     for _stack in ("Encoder", "Decoder"):
         register_shared(
             f"transformers.models.{_family}.modeling_{_family}.{_name}{_stack}", "embed_positions"

@@ -276,6 +276,7 @@ def as_sequence(x: torch.Tensor) -> torch.Tensor:
 from dpexp.privacy.rules import (  # noqa: E402,F401
     activation,
     attention,
+    attention_gate,
     beit_attention,
     bilinear,
     conv,

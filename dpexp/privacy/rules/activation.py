@@ -1,15 +1,62 @@
 """Activations with parameters. ``nn.PReLU``: ``y = max(0, x) + a * min(0, x)`` with one slope ``a`` for all
 channels or one per channel (dim 1). Its per-example gradient, ``da_i = sum dy_i * min(0, x_i)`` over every
 axis the slope is broadcast along, has as many values as the slopes, so it is held explicitly. Hugging Face's
-``XIELUActivation`` (xIELU, Huang et al. 2024; Apertus' MLPs), with its two scalar parameters, likewise."""
+``XIELUActivation`` (xIELU, Huang et al. 2024; Apertus' MLPs), with its two scalar parameters, likewise.
+
+Also which activations act on each value alone (:func:`activation_refusal`): the rules of modules that apply
+one inside (experts' gates, BiT's norm) take its derivative elementwise, and refuse another."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import refuse, register_rule
+from dpexp.privacy.rules import qualified_name, refuse, register_rule
+
+ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
+    f"transformers.activations.{name}"
+    for name in (
+        "SiLUActivation",
+        "GELUActivation",
+        "GELUTanh",
+        "NewGELUActivation",
+        "FastGELUActivation",
+        "QuickGELUActivation",
+        "AccurateGELUActivation",
+        "ClippedGELUActivation",
+        "ReLUSquaredActivation",
+        "LaplaceActivation",
+        "LinearActivation",
+        "MishActivation",
+        "SqrtSoftplusActivation",
+    )
+} | {
+    f"torch.nn.modules.activation.{name}"
+    for name in ("SiLU", "GELU", "ReLU", "ReLU6", "LeakyReLU", "Tanh", "Sigmoid", "Hardswish", "Mish")
+}
+ELEMENTWISE_FUNCTIONS = (F.silu, F.gelu, F.relu, F.mish, torch.tanh, torch.sigmoid)  # LFM2-MoE: F.silu
+
+
+def activation_refusal(act: Any, whose: str, otherwise: str) -> tuple[str, str] | None:
+    """(reason, fix) if ``act`` (a module or a function) is not an activation known to act elementwise
+    (:data:`ELEMENTWISE`, :data:`ELEMENTWISE_FUNCTIONS`), else None; ``otherwise``: the fix besides a known
+    activation (what to freeze)."""
+    if isinstance(act, nn.Module):
+        known = qualified_name(type(act)) in ELEMENTWISE and not any(True for _ in act.parameters())
+    else:  # a function: known by identity
+        known = any(act is function for function in ELEMENTWISE_FUNCTIONS)
+    if known:
+        return None
+    name = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
+    known_names = [n.rsplit(".", 1)[1] for n in ELEMENTWISE] + [f.__name__ for f in ELEMENTWISE_FUNCTIONS]
+    return (
+        f"{whose} activation {name} is not one it knows to act elementwise",
+        f"Use one of {sorted(known_names)}, or {otherwise}.",
+    )
 
 
 @register_rule(nn.PReLU)

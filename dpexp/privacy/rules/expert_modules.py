@@ -35,7 +35,8 @@ from torch import nn
 
 from dpexp.privacy.per_example import Outer, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
-from dpexp.privacy.rules.moe import activation_refusal, compute_dtype
+from dpexp.privacy.rules.activation import activation_refusal
+from dpexp.privacy.rules.moe import compute_dtype
 
 SWITCH = "transformers.models.switch_transformers.modeling_switch_transformers"
 _FIX = "Freeze the experts."
@@ -63,7 +64,7 @@ def _refusal(module: nn.Module) -> tuple[str, str] | None:
             return f"expert_{e}'s wi and wo are not both nn.Linear", _FIX
         if expert.wi.bias is not None or expert.wo.bias is not None:
             return f"expert_{e}'s wi or wo has a bias, which its forward does not have", _FIX
-        refusal = activation_refusal(expert.act, f"expert_{e}'s")
+        refusal = activation_refusal(expert.act, f"expert_{e}'s", "freeze the experts")
         if refusal is not None:
             return refusal
     return None

@@ -27,6 +27,7 @@ such an output gets a gradient (:func:`dpexp.privacy.verification.check_outputs`
 
 from __future__ import annotations
 
+import math
 import sys
 from itertools import product
 from typing import Any
@@ -171,10 +172,15 @@ def functional_per_example_grads(
                     "exact fallback ran out of memory recomputing it per example. Lower physical_batch_size, "
                     f"register a rule for it, or freeze its parameters. ({str(error).splitlines()[0]})"
                 ) from error
-            return None  # shapes that do not fit this choice
+            failures.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            return None  # shapes that do not fit this choice, or an operation vmap cannot batch
         reproduced = all(reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
+        if not reproduced:
+            gaps.append(max(relative_gap(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True)))
         return grads if reproduced else None
 
+    failures: list[str] = []  # why a choice could not be run per example
+    gaps: list[float] = []  # how far a choice that ran was from the recorded output
     signature = (name, str(spec), tuple(_describe(v) for v in values))
     if signature in known:  # established on an earlier call of the same structure: checked again
         grads = attempt(known[signature])
@@ -196,8 +202,8 @@ def functional_per_example_grads(
     if not found:
         raise RuntimeError(
             f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and no choice of "
-            "which of its inputs carry the example index in dim 0 reproduces its output per example: its "
-            "inputs are not batch-first, or its forward mixes examples. Register a rule, make it "
+            "which of its inputs carry the example index in dim 0 reproduces its output per example: "
+            f"{_search_failure(failures, gaps, outputs[next(iter(dys))].dtype)}. Register a rule, make it "
             "batch-first, or freeze its parameters."
         )
     if len(found) > 1 and not all(reproduces(found[0][1][attr], found[1][1][attr]) for attr in attrs):
@@ -210,6 +216,28 @@ def functional_per_example_grads(
     if len(found) == 1:  # unambiguous: remembered for the calls of the same structure
         known[signature] = found[0][0]
     return {attr: Dense(g) for attr, g in found[0][1].items()}
+
+
+def relative_gap(recorded: torch.Tensor, recomputed: torch.Tensor) -> float:
+    """``max |recomputed - recorded| / max |recorded|`` (inf where the shapes differ)."""
+    if recorded.shape != recomputed.shape:
+        return math.inf
+    scale = float(recorded.detach().abs().max()) if recorded.numel() else 0.0
+    return float((recomputed.detach() - recorded.detach()).abs().max()) / max(scale, 1e-30)
+
+
+def _search_failure(failures: list[str], gaps: list[float], dtype: torch.dtype) -> str:
+    """Why the fallback's search found no choice, as far as it can tell: every choice failed to run per
+    example (the first error), or the closest that ran missed the recorded output by more than rounding
+    (a forward that mixes examples or is not batch-first; or, a gap near the tolerance, one that rounds
+    differently per example)."""
+    if not gaps:
+        return f"recomputing it per example (torch.func.vmap) failed for every choice ({failures[0]})"
+    return (
+        f"the closest choice missed its output by {min(gaps):.1e} of its largest value, where {dtype} "
+        f"rounding allows {tolerance(dtype):.0e}: its inputs are not batch-first, its forward mixes "
+        "examples, or it rounds differently per example"
+    )
 
 
 def _describe(value: Any) -> tuple | str:

@@ -43,7 +43,8 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, per_example_copies, refuse, register_rule
-from dpexp.privacy.rules.moe import activation_refusal, compute_dtype
+from dpexp.privacy.rules.activation import activation_refusal
+from dpexp.privacy.rules.moe import compute_dtype
 from dpexp.privacy.rules.submodule_values import unfollowed
 
 _INKLING = "transformers.models.inkling.modeling_inkling"
@@ -108,7 +109,7 @@ def router_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Per
 
 def _check_shared(module: nn.Module) -> None:
     reason = unfollowed(module, {"gate_proj", "up_proj", "down_proj"}, {})
-    activation = activation_refusal(module.act_fn, "its")
+    activation = activation_refusal(module.act_fn, "its", "freeze the shared experts")
     if reason is None and activation is not None:
         reason = activation[0]
     refuse(module, "Inkling shared-experts", "experts module", reason, _FIX)

@@ -65,6 +65,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad, Routed
 from dpexp.privacy.rules import CallLayout, first_output, qualified_name, refuse, register_rule
+from dpexp.privacy.rules.activation import activation_refusal
 
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 QWEN2_MOE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
@@ -82,28 +83,6 @@ NEMOTRON_H = "transformers.models.nemotron_h.modeling_nemotron_h"
 LFM2_MOE = "transformers.models.lfm2_moe.modeling_lfm2_moe"
 _MODELS = "transformers.models"
 
-ELEMENTWISE = {  # activations acting on each value alone (their derivative is taken by autograd)
-    f"transformers.activations.{name}"
-    for name in (
-        "SiLUActivation",
-        "GELUActivation",
-        "GELUTanh",
-        "NewGELUActivation",
-        "FastGELUActivation",
-        "QuickGELUActivation",
-        "AccurateGELUActivation",
-        "ClippedGELUActivation",
-        "ReLUSquaredActivation",
-        "LaplaceActivation",
-        "LinearActivation",
-        "MishActivation",
-        "SqrtSoftplusActivation",
-    )
-} | {
-    f"torch.nn.modules.activation.{name}"
-    for name in ("SiLU", "GELU", "ReLU", "ReLU6", "LeakyReLU", "Tanh", "Sigmoid", "Hardswish", "Mish")
-}
-ELEMENTWISE_FUNCTIONS = (F.silu, F.gelu, F.relu, F.mish, torch.tanh, torch.sigmoid)  # LFM2-MoE: F.silu
 IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")  # None: the module's own (eager) forward
 GROUPED_LAYOUT = {  # grouped_mm / batched_mm compute the eager forward's function on this layout (the rule
     # follows is_transposed, has_bias and the class's _apply_gate, which they read too)
@@ -194,24 +173,7 @@ def _weights_refusal(module: nn.Module) -> tuple[str, str] | None:
         )
     if gate is not None and not hasattr(module, "act_fn"):
         return None
-    return activation_refusal(module.act_fn, "its")
-
-
-def activation_refusal(act: Any, whose: str) -> tuple[str, str] | None:
-    """(reason, fix) if ``act`` (a module or a function) is not an activation known to act elementwise
-    (:data:`ELEMENTWISE`, :data:`ELEMENTWISE_FUNCTIONS`), else None."""
-    if isinstance(act, nn.Module):
-        known = qualified_name(type(act)) in ELEMENTWISE and not any(True for _ in act.parameters())
-    else:  # a function: known by identity
-        known = any(act is function for function in ELEMENTWISE_FUNCTIONS)
-    if known:
-        return None
-    name = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
-    known_names = [n.rsplit(".", 1)[1] for n in ELEMENTWISE] + [f.__name__ for f in ELEMENTWISE_FUNCTIONS]
-    return (
-        f"{whose} activation {name} is not one it knows to act elementwise",
-        f"Use one of {sorted(known_names)}, or freeze the experts.",
-    )
+    return activation_refusal(module.act_fn, "its", "freeze the experts")
 
 
 def _experts_refusal(module: nn.Module) -> tuple[str, str] | None:

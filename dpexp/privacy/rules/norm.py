@@ -17,7 +17,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import refuse, register_rule
-from dpexp.privacy.rules.moe import activation_refusal
+from dpexp.privacy.rules.activation import activation_refusal
 
 
 def _affine_grads(module: nn.Module, x_hat: torch.Tensor, dy: torch.Tensor, reduce: tuple[int, ...]):
@@ -167,8 +167,8 @@ def group_norm_grads(module: nn.GroupNorm, x: torch.Tensor, dy: torch.Tensor) ->
 
 
 def _check_activation(module: nn.Module) -> None:
-    refusal = activation_refusal(module.activation, "its")
-    refuse(module, "GroupNorm-and-activation", "norm", refusal and refusal[0], "Freeze the norm.")
+    reason, fix = activation_refusal(module.activation, "its", "freeze the norm") or (None, "")
+    refuse(module, "GroupNorm-and-activation", "norm", reason, fix)
 
 
 @register_rule(f"{_HF}.bit.modeling_bit.BitGroupNormActivation", check=_check_activation, copies=True)

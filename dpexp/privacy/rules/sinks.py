@@ -1,22 +1,31 @@
 """Attention sinks: a learnt logit per head that every query row's softmax also normalises over, and whose
 column is then dropped (Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks; the
-learnable form of Hugging Face's ``GptOssAttention``, its eager attention function).
+learnable form of Hugging Face's ``GptOssAttention`` and of the attentions written after it).
 
-Per head h, query position t and example i, with the real scores ``z_j`` (``Q K^T * scaling + mask``), the
-values ``v_j`` and the sink ``s_h`` (a parameter shared by all examples and positions):
+Per head h, query position t and example i, with the real scores ``z_j``, the values ``v_j`` and the sink
+``s_h`` (a parameter shared by all examples and positions):
 
-    p_j = exp(z_j) / (sum_k exp(z_k) + exp(s_h)),   p_sink = 1 - sum_j p_j,   o = sum_j p_j v_j.
+    p_j = exp(z_j) / (sum_k exp(z_k) + exp(s_h)),   p_sink = 1 - sum_j p_j,   a = sum_j p_j v_j.
 
-Since ``d p_j / d s_h = -p_j p_sink``, example i's gradient is a sum over its query positions,
+The models write it in two ways: GPT-OSS, Flint, MiMo-V2-Flash and HY-V4 append ``s_h`` to the scores as a
+last column, softmax and drop it; Granite-SWA and Granite-MoE-SWA scale the plain softmax's output by
+``sigmoid(logsumexp(z) - s_h) = 1 - p_sink``. HY-V4 then gates ``a`` elementwise. Since
+``d p_j / d s_h = -p_j p_sink``, in every form the input ``y`` of ``o_proj`` (the heads' outputs, gated or
+not) moves as ``dy/ds_h = -p_sink y`` in head h's columns and not at all in another head's, and example
+i's gradient is a sum over its query positions,
 
-    d s_i[h] = - sum_t p_sink[i, h, t] (<do[i, t, h], o[i, t, h]> + sum_j p_j dP_j),
+    d s_i[h] = sum_t <do[i, t, h], dy[i, t, h]/ds_h> + sum_{t, j} dP[i, h, t, j] dP[i, h, t, j]/ds_h,
 
-with ``o`` the attention's output per head (``o_proj``'s input), ``do = dy W_o`` its gradient (``o_proj`` an
-``nn.Linear``) and ``dP`` the gradient of the probabilities the module returns, where they reach the loss.
-The rule takes ``p`` and ``o`` from the module's own forward, run once more on the captured call without
-recording (how the scores are formed, rotary positions, sliding windows and masks included, is the module's
-own), and reads ``o`` at ``o_proj``'s input. The projections are ``nn.Linear`` submodules with their own
-rules. Without the rule the module took the exact fallback, which recomputed it per example.
+with ``do = d_out W_o`` the gradient at ``o_proj``'s input (``o_proj`` an ``nn.Linear``) and ``dP`` the
+gradient of the probabilities the module returns, where they reach the loss. The rule does not follow
+either formula: it runs the module's own forward once more in forward mode, with every sink moved along a
+tangent of ones (:func:`~dpexp.privacy.rules.submodule_values.tangents`), and reads the tangents at
+``o_proj``'s input and of the returned probabilities. Because a sink moves only its own head's columns,
+head h's columns of those tangents are ``dy/ds_h`` and ``dP/ds_h``: how the scores are formed, rotary
+positions, windows, masks, gates and float32 casts included, is the module's own. A module whose sinks
+reached another head's columns would give example sums that differ from autograd's, which the engine's
+verification refuses. The projections are ``nn.Linear`` submodules with their own rules. Without the rule
+these modules took the exact fallback, which recomputed them per example.
 """
 
 from __future__ import annotations
@@ -29,10 +38,18 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
-from dpexp.privacy.rules.submodule_values import rerun
+from dpexp.privacy.rules.submodule_values import tangents
 from dpexp.privacy.rules.window_attention import attention_output_grad, wrapped_o_proj
 
-_GPT_OSS = "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention"
+_MODELS = "transformers.models"
+_ATTENTIONS = (
+    f"{_MODELS}.gpt_oss.modeling_gpt_oss.GptOssAttention",
+    f"{_MODELS}.flint.modeling_flint.FlintAttention",
+    f"{_MODELS}.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",  # sinks on its window layers
+    f"{_MODELS}.hy_v4.modeling_hy_v4.HYV4Attention",  # a gated output
+    f"{_MODELS}.granite_swa.modeling_granite_swa.GraniteSWAAttention",  # the sigmoid(lse - s) form
+    f"{_MODELS}.granitemoe_swa.modeling_granitemoe_swa.GraniteMoeSWAAttention",
+)
 _FIX = "Otherwise freeze the sinks (requires_grad=False)."
 
 
@@ -45,16 +62,17 @@ def _check(module: nn.Module) -> None:
 
 def sinks_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B, T, d), args, kwargs)``: the main input and the call as given, which the rule runs
-    again. Refuses a call it cannot run again to the same probabilities: another attention implementation
-    than eager (the others return no probabilities), attention dropout in training (its mask is drawn
-    inside the attention function), and a key/value cache (a second run would extend it)."""
+    again. Refuses a call it cannot run again to the same output: another attention implementation than
+    eager (a kernel may have no forward-mode derivative, or not apply the sinks at all), attention dropout in
+    training (its mask is drawn inside the attention function), and a key/value cache (a second run would
+    extend it)."""
     call = inspect.signature(module.forward).bind(*args, **kwargs)
     implementation = getattr(module.config, "_attn_implementation", None)
     if implementation != "eager":
         raise ValueError(
-            f"attention implementation {implementation!r}: the attention-sinks rule reads the probabilities "
-            "that the 'eager' implementation returns; load the model with attn_implementation='eager', or "
-            "freeze the sinks"
+            f"attention implementation {implementation!r}: the attention-sinks rule differentiates the "
+            "'eager' implementation's forward; load the model with attn_implementation='eager', or freeze "
+            "the sinks"
         )
     if module.training and module.attention_dropout > 0:
         raise ValueError(
@@ -69,38 +87,35 @@ def sinks_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
     return call.arguments["hidden_states"], args, kwargs
 
 
-@register_rule(_GPT_OSS, check=_check, call=CallLayout(sinks_inputs, attention_output_grad))
+@register_rule(*_ATTENTIONS, check=_check, call=CallLayout(sinks_inputs, attention_output_grad))
 def sinks_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``d sinks`` (B, heads) by the formula of the module docstring; ``dy`` (B, T*d [+ heads*T*S]): the
-    gradients of the output and of the returned probabilities. Computed in float64 for float64 sinks,
-    else in float32."""
+    gradients of the output and of the returned probabilities. The tangents are those of the module's
+    dtype (float32 where it casts); the sums over positions run in float64 for float64 sinks, else in
+    float32."""
     hidden, args, kwargs = call
     batch, length = hidden.shape[:2]
-    heads, head_dim = module.sinks.shape[0], module.head_dim
-    dtype = torch.float64 if module.sinks.dtype == torch.float64 else torch.float32
-    output, seen = rerun(
+    sinks = module.sinks
+    heads = sinks.shape[0]
+    dtype = torch.float64 if sinks.dtype == torch.float64 else torch.float32
+    output, seen = tangents(
         module,
         args,
         kwargs,
+        {"sinks": torch.ones_like(sinks)},
         {"out": ("o_proj", "input")},
         "register a rule for this attention, or freeze the sinks",
     )
-    probs = output[1]
-    if not torch.is_tensor(probs):
-        raise RuntimeError(
-            f"{type(module).__name__}: its second run returned {type(probs).__name__} probabilities, where "
-            "the rule needs eager's; register a rule for this attention, or freeze the sinks."
-        )
+    moved, moved_probs = seen["out"][0], output[1] if isinstance(output, tuple) else None
+    grad = torch.zeros(batch, heads, dtype=dtype, device=dy.device)
     with torch.no_grad():
-        probs = probs.to(dtype)  # (B, heads, T, S)
-        out = seen["out"][0].reshape(batch, length, heads, head_dim).to(dtype)
         width = length * module.o_proj.out_features  # the output's part of each row of dy
-        d_out = dy[:, :width].reshape(batch, length, -1).to(dtype)
-        d_heads = (d_out @ module.o_proj.weight.to(dtype)).reshape(batch, length, heads, head_dim)
-        d_mass = (d_heads * out).sum(-1).transpose(1, 2)  # <do, o>: (B, heads, T)
+        if moved is not None:
+            d_out = dy[:, :width].reshape(batch, length, -1).to(dtype)
+            d_heads = d_out @ module.o_proj.weight.to(dtype)  # do: (B, T, heads * head_dim)
+            grad += (d_heads * moved.to(dtype)).reshape(batch, length, heads, -1).sum((1, 3))
         d_returned = dy[:, width:]
-        if d_returned.shape[1]:
-            d_mass = d_mass + (probs * d_returned.reshape(probs.shape).to(dtype)).sum(-1)
-        sink = 1 - probs.sum(-1)  # p_sink: (B, heads, T)
-        grad = -(sink * d_mass).sum(-1)
-    return {"sinks": Dense(grad.to(module.sinks.dtype))}
+        if d_returned.shape[1] and moved_probs is not None:
+            d_probs = d_returned.reshape(moved_probs.shape).to(dtype)
+            grad += (d_probs * moved_probs.to(dtype)).flatten(2).sum(2)
+    return {"sinks": Dense(grad.to(sinks.dtype))}

@@ -1,8 +1,9 @@
 """What a rule that follows its module's forward reads from its submodules: kept by the capture during the
 module's training call (:class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``: the scan mixers' rules), or
-read in a second run of the module (:func:`rerun`: the attention-sinks rule, which needs the probabilities
-the module returns); and the checks such a rule makes: that it knows the module's parameters and reads
-plain submodules (:func:`unfollowed`), and that its recomputation reproduces the module (:func:`reproduced`).
+differentiated in a second run of the module (:func:`tangents`: the attention-sinks rule, which needs how
+each head's output moves with its sink); and the checks such a rule makes: that it knows the module's
+parameters and reads plain submodules (:func:`unfollowed`), and that its recomputation reproduces the module
+(:func:`reproduced`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
+from torch.func import functional_call
+from torch.utils._pytree import tree_map
 
 from dpexp.privacy.rules.functional import reproduces
 
@@ -66,27 +70,44 @@ def once(
     return {key: found[0] for key, found in values.items()}
 
 
-def rerun(
-    module: nn.Module, args: tuple, kwargs: dict[str, Any], taps: dict[str, tuple[str, str]], fix: str
+def tangents(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    directions: dict[str, torch.Tensor],
+    taps: dict[str, tuple[str, str]],
+    fix: str,
 ) -> tuple[Any, dict[str, Any]]:
-    """``(output, values)``: the module's output for the call ``(args, kwargs)``, run again under no_grad,
-    and the values ``taps`` names (key -> (submodule, "input" or "output"); an input is the submodule's
-    argument tuple), each submodule called once (:func:`once`)."""
+    """``(output, values)``: the tangents (forward-mode derivatives) of the module's output for the call
+    ``(args, kwargs)`` and of the values ``taps`` names (key -> (submodule, "input" or "output"); an input
+    is the submodule's argument tuple), each submodule called once (:func:`once`), when the module's own
+    parameters move along ``directions`` (name -> tangent, shaped like the parameter). The call runs once
+    more under no_grad, in forward mode: every tensor in the results that does not depend on the
+    parameters is None. Raises what torch raises for an operation without a forward-mode derivative."""
     seen: dict[str, list[Any]] = {key: [] for key in taps}
     hooks = [
         module.get_submodule(name).register_forward_pre_hook(
-            lambda _, inputs, key=key: seen[key].append(inputs)
+            lambda _, inputs, key=key: seen[key].append(_tangent(inputs))
         )
         if where == "input"
         else module.get_submodule(name).register_forward_hook(
-            lambda _, __, out, key=key: seen[key].append(out)
+            lambda _, __, out, key=key: seen[key].append(_tangent(out))
         )
         for key, (name, where) in taps.items()
     ]
     try:
-        with torch.no_grad():
-            output = module(*args, **kwargs)
+        with torch.no_grad(), forward_ad.dual_level():
+            moved = {
+                name: forward_ad.make_dual(getattr(module, name).detach(), tangent)
+                for name, tangent in directions.items()
+            }
+            output = _tangent(functional_call(module, moved, args, kwargs))
     finally:
         for hook in hooks:
             hook.remove()
     return output, once(module, seen, taps, fix)
+
+
+def _tangent(value: Any) -> Any:
+    """``value`` with every tensor replaced by its forward-mode tangent (None where it has none)."""
+    return tree_map(lambda x: forward_ad.unpack_dual(x).tangent if torch.is_tensor(x) else None, value)

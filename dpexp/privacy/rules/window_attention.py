@@ -21,6 +21,10 @@ into dim 0. timm's fused path (``fused_attn``, scaled_dot_product_attention) for
 kernel, with no point at which their gradient can be read; it is refused (``TIMM_FUSED_ATTN=0``, the default
 for this experimental path, or ``fused_attn = False``).
 
+Hugging Face's older ``SwinSelfAttention`` form, kept by Donut-Swin, MaskFormer-Swin and CLAP's audio encoder,
+owns the table itself and returns the heads' output before the projection: its rule
+(:func:`swin_self_attention_grads`) reads the probabilities from the module's own forward.
+
 Hugging Face's ``SwinAttention`` (transformers 5) forms the same scores inside its attention function (eager:
 a functional softmax; sdpa: one kernel), with the table in a ``SwinRelativePositionBias`` submodule called
 without inputs: no module sees the scores, so its rule (:func:`hf_swin_bias_grads`) recomputes each window's
@@ -331,23 +335,10 @@ def hf_swinv2_grads(
         def split(t: torch.Tensor) -> torch.Tensor:  # (rows, N, C) -> (rows, heads, N, head_dim)
             return t.reshape(rows, n, heads, -1).transpose(1, 2).to(dtype)
 
-        projections = {}  # query, key and value outputs of the one forward below, not computed again
-        handles = [
-            getattr(module, name).register_forward_hook(
-                lambda _, __, out, name=name: projections.__setitem__(name, out)
-            )
-            for name in ("query", "key", "value")
-        ]
-        try:
-            probs = module(x, mask, output_attentions=True)[1].to(dtype)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if len(projections) < 3:
-            raise RuntimeError(
-                f"{type(module).__name__}: its forward did not call query, key and value, which the rule "
-                f"reads; register a rule for this attention, or freeze logit_scale and {_V2_MLP}."
-            )
+        probs, projections = own_probabilities(
+            module, x, mask, ("query", "key", "value"), f"freeze logit_scale and {_V2_MLP}"
+        )
+        probs = probs.to(dtype)
         q, k, v = (split(projections[name]) for name in ("query", "key", "value"))
         cos = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).transpose(-2, -1)
         d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
@@ -379,6 +370,118 @@ def hf_swinv2_grads(
     }
     params = dict(module.named_parameters())
     return {name: Dense(g.to(params[name].dtype)) for name, g in grads.items() if name in params}
+
+
+def own_probabilities(
+    module: nn.Module, x: torch.Tensor, mask: torch.Tensor | None, names: tuple[str, ...], otherwise: str
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(P, outputs)``: the attention probabilities (rows, heads, N, N) of the module's own forward on the
+    windows ``x`` (rows, N, C) with the shift ``mask``, called without recording and asked for them
+    (``output_attentions=True``), and the outputs of its submodules ``names`` in that one call (its
+    query, key and value projections, not computed again). ``otherwise``: the user's fix besides a rule."""
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [
+        getattr(module, name).register_forward_hook(
+            lambda _, __, out, name=name: outputs.__setitem__(name, out)
+        )
+        for name in names
+    ]
+    try:
+        with torch.no_grad():
+            probs = module(x, mask, output_attentions=True)[1]
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(outputs) < len(names):
+        listed = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+        raise RuntimeError(
+            f"{type(module).__name__}: its forward did not call {listed}, which the rule reads; "
+            f"register a rule for this attention, or {otherwise}."
+        )
+    return probs, outputs
+
+
+# Hugging Face's older form of Swin's attention, kept by Donut-Swin, MaskFormer-Swin and CLAP's audio encoder
+# (HTS-AT): ``DonutSwinSelfAttention`` owns the table and its index itself, with query, key and value
+# ``nn.Linear`` submodules and an eager softmax in the model's dtype, and returns the heads' concatenated
+# output (B*nW, N, C) (and the probabilities when asked); the output projection is the next module's.
+_SELF_ATTENTIONS = tuple(
+    f"transformers.models.{path}SelfAttention"
+    for path in ("donut.modeling_donut_swin.DonutSwin", "maskformer.modeling_maskformer_swin.MaskFormerSwin",
+                 "clap.modeling_clap.ClapAudio")
+)  # fmt: skip
+_TABLE = "relative_position_bias_table"
+
+
+def _check_self_attention(module: nn.Module) -> None:
+    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    reason = None
+    if own - {_TABLE}:
+        reason = f"it owns parameters {sorted(own - {_TABLE})} the rule does not know"
+    elif not torch.is_tensor(getattr(module, "relative_position_index", None)):
+        reason = "it has no relative_position_index buffer"
+    elif not all(type(getattr(module, name, None)) is nn.Linear for name in ("query", "key", "value")):
+        reason = "its query, key and value are not all nn.Linear, whose values it reads; leave them unwrapped"
+    refuse(
+        module,
+        "relative-position-bias",
+        "module",
+        reason,
+        f"Otherwise freeze {_TABLE} (requires_grad=False).",
+    )
+
+
+def swin_self_attention_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(hidden_states (B*nW, N, C), attention_mask (nW, N, N) or None)``; refuses attention dropout in
+    training, whose mask (drawn in the forward) the rule's second run cannot reproduce."""
+    call = inspect.signature(module.forward).bind(*args, **kwargs)
+    if module.training and module.dropout.p > 0:
+        raise ValueError(
+            f"applies attention dropout (p={module.dropout.p}) to its probabilities in training, whose mask "
+            f"the rule cannot recompute; set attention_probs_dropout_prob=0, or freeze {_TABLE}"
+        )
+    return call.arguments["hidden_states"], call.arguments.get("attention_mask")
+
+
+@register_rule(
+    *_SELF_ATTENTIONS,
+    check=_check_self_attention,
+    call=CallLayout(swin_self_attention_inputs, attention_output_grad),
+    position_wise=True,
+    copies=True,
+)
+def swin_self_attention_grads(
+    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """The older ``SwinSelfAttention`` form: the probabilities P of every window from the module's own
+    forward run once more without recording (its scaling, bias lookup and shift mask its own), its value
+    projection's output V read in that call, and, since the module's output is the heads' output itself,
+    ``dO = dy_out``: ``dS = P * (dP - rowsum(P * dP))`` with ``dP = dO V^T`` (+ the gradient of the returned
+    probabilities), then ``d table_i`` as for :func:`hf_swin_bias_grads`. ``call[0]`` is (B, nW, N, C)
+    once the probe has established the windows per example (position-wise), or (B, N, C); computed in
+    float64 for a float64 table, else in float32, exact to that rounding."""
+    hidden, mask = call
+    table = module.relative_position_bias_table
+    batch = dy.shape[0]
+    n, channels = hidden.shape[-2:]
+    heads = module.num_attention_heads
+    x = hidden.reshape(-1, n, channels)
+    rows = x.shape[0]
+    windows = rows // batch
+    dy = dy.reshape(rows, -1)
+    dtype = torch.float64 if table.dtype == torch.float64 else torch.float32
+    probs, outputs = own_probabilities(module, x, mask, ("value",), f"freeze {_TABLE}")
+    with torch.no_grad():
+
+        def split(t: torch.Tensor) -> torch.Tensor:  # (rows, N, C) -> (rows, heads, N, head_dim)
+            return t.reshape(rows, n, heads, -1).transpose(1, 2).to(dtype)
+
+        d_out = dy[:, : n * channels].reshape(rows, n, channels)
+        d_scores = scores_grad(probs.to(dtype), split(outputs["value"]), split(d_out), dy[:, n * channels :])
+        grad = table_grads(
+            d_scores.reshape(batch, windows, heads, n, n), module.relative_position_index, table
+        )
+    return {_TABLE: Dense(grad.to(table.dtype))}
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
