@@ -21,7 +21,10 @@ the ``phase`` an unfinished audit stopped in (``build``, ``model``, ``engine``).
 image-classification mappings, each in a process of its own, ``--jobs`` at a time: NOT BUILT also for one
 that runs out of ``--seconds`` or memory (the multimodal wrappers, whose towers keep their default sizes).
 ``--again FILE`` (stop 54) audits once more the records of FILE that did not finish (every outcome but EXACT
-and VIOLATION, save those out of time) and writes FILE with them replaced.
+and VIOLATION, save those out of time), or its records of the models named, and writes FILE with them
+replaced. A refusal whose fix is
+``verify_every_step=True`` (data-dependent control flow: experts called by routing) is taken as a user would
+take it, and the record says so (``"verify_every_step": true``, stop 55).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import sys
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -184,6 +188,7 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
     """One model's record: its outcome, the worst relative errors and the modules left to the fallback."""
     from dpexp.privacy import PrivacyEngine
     from dpexp.privacy.capture import unsupported_modules
+    from dpexp.privacy.verification import VerificationError
     from dpexp.runtime import is_project_error
 
     record = {"model": architecture, "kind": kind}
@@ -191,6 +196,9 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
     try:
         torch.manual_seed(0)
         model, batch, loss = build(architecture, kind)
+        # copied before any forward: a model may keep tensors of its last forward as attributes
+        # (RecurrentGemma's recurrent states), which deepcopy refuses
+        pristine = copy.deepcopy(model)
         record["fallback"] = {name.rsplit(".", 1)[1]: p for name, p in unsupported_modules(model).items()}
         phase = "model"
         grads = per_example_grads(model, loss, batch)
@@ -200,15 +208,22 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
         errors = []
         for strategy, clipping in SETTINGS:
             groups = PrivacyEngine(
-                copy.deepcopy(model), batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0,
-                clipping=clipping,
+                copy.deepcopy(pristine), batch_size=6, sample_size=60, max_grad_norm=1.0,
+                noise_multiplier=0.0, clipping=clipping,
             ).groups  # fmt: skip
             thresholds = group_norms(grads, groups).median(0).values.clamp_min(1e-6).tolist()
             expected = clipped_mean(grads, groups, thresholds, batch_size=6)
-            delta, _ = engine_update(
-                model, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy,
+            update = partial(
+                engine_update, pristine, loss, batch, [[0, 1, 2], [3, 4, 5]], batch_size=6, strategy=strategy,
                 clipping=clipping, thresholds=thresholds, max_grad_norm=1.0,
             )  # fmt: skip
+            try:
+                delta, _ = update(verify_every_step=record.get("verify_every_step", False))
+            except VerificationError as refusal:  # the fix a refusal names, taken as a user would
+                if "verify_every_step=True" not in str(refusal):
+                    raise
+                record["verify_every_step"] = True
+                delta, _ = update(verify_every_step=True)
             whole = torch.cat([v.flatten() for v in expected.values()]).norm()
             errors.append(
                 max(
@@ -222,7 +237,7 @@ def audit(architecture: str, kind: str, tolerance: float) -> dict:
         refused = phase == "engine" and is_project_error(error)
         record["outcome"] = "NOT BUILT" if phase != "engine" else "REFUSED" if refused else "ERROR"
         record["phase"] = phase
-        record["message"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+        record["message"] = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
     return record
 
 
@@ -279,11 +294,15 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="--all processes at a time")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--json", type=Path, help="write the records here")
-    parser.add_argument("--again", type=Path, help="audit this file's unfinished records again, rewrite it")
+    parser.add_argument(
+        "--again", type=Path, help="audit this file's unfinished records (or named models) again, rewrite it"
+    )
     args = parser.parse_args()
     earlier = json.loads(args.again.read_text()) if args.again else []
     todo = (
-        [(name, args.kind or "causal") for name in args.models]
+        [(r["model"], r["kind"]) for r in earlier if r["model"] in args.models]
+        if args.again and args.models
+        else [(name, args.kind or "causal") for name in args.models]
         if args.models
         else [(r["model"], r["kind"]) for r in earlier if r["outcome"] not in FINISHED and not _timed_out(r)]
         if args.again

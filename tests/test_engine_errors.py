@@ -211,11 +211,13 @@ class BatchCentred(WithOwnParameter):
         return self.fc(h - h.mean(0))
 
 
-class ThroughNumPy(WithOwnParameter):
-    """Takes the sign of its input through NumPy, example by example: torch.func cannot run it."""
+class InPairs(WithOwnParameter):
+    """Scales each example by its partner's norm (rows 0-1, 2-3, ...): one example alone cannot be run."""
 
     def forward(self, x):
-        return self.fc(x * self.scale * torch.from_numpy(np.sign(x.detach().numpy())))
+        h = x * self.scale
+        pairs = h.reshape(-1, 2, h.shape[-1])
+        return self.fc((pairs * pairs.flip(1).norm(dim=-1, keepdim=True)).reshape(h.shape))
 
 
 @pytest.mark.parametrize(
@@ -226,13 +228,9 @@ class ThroughNumPy(WithOwnParameter):
             r"\(BatchCentred\) .*no choice .*: the closest choice missed its output by \d\.\de[+-]\d+ of its "
             r"largest value, where torch.float64 rounding allows 1e-09: .*mixes examples",
         ),
-        (
-            ThroughNumPy,
-            r"\(ThroughNumPy\) .*no choice .*: recomputing it per example \(torch.func.vmap\) failed for "
-            r"every choice \(RuntimeError: Cannot access data pointer",
-        ),
+        (InPairs, r"\(InPairs\) .*no choice .*: no choice that ran gave outputs of the shapes it returned"),
     ],
-    ids=["mixes_examples", "cannot_be_vmapped"],
+    ids=["mixes_examples", "not_per_example"],
 )
 def test_the_fallback_search_says_why_no_choice_reproduced_the_module(model, match):
     """The fallback's message states what its search saw: how far the closest choice was from the recorded
@@ -241,3 +239,75 @@ def test_the_fallback_search_says_why_no_choice_reproduced_the_module(model, mat
     engine = _engine(module, noise_multiplier=0.0)
     with pytest.raises(RuntimeError, match=match):
         engine.backward(module(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum(1))
+
+
+class KeepsState(WithOwnParameter):
+    """Adds the state its last call left (RecurrentGemma's RG-LRU), which its owner resets before a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = None
+
+    def forward(self, x):
+        h = x * self.scale if self.state is None else x * self.scale + self.state
+        self.state = h[:, :1].detach()
+        return self.fc(h)
+
+
+class ResetsState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = KeepsState()
+
+    def forward(self, x):
+        self.inner.state = None
+        return self.inner(x)
+
+
+def test_the_fallback_search_names_the_state_a_module_keeps():
+    model = ResetsState().double()
+    engine = _engine(model, noise_multiplier=0.0)
+    match = r"\(KeepsState\) .*: it keeps tensors as attributes \(state\), which a recomputation reads as"
+    with pytest.raises(RuntimeError, match=match):
+        engine.backward(model(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum(1))
+
+
+def test_the_fallback_search_names_the_error_that_stopped_every_choice(monkeypatch):
+    from dpexp.privacy.rules import functional
+
+    def fails(*args):
+        raise RuntimeError("no forward for this call")
+
+    monkeypatch.setattr(functional, "_vmapped", fails)
+    monkeypatch.setattr(functional, "_looped", fails)
+    module = WithOwnParameter().double()
+    engine = _engine(module, noise_multiplier=0.0)
+    match = r"failed for every choice \(RuntimeError: no forward for this call\)"
+    with pytest.raises(RuntimeError, match=match):
+        engine.backward(module(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum(1))
+
+
+class ThroughNumPy(WithOwnParameter):
+    """Takes the sign of its input through NumPy, example by example: torch.func cannot run it."""
+
+    def forward(self, x):
+        return self.fc(x * self.scale * torch.from_numpy(np.sign(x.detach().numpy())))
+
+
+@pytest.mark.parametrize(
+    "strategy,clipping", [("bk", "flat"), ("ghost", "per_layer"), ("instantiate", "flat")]
+)
+def test_a_forward_torch_func_cannot_run_is_taken_one_example_at_a_time(strategy, clipping):
+    """The fallback runs such a module one example at a time with plain autograd, and says so once."""
+    from tests.oracle import check_clipped_step
+
+    model = nn.Sequential(nn.Linear(3, 3), ThroughNumPy()).double()
+    batch = {"x": torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))}
+
+    def loss(m, b):
+        return m(b["x"]).pow(2).sum(1)
+
+    with pytest.warns(
+        UserWarning, match=r"\(ThroughNumPy\): torch.func cannot run its forward .*one example at"
+    ):
+        check_clipped_step(model, loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping)

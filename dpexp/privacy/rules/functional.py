@@ -5,7 +5,10 @@ Used for modules that own trainable parameters but have no registered rule, e.g.
 engine, ``g_i = d/dtheta <module(x_i; theta), dy_i>``, computed for all examples at once with
 ``vmap(grad(...))`` over the module's forward. This recomputes the module's forward and backward once more,
 so it costs about as much as the module itself; it is exact as long as the forward is deterministic (no
-dropout), which the engine checks at construction.
+dropout), which the engine checks at construction. A forward that ``torch.func`` cannot transform (an
+``autograd.Function`` written without ``setup_context``, as RecurrentGemma's ``SqrtBoundDerivative``, or a
+detour through NumPy) is run one example at a time with plain autograd instead (:func:`_looped`): the same
+gradients and the same checks, at B times the module's forward and backward, with a warning.
 
 Which arguments carry the example index is established, not guessed from their sizes: only tensors whose
 dim 0 has the batch size *can* be batched, and a choice of batched arguments is accepted only if the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from itertools import product
 from typing import Any
 
@@ -161,10 +165,11 @@ def functional_per_example_grads(
         with ``rows`` < B, of the first ``rows`` examples only, as a cheap test of a choice."""
         dims = [0 if j in batched else None for j in range(len(values))]
         head = [v[:rows] if d == 0 else v for v, d in zip(values, dims, strict=True)]
+        head_dys = {k: g[:rows] for k, g in dys.items()}
         try:
-            grads, recomputed = _vmapped(
-                module, params, spec, head, dims, {k: g[:rows] for k, g in dys.items()}
-            )
+            if looped in known:
+                raise _NotTransformable("torch.func could not run it on an earlier call")
+            grads, recomputed = _vmapped(module, params, spec, head, dims, head_dys)
         except RuntimeError as error:
             if _out_of_memory(error):  # not a sign of a wrong choice: say so, not "mixes examples"
                 raise RuntimeError(
@@ -172,8 +177,17 @@ def functional_per_example_grads(
                     "exact fallback ran out of memory recomputing it per example. Lower physical_batch_size, "
                     f"register a rule for it, or freeze its parameters. ({str(error).splitlines()[0]})"
                 ) from error
-            failures.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-            return None  # shapes that do not fit this choice, or an operation vmap cannot batch
+            try:  # shapes that do not fit this choice, or a forward torch.func cannot run: one at a time
+                grads, recomputed = _looped(module, params, spec, head, dims, head_dys)
+            except RuntimeError:
+                failures.append(_first_line(error))
+                return None
+            if looped not in known and not isinstance(error, _NotTransformable):
+                vmap_errors.append(_first_line(error))
+        reproduced = all(reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
+        if not reproduced:
+            gaps.append(max(relative_gap(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True)))
+        return grads if reproduced else None
         reproduced = all(reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
         if not reproduced:
             gaps.append(max(relative_gap(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True)))
@@ -181,7 +195,9 @@ def functional_per_example_grads(
 
     failures: list[str] = []  # why a choice could not be run per example
     gaps: list[float] = []  # how far a choice that ran was from the recorded output
+    vmap_errors: list[str] = []  # why torch.func could not run a choice that then ran one example at a time
     signature = (name, str(spec), tuple(_describe(v) for v in values))
+    looped = (name, "one example at a time")  # in ``known``: torch.func cannot run this module
     if signature in known:  # established on an earlier call of the same structure: checked again
         grads = attempt(known[signature])
         if grads is not None:
@@ -203,8 +219,8 @@ def functional_per_example_grads(
         raise RuntimeError(
             f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and no choice of "
             "which of its inputs carry the example index in dim 0 reproduces its output per example: "
-            f"{_search_failure(failures, gaps, outputs[next(iter(dys))].dtype)}. Register a rule, make it "
-            "batch-first, or freeze its parameters."
+            f"{_state_note(module)}{_search_failure(failures, gaps, outputs[next(iter(dys))].dtype)}. "
+            "Register a rule, make it batch-first, or freeze its parameters."
         )
     if len(found) > 1 and not all(reproduces(found[0][1][attr], found[1][1][attr]) for attr in attrs):
         raise RuntimeError(
@@ -215,7 +231,56 @@ def functional_per_example_grads(
         )
     if len(found) == 1:  # unambiguous: remembered for the calls of the same structure
         known[signature] = found[0][0]
+    if vmap_errors and looped not in known:
+        known[looped] = set()
+        warnings.warn(
+            f"module {name!r} ({type(module).__name__}): torch.func cannot run its forward "
+            f"({vmap_errors[0]}); the exact fallback computes its per-example gradients one example at a "
+            "time, B times its forward and backward. Register a rule for it to make it faster.",
+            stacklevel=2,
+        )
     return {attr: Dense(g) for attr, g in found[0][1].items()}
+
+
+def _looped(
+    module: nn.Module,
+    params: dict[str, torch.Tensor],
+    spec: TreeSpec,
+    values: list,
+    dims: list[int | None],
+    dys: dict[int, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """What :func:`_vmapped` returns, computed one example at a time with plain autograd: for forwards
+    ``torch.func`` cannot transform (an ``autograd.Function`` without ``setup_context``, as RecurrentGemma's
+    ``SqrtBoundDerivative``). Example i's call gets row i of the leaves with ``dims[j] == 0`` (kept as a
+    batch of one) and the others whole; ``g_i = d/dtheta sum_k <y_k(x_i), dy_{k,i}>``."""
+    grads: dict[str, list[torch.Tensor]] = {attr: [] for attr in params}
+    recomputed: list[list[torch.Tensor]] = [[] for _ in dys]
+    for i in range(next(iter(dys.values())).shape[0]):
+        leaves = {attr: p.detach().requires_grad_(True) for attr, p in params.items()}
+        vals = [
+            (v[i : i + 1] if d == 0 else v).detach() if torch.is_tensor(v) else v
+            for v, d in zip(values, dims, strict=True)
+        ]
+        args, kwargs = tree_unflatten(vals, spec)
+        with torch.enable_grad():
+            outputs = tensor_outputs(functional_call(module, leaves, args, kwargs))
+            ys = [outputs[k] for k in dys]
+            total = sum((y * dy[i : i + 1].to(y.dtype)).sum() for y, dy in zip(ys, dys.values(), strict=True))
+            found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+        for (attr, leaf), g in zip(leaves.items(), found, strict=True):
+            grads[attr].append(torch.zeros_like(leaf) if g is None else g)
+        for kept, y in zip(recomputed, ys, strict=True):
+            kept.append(y.detach().squeeze(0))
+    return {attr: torch.stack(g) for attr, g in grads.items()}, tuple(torch.stack(y) for y in recomputed)
+
+
+class _NotTransformable(RuntimeError):
+    """torch.func could not run the module on an earlier call: go straight to one example at a time."""
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def relative_gap(recorded: torch.Tensor, recomputed: torch.Tensor) -> float:
@@ -232,11 +297,26 @@ def _search_failure(failures: list[str], gaps: list[float], dtype: torch.dtype) 
     (a forward that mixes examples or is not batch-first; or, a gap near the tolerance, one that rounds
     differently per example)."""
     if not gaps:
-        return f"recomputing it per example (torch.func.vmap) failed for every choice ({failures[0]})"
+        return f"recomputing it per example failed for every choice ({failures[0]})"
+    if min(gaps) == math.inf:
+        return "no choice that ran gave outputs of the shapes it returned (its inputs are not batch-first)"
     return (
         f"the closest choice missed its output by {min(gaps):.1e} of its largest value, where {dtype} "
         f"rounding allows {tolerance(dtype):.0e}: its inputs are not batch-first, its forward mixes "
         "examples, or it rounds differently per example"
+    )
+
+
+def _state_note(module: nn.Module) -> str:
+    """A note on the tensors ``module`` keeps as plain attributes (neither parameters nor buffers), such as
+    RecurrentGemma's ``recurrent_states``: a recomputation reads them as its last call left them, not as
+    they were at the call it recomputes."""
+    kept = sorted(name for name, value in vars(module).items() if torch.is_tensor(value))
+    if not kept:
+        return ""
+    return (
+        f"it keeps tensors as attributes ({', '.join(kept)}), which a recomputation reads as its last call "
+        "left them (a forward that reads them cannot be recomputed); otherwise, "
     )
 
 
