@@ -649,6 +649,24 @@ def padded_lm_batch(batch_size: int = 6, seed: int = 0) -> Batch:
     return _padded_text(batch_size, 8, 40, torch.Generator().manual_seed(seed))
 
 
+def recurrent_gemma() -> nn.Module:
+    """Tiny random RecurrentGemma (Griffin): a recurrent layer (RG-LRU, no rule: the fallback) and a local
+    attention layer (window 6: with 4 a padded query row sees only padded keys and gives NaN). The RG-LRU
+    keeps its last call's ``recurrent_states`` as an attribute, which its temporal block resets before each
+    call, and its ``SqrtBoundDerivative`` is an ``autograd.Function`` torch.func cannot run: the fallback
+    recomputes it with its attributes as at the call, one example at a time."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "recurrent_gemma", vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, lru_width=16, attention_window_size=6,
+        block_types=["recurrent", "attention"], pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        use_cache=False,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config).double().eval()
+
+
 def mamba() -> nn.Module:
     """Tiny random Mamba: each mixer owns ``A_log`` and ``D`` and reads its causal convolution's and
     ``dt_proj``'s weights itself (its rule, ``dpexp.privacy.rules.scan_mixers``, claims them), on the

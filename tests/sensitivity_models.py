@@ -705,6 +705,7 @@ NEW_CASES = [
     # attention sinks (rules/sinks.py) in their three forms: a score column, a gate after it, an output scale
     *(f"sinks_{architecture}" for architecture in engine_models.SINKS_DECODERS),
     "beam_gate",  # Beam's per-head bias on the attention's output gate
+    "recurrent_gemma",  # the RG-LRU on the fallback, recomputed as called, one example at a time
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models
@@ -770,6 +771,9 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         batch = engine_models._padded_text(size, 8, 40, gen)
         loss = _lm_loss_with_router_aux_loss if name == "mixtral_aux_loss" else engine_models.lm_loss
         return model, loss, batch, {"padding": LM_PADDING}
+    if name == "recurrent_gemma":
+        batch = engine_models._padded_text(size, 8, 40, gen)
+        return engine_models.recurrent_gemma(), engine_models.lm_loss, batch, {"padding": LM_PADDING}
     if name == "beam_gate":
         batch = engine_models._padded_text(size, 8, 40, gen)
         return engine_models.beam_attention(), engine_models.lm_loss, batch, {"padding": LM_PADDING}

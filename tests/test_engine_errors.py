@@ -242,7 +242,8 @@ def test_the_fallback_search_says_why_no_choice_reproduced_the_module(model, mat
 
 
 class KeepsState(WithOwnParameter):
-    """Adds the state its last call left (RecurrentGemma's RG-LRU), which its owner resets before a call."""
+    """Keeps a state from its call and adds it in the next unless its owner resets it first (RecurrentGemma's
+    RG-LRU and its temporal block)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -264,12 +265,19 @@ class ResetsState(nn.Module):
         return self.inner(x)
 
 
-def test_the_fallback_search_names_the_state_a_module_keeps():
-    model = ResetsState().double()
-    engine = _engine(model, noise_multiplier=0.0)
-    match = r"\(KeepsState\) .*: it keeps tensors as attributes \(state\), which a recomputation reads as"
-    with pytest.raises(RuntimeError, match=match):
-        engine.backward(model(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum(1))
+@pytest.mark.parametrize("strategy,clipping", [("bk", "flat"), ("instantiate", "per_layer")])
+def test_the_fallback_recomputes_a_module_with_its_attributes_as_at_the_call(strategy, clipping):
+    """The module's last call left ``state``, of the batch's rows; its owner resets it before each call. The
+    fallback recomputes it with ``state`` as it was at the call (None), not as the call left it."""
+    from tests.oracle import check_clipped_step
+
+    model = nn.Sequential(nn.Linear(3, 3), ResetsState()).double()
+    batch = {"x": torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))}
+
+    def loss(m, b):
+        return m(b["x"]).pow(2).sum(1)
+
+    check_clipped_step(model, loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping)
 
 
 def test_the_fallback_search_names_the_error_that_stopped_every_choice(monkeypatch):
@@ -311,3 +319,27 @@ def test_a_forward_torch_func_cannot_run_is_taken_one_example_at_a_time(strategy
         UserWarning, match=r"\(ThroughNumPy\): torch.func cannot run its forward .*one example at"
     ):
         check_clipped_step(model, loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping)
+
+
+@pytest.mark.parametrize(
+    "strategy,clipping", [("bk", "flat"), ("ghost", "per_layer"), ("instantiate", "groups")]
+)
+def test_recurrent_gemma_takes_the_fallback_as_called_one_example_at_a_time(strategy, clipping):
+    """Refused before stop 55: the RG-LRU's recomputation read the states its call had left."""
+    from tests.engine_models import lm_loss, padded_lm_batch, recurrent_gemma
+    from tests.oracle import check_clipped_step
+
+    torch.manual_seed(0)
+    groups = 2 if clipping == "groups" else None
+    with pytest.warns(UserWarning, match=r"RecurrentGemmaRglru\): torch.func cannot run its forward"):
+        check_clipped_step(
+            recurrent_gemma(),
+            lm_loss,
+            padded_lm_batch(),
+            [[0, 1, 2], [3, 4, 5]],
+            strategy,
+            clipping,
+            groups,
+            rel=1e-6,
+            floor=1e-9,
+        )

@@ -31,6 +31,7 @@ from dpexp.privacy.grouping import ParameterLayout
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.rules import CallLayout, LayerRule, reads_for, rule_for, supported_types
 from dpexp.privacy.rules.functional import (
+    attributes_at_call,
     check_deterministic,
     functional_per_example_grads,
     shared_per_example_grads,
@@ -206,6 +207,8 @@ class Use:
     # kept for the torch.func fallback (a tuple: the tensors of a tuple output) and rules with ``keep_output``
     output: torch.Tensor | tuple[torch.Tensor, ...] | None = None
     output_version: int | tuple[int, ...] = 0
+    # a rule-less layer's plain attributes that were tensors or None at its call (recomputed so)
+    state: dict[str, Any] = field(default_factory=dict)
 
     def kept_output(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """The layer's output if it was kept and is unchanged since the call, else None."""
@@ -221,7 +224,7 @@ class Use:
 
     def release(self) -> None:
         """Last pass over this use: drop the activation with the layer's gradient."""
-        self.args, self.kwargs, self.output = (), {}, None
+        self.args, self.kwargs, self.output, self.state = (), {}, None, {}
 
 
 @dataclass
@@ -341,6 +344,12 @@ class Capture:
             hook = partial(self._shared_weight_passed, by_module.get(id(table)), table.weight)
             self._handles += [m.register_forward_pre_hook(hook, with_kwargs=True) for m in owner.modules()]
         self._kept: dict[int, dict[str, list[Any]]] = {}  # id(module) -> its keeps' values in its call
+        self._states: dict[int, dict[str, Any]] = {}  # id(rule-less module) -> its attributes at its call
+        self._handles += [
+            layer.module.register_forward_pre_hook(partial(self._state_at_call, layer))
+            for layer in layers
+            if layer.rule is None and not layer.shared
+        ]
         for layer in layers:
             keeps = layer.rule.call.keeps if layer.rule is not None and layer.rule.call is not None else None
             if keeps is not None:
@@ -433,6 +442,10 @@ class Capture:
         if self._recording() and self._replayed is None:
             self._after_model_call(output)
 
+    def _state_at_call(self, layer: Layer, module: nn.Module, args: tuple) -> None:
+        if self._recording():
+            self._states[id(module)] = attributes_at_call(module)
+
     def _layer_called(
         self, layer: Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor
     ) -> Any:
@@ -468,6 +481,8 @@ class Capture:
         keep = layer.rule.keep_output if layer.rule is not None else None
         if layer.rule is None or (keep and self._replayed is None and keep(module, args[0], output)):
             use.output, use.output_version = output, output._version
+        if layer.rule is None:
+            use.state = self._states.pop(id(module), {})
         return self._record(use, output)
 
     def _called_on_shared(
@@ -555,7 +570,7 @@ class Capture:
         """A call of a rule-less layer that returned several tensors (nested tuples): they are kept for the
         fallback (:func:`~dpexp.privacy.rules.functional.tensor_outputs`) and passed through one
         :class:`_Outputs`, whose backward hands the gradients of all of them to the engine as a tuple."""
-        use = Use(layer, args, kwargs, _versions(args, kwargs))
+        use = Use(layer, args, kwargs, _versions(args, kwargs), state=self._states.pop(id(layer.module), {}))
         self._append(use)
         if self._replayed is not None:
             return None
@@ -663,6 +678,7 @@ class Capture:
                 use.kept_output(),
                 layer.name,
                 self._batched_leaves,
+                use.state,
             )
         finally:
             self._recomputing = False

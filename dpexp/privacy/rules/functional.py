@@ -8,7 +8,10 @@ so it costs about as much as the module itself; it is exact as long as the forwa
 dropout), which the engine checks at construction. A forward that ``torch.func`` cannot transform (an
 ``autograd.Function`` written without ``setup_context``, as RecurrentGemma's ``SqrtBoundDerivative``, or a
 detour through NumPy) is run one example at a time with plain autograd instead (:func:`_looped`): the same
-gradients and the same checks, at B times the module's forward and backward, with a warning.
+gradients and the same checks, at B times the module's forward and backward, with a warning. A module that
+keeps tensors as plain attributes from one call to the next (RecurrentGemma's RG-LRU, whose owner resets
+its ``recurrent_states`` before each call) is recomputed with them as they were at its call, which the
+capture records (:func:`attributes_at_call`).
 
 Which arguments carry the example index is established, not guessed from their sizes: only tensors whose
 dim 0 has the batch size *can* be batched, and a choice of batched arguments is accepted only if the
@@ -30,9 +33,12 @@ such an output gets a gradient (:func:`dpexp.privacy.verification.check_outputs`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import warnings
+from collections.abc import Iterator
+from functools import partial
 from itertools import product
 from typing import Any
 
@@ -124,6 +130,7 @@ def functional_per_example_grads(
     output: torch.Tensor | tuple[torch.Tensor, ...] | None,
     name: str,
     known: dict[tuple, set[int]],
+    state: dict[str, Any] | None = None,
 ) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``module``'s own parameters ``attrs`` (and those of submodules its forward
     reads, ``"conv1d.weight"``: :func:`~dpexp.privacy.rules.register_reads`) for one call (``args``,
@@ -132,7 +139,10 @@ def functional_per_example_grads(
     :func:`tensor_outputs`, and ``dy`` their gradients packed by :func:`pack_output_grads`. ``known``, kept by
     the caller across calls: for every call structure (module name, argument nesting, shapes and dtypes), the
     batched leaves established when exactly one choice reproduced the output; tried first, and still checked
-    against the recorded output, the search runs again if they do not reproduce it."""
+    against the recorded output, the search runs again if they do not reproduce it. ``state``: the module's
+    plain attributes that were tensors or None at the call (:func:`attributes_at_call`), set so while it is
+    recomputed (RecurrentGemma's RG-LRU keeps its last call's ``recurrent_states``, which its owner resets
+    before every call)."""
     size = dy.shape[0]
     values, spec = tree_flatten((tuple(args), dict(kwargs)))  # nested too (Funnel's attention_inputs)
     cache = _cache_type()
@@ -154,8 +164,9 @@ def functional_per_example_grads(
             "which of them carry the example index. Register a rule for it or freeze its parameters."
         )
     params = {attr: module.get_parameter(attr).detach() for attr in attrs}  # "conv1d.weight": a read one
+    as_called = partial(_as_called, module, state or {})
     if output is None:
-        with torch.no_grad():
+        with torch.no_grad(), as_called():
             output = functional_call(module, params, args, kwargs)
     outputs = tensor_outputs(output)
     dys = unpack_output_grads(outputs, dy) if isinstance(output, tuple) else {0: dy}
@@ -169,7 +180,8 @@ def functional_per_example_grads(
         try:
             if looped in known:
                 raise _NotTransformable("torch.func could not run it on an earlier call")
-            grads, recomputed = _vmapped(module, params, spec, head, dims, head_dys)
+            with as_called():
+                grads, recomputed = _vmapped(module, params, spec, head, dims, head_dys)
         except RuntimeError as error:
             if _out_of_memory(error):  # not a sign of a wrong choice: say so, not "mixes examples"
                 raise RuntimeError(
@@ -178,7 +190,8 @@ def functional_per_example_grads(
                     f"register a rule for it, or freeze its parameters. ({str(error).splitlines()[0]})"
                 ) from error
             try:  # shapes that do not fit this choice, or a forward torch.func cannot run: one at a time
-                grads, recomputed = _looped(module, params, spec, head, dims, head_dys)
+                with as_called():
+                    grads, recomputed = _looped(module, params, spec, head, dims, head_dys)
             except RuntimeError:
                 failures.append(_first_line(error))
                 return None
@@ -219,7 +232,7 @@ def functional_per_example_grads(
         raise RuntimeError(
             f"module {name!r} ({type(module).__name__}) has no per-example gradient rule, and no choice of "
             "which of its inputs carry the example index in dim 0 reproduces its output per example: "
-            f"{_state_note(module)}{_search_failure(failures, gaps, outputs[next(iter(dys))].dtype)}. "
+            f"{_search_failure(failures, gaps, outputs[next(iter(dys))].dtype)}. "
             "Register a rule, make it batch-first, or freeze its parameters."
         )
     if len(found) > 1 and not all(reproduces(found[0][1][attr], found[1][1][attr]) for attr in attrs):
@@ -307,17 +320,25 @@ def _search_failure(failures: list[str], gaps: list[float], dtype: torch.dtype) 
     )
 
 
-def _state_note(module: nn.Module) -> str:
-    """A note on the tensors ``module`` keeps as plain attributes (neither parameters nor buffers), such as
-    RecurrentGemma's ``recurrent_states``: a recomputation reads them as its last call left them, not as
-    they were at the call it recomputes."""
-    kept = sorted(name for name, value in vars(module).items() if torch.is_tensor(value))
-    if not kept:
-        return ""
-    return (
-        f"it keeps tensors as attributes ({', '.join(kept)}), which a recomputation reads as its last call "
-        "left them (a forward that reads them cannot be recomputed); otherwise, "
-    )
+def attributes_at_call(module: nn.Module) -> dict[str, Any]:
+    """``module``'s plain attributes (neither parameters nor buffers) that are tensors or None: what a
+    forward may keep from one call to the next."""
+    return {name: value for name, value in vars(module).items() if value is None or torch.is_tensor(value)}
+
+
+@contextlib.contextmanager
+def _as_called(module: nn.Module, state: dict[str, Any]) -> Iterator[None]:
+    """``module`` with its plain attributes set to ``state`` (as they were at the call being recomputed),
+    put back afterwards."""
+    now = {name: vars(module).get(name) for name in state}
+    changed = [name for name, value in state.items() if now[name] is not value]
+    for name in changed:
+        setattr(module, name, state[name])
+    try:
+        yield
+    finally:
+        for name in changed:
+            setattr(module, name, now[name])
 
 
 def _describe(value: Any) -> tuple | str:
