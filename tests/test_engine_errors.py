@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -343,3 +345,37 @@ def test_recurrent_gemma_takes_the_fallback_as_called_one_example_at_a_time(stra
             rel=1e-6,
             floor=1e-9,
         )
+
+
+class ScaledByTable(WithOwnParameter):
+    """Scales its output by the sum of a table shared by all examples, read as a Python number."""
+
+    def forward(self, x, table):
+        return self.fc(x * self.scale) * float(table.sum())
+
+
+class PassesTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ScaledByTable()
+        self.register_buffer("table", torch.rand(3, 3, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x):
+        return self.inner(x, self.table)
+
+
+def test_a_choice_torch_func_cannot_run_does_not_make_the_module_run_one_example_at_a_time():
+    """With the table taken per example, torch.func cannot read it as a number (the loop can, and misses
+    the output); taken whole, torch.func runs the module. That choice is found: no loop, no warning."""
+    from tests.oracle import check_clipped_step
+
+    model = PassesTable().double()
+    batch = {"x": torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))}
+
+    def loss(m, b):
+        return m(b["x"]).pow(2).sum(1)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_clipped_step(model, loss, batch, [[0, 1, 2], [3, 4, 5]], "bk", "flat")
+    assert not [w for w in caught if "cannot run its forward" in str(w.message)]

@@ -195,12 +195,8 @@ def functional_per_example_grads(
             except RuntimeError:
                 failures.append(_first_line(error))
                 return None
-            if looped not in known and not isinstance(error, _NotTransformable):
-                vmap_errors.append(_first_line(error))
-        reproduced = all(reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
-        if not reproduced:
-            gaps.append(max(relative_gap(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True)))
-        return grads if reproduced else None
+            if not isinstance(error, _NotTransformable):
+                vmap_errors[frozenset(batched)] = _first_line(error)
         reproduced = all(reproduces(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True))
         if not reproduced:
             gaps.append(max(relative_gap(outputs[k][:rows], y) for k, y in zip(dys, recomputed, strict=True)))
@@ -208,7 +204,7 @@ def functional_per_example_grads(
 
     failures: list[str] = []  # why a choice could not be run per example
     gaps: list[float] = []  # how far a choice that ran was from the recorded output
-    vmap_errors: list[str] = []  # why torch.func could not run a choice that then ran one example at a time
+    vmap_errors: dict[frozenset, str] = {}  # choice -> why torch.func could not run it (then run in a loop)
     signature = (name, str(spec), tuple(_describe(v) for v in values))
     looped = (name, "one example at a time")  # in ``known``: torch.func cannot run this module
     if signature in known:  # established on an earlier call of the same structure: checked again
@@ -244,11 +240,12 @@ def functional_per_example_grads(
         )
     if len(found) == 1:  # unambiguous: remembered for the calls of the same structure
         known[signature] = found[0][0]
-    if vmap_errors and looped not in known:
+    cause = vmap_errors.get(frozenset(found[0][0]))
+    if cause is not None and looped not in known:  # the choice found ran only one example at a time
         known[looped] = set()
         warnings.warn(
             f"module {name!r} ({type(module).__name__}): torch.func cannot run its forward "
-            f"({vmap_errors[0]}); the exact fallback computes its per-example gradients one example at a "
+            f"({cause}); the exact fallback computes its per-example gradients one example at a "
             "time, B times its forward and backward. Register a rule for it to make it faster.",
             stacklevel=2,
         )
