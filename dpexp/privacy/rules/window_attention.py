@@ -93,6 +93,14 @@ def table_grads(ds: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> t
     return grad.scatter_add_(1, index, per_pair)
 
 
+def window_rows(hidden: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(x, dy, nW)``: a window attention's captured input, (B, nW, N, C) once folded per example or (B, N,
+    C), as one window per row (B*nW, N, C), its output gradient (B, ...) as (B*nW, F), and the windows per
+    example."""
+    x = hidden.reshape(-1, *hidden.shape[-2:])
+    return x, dy.reshape(x.shape[0], -1), x.shape[0] // dy.shape[0]
+
+
 def scores_grad(
     probs: torch.Tensor, v: torch.Tensor, d_heads: torch.Tensor, d_returned: torch.Tensor
 ) -> torch.Tensor:
@@ -213,12 +221,9 @@ def hf_swin_bias_grads(
     hidden, mask = call
     table = module.relative_position_bias.relative_position_bias_table
     batch = dy.shape[0]
-    n, channels = hidden.shape[-2:]
     heads, head_dim = module.num_attention_heads, module.head_dim
-    x = hidden.reshape(-1, n, channels)
-    rows = x.shape[0]
-    windows = rows // batch
-    dy = dy.reshape(rows, -1)
+    x, dy, windows = window_rows(hidden, dy)
+    rows, n, channels = x.shape
     dtype = torch.float64 if table.dtype == torch.float64 else torch.float32
     with torch.no_grad():
 
@@ -322,12 +327,9 @@ def hf_swinv2_grads(
     exact to that rounding."""
     hidden, mask = call
     batch = dy.shape[0]
-    n, channels = hidden.shape[-2:]
     heads = module.num_attention_heads
-    x = hidden.reshape(-1, n, channels)
-    rows = x.shape[0]
-    windows = rows // batch
-    dy = dy.reshape(rows, -1)
+    x, dy, windows = window_rows(hidden, dy)
+    rows, n, channels = x.shape
     dtype = torch.float64 if module.logit_scale.dtype == torch.float64 else torch.float32
     first, second = module.get_submodule(f"{_V2_MLP}.0"), module.get_submodule(f"{_V2_MLP}.2")
     with torch.no_grad():
@@ -463,12 +465,9 @@ def swin_self_attention_grads(
     hidden, mask = call
     table = module.relative_position_bias_table
     batch = dy.shape[0]
-    n, channels = hidden.shape[-2:]
     heads = module.num_attention_heads
-    x = hidden.reshape(-1, n, channels)
-    rows = x.shape[0]
-    windows = rows // batch
-    dy = dy.reshape(rows, -1)
+    x, dy, windows = window_rows(hidden, dy)
+    rows, n, channels = x.shape
     dtype = torch.float64 if table.dtype == torch.float64 else torch.float32
     probs, outputs = own_probabilities(module, x, mask, ("value",), f"freeze {_TABLE}")
     with torch.no_grad():
