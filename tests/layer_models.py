@@ -280,6 +280,14 @@ class _HFSwinClassifier(nn.Module):
         return logits
 
 
+def _randomise_tables(backbone: nn.Module) -> None:
+    """Every relative position table of ``backbone`` drawn from N(0, 1) (they start at zero)."""
+    with torch.no_grad():
+        for name, p in backbone.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                p.normal_()
+
+
 class HFSwinNet(_HFSwinClassifier):
     """Hugging Face Swin on 16x16 images in 4x4 patches, windows of 2x2 tokens: stage 1 (4x4 tokens) has 4
     windows per example, its second block shifted (with the shift mask); stage 2 (2x2 tokens) one window,
@@ -295,10 +303,7 @@ class HFSwinNet(_HFSwinClassifier):
         config = SwinConfig(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
         config._attn_implementation = implementation  # set by from_pretrained / the model classes otherwise
         super().__init__(SwinModel(config), attentions)
-        with torch.no_grad():
-            for name, p in self.backbone.named_parameters():
-                if name.endswith("relative_position_bias_table"):
-                    p.normal_()
+        _randomise_tables(self.backbone)
 
 
 class HFSwinSelfAttentionNet(_HFSwinClassifier):
@@ -312,10 +317,7 @@ class HFSwinSelfAttentionNet(_HFSwinClassifier):
 
         config = DonutSwinConfig(**HF_SWIN_SHAPE, attention_probs_dropout_prob=attention_dropout)
         super().__init__(DonutSwinModel(config), attentions)
-        with torch.no_grad():
-            for name, p in self.backbone.named_parameters():
-                if name.endswith("relative_position_bias_table"):
-                    p.normal_()
+        _randomise_tables(self.backbone)
 
 
 def hf_swin_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
