@@ -29,7 +29,7 @@ from torch import nn
 
 from dpexp.backends.base import TrainingBackend, check_per_example_loss, refuse_privacy_groups
 from dpexp.privacy.broadcast import BroadcastExpander
-from dpexp.privacy.verification import BufferWatch
+from dpexp.privacy.state import StateWatch
 
 GRAD_SAMPLE_MODES = ("hooks", "ghost")
 # Opacus' full backward hooks warn when the model input needs no gradient (e.g. images); harmless here.
@@ -43,8 +43,9 @@ class OpacusBackend(TrainingBackend):
     """Opacus clipping and noise with noise added once per logical step.
 
     ``model`` must be in training mode and free of modules that mix examples (BatchNorm): Opacus' validator
-    raises otherwise; a module that changes a buffer in a training forward is refused at that forward
-    (:class:`dpexp.privacy.verification.BufferWatch`). ``optimizer`` must hold exactly the model's trainable
+    raises otherwise. A module that changes a buffer in a training forward is refused at that forward, and
+    one that finds a tensor attribute an earlier training forward wrote at its call
+    (:class:`dpexp.privacy.state.StateWatch`). ``optimizer`` must hold exactly the model's trainable
     parameters.
     """
 
@@ -72,8 +73,10 @@ class OpacusBackend(TrainingBackend):
             )
         model.train()
         ModuleValidator.validate(model, strict=True)
-        # the engine's rule for state carried across examples: no buffer may change in a training forward
-        self._buffer_hooks = BufferWatch(model).hooks()
+        # the engine's rule for state carried across batches: no buffer changed in a training forward, no
+        # tensor attribute a training forward wrote read by a later call (no replay here to clear it)
+        self._state = StateWatch(model, ignored=frozenset({"activations"}))  # Opacus' own, per layer
+        self._state_hooks = self._state.hooks()
         # position ids of batch size 1 would give Opacus batch-summed gradients (dpexp.privacy.broadcast)
         embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
         self._expander = BroadcastExpander(model, embeddings)
@@ -138,8 +141,9 @@ class OpacusBackend(TrainingBackend):
         self._pending = False
 
     def close(self) -> None:
-        for handle in self._buffer_hooks:
+        for handle in self._state_hooks:
             handle.remove()
+        self._state.remove()
         self._expander.remove()
         self.model.to_standard_module()
 

@@ -593,6 +593,7 @@ class PrivacyEngine:
     def detach(self) -> nn.Module:
         """Remove every hook and give the parameters their ``requires_grad`` back."""
         self._capture.remove()
+        self._verifier.remove()
         for handle in self._optimizer_handles:
             handle.remove()
         self._optimizer_handles = []

@@ -23,8 +23,10 @@ on the model the user brought (:class:`Verifier`), and the engine refuses what i
    autograd's gradient of ``sum_i v_i l_i``: a use the hooks did not see leaves a difference, and so does a
    rule (built in or registered by a user) that gives example i a gradient that is not its own
    (:class:`ProjectedSums`, :func:`mismatched_parameters`).
-3. **No cross-example state.** A training forward must not change any buffer of the model: running statistics
-   computed from raw batches are neither clipped nor noised and reach evaluation (:class:`BufferWatch`).
+3. **No state carried across batches.** A training forward must not change any buffer of the model (running
+   statistics computed from raw batches are neither clipped nor noised and reach evaluation), and a tensor
+   it leaves in a plain attribute must not be read by a later call unless check 4's replay established
+   that it holds none of the batch's data (:mod:`dpexp.privacy.state`).
 4. **Examples processed independently, gradients or not.** The probe of check 1 sees only differentiable
    dependencies from the first probed tensor on: a batch mean that is detached, computed under ``no_grad``,
    or taken after a frozen prefix on integer inputs (token ids -> frozen embedding -> ``h - h.mean(0)``)
@@ -60,6 +62,7 @@ from dpexp.privacy.capture import Forward, Use
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.precision import tolerance
 from dpexp.privacy.rules.functional import batch_outputs, pack_output_grads
+from dpexp.privacy.state import StateWatch
 
 _PROBE_SEED = 0x5EED  # probe weights and directions come from their own generator, never the user's RNG
 
@@ -204,53 +207,6 @@ def mismatched_parameters(
         if gap > tol * scales[name] + floor:
             out.append((name, gap / scales[name]))
     return out
-
-
-class BufferWatch:
-    """Refuses a training forward that changes a buffer of the model (replaced, modified in place, added).
-
-    Running statistics (``InstanceNorm(track_running_stats=True)``, BatchNorm) and any other state a forward
-    accumulates are computed from raw batches, neither clipped nor noised; they reach the model's later
-    outputs, so a private run cannot keep them. Detected from the buffers themselves, for every module type.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self._before: dict[str, tuple[int, int]] = {}
-
-    def _state(self) -> dict[str, tuple[int, int]]:
-        return {name: (id(b), b._version) for name, b in self.model.named_buffers()}
-
-    def start(self) -> None:
-        self._before = self._state()
-
-    def check(self) -> None:
-        after = self._state()
-        changed = [name for name, state in after.items() if self._before.get(name) != state]
-        if not changed:
-            return
-        name = changed[0]
-        owner, _, buffer = name.rpartition(".")
-        module = self.model.get_submodule(owner)
-        raise ValueError(
-            f"module {owner!r} ({type(module).__name__}) changed its buffer {buffer!r} in a training "
-            "forward: state computed from raw batches is neither clipped nor noised and leaks through the "
-            "model's later outputs. Stop the module from tracking it (e.g. track_running_stats=False), or "
-            "replace the module." + (f" Also changed: {changed[1:5]}." if len(changed) > 1 else "")
-        )
-
-    def hooks(self) -> list[Any]:
-        """Check around every training forward of the model; returns the removable hook handles."""
-
-        def before(module: nn.Module, args: tuple) -> None:
-            if torch.is_grad_enabled():
-                self.start()
-
-        def after(module: nn.Module, args: tuple, output: Any) -> None:
-            if torch.is_grad_enabled():
-                self.check()
-
-        return [self.model.register_forward_pre_hook(before), self.model.register_forward_hook(after)]
 
 
 def differentiable_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any], list]:
@@ -535,15 +491,14 @@ class Verifier:
         self._batch_first: dict[tuple, set[int]] = {}  # verified path -> its uses verified unfolded
         self._path: tuple = ()  # the path of the current backward
         self._index: dict[int, int] = {}  # id(use) -> its position in the current path
-        self._buffers = BufferWatch(model)
+        self._state = StateWatch(model)
         self._next: _Probe | None = None  # set by a verified forward, taken by its backward
         self.probe: _Probe | None = None  # the backward being verified
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-        """Start of a training forward of the model: watch its buffers; if its input structure is new, make
-        the parameters require gradients and the floating-point inputs probed leaves (new arguments)."""
-        self._buffers.start()
+        """Start of a training forward of the model: watch its state (check 3); if its input structure is new,
+        make the parameters require gradients and the floating-point inputs probed leaves (new arguments)."""
         param = next(iter(self._params.values()))
         dtype = compute_dtype(param.device, param.dtype)
         call = ModelCall(
@@ -554,12 +509,15 @@ class Verifier:
             (torch.is_autocast_enabled(param.device.type), torch.get_autocast_dtype(param.device.type)),
         )
         if self._next is not None:  # another forward before the backward: part of the same verification
+            self._state.start()
             self._next.dtypes.add(dtype)
             self._next.calls.append(call)
             return None
         structure = structure_signature(args, kwargs)
         if not self._every_step and structure in self._structures:
+            self._state.start()
             return None
+        self._state.start(snapshot=True)  # check 4 replays this verification from the state as it is now
         for p in self._params.values():
             p.requires_grad_(True)
         args, kwargs, leaves = differentiable_inputs(args, kwargs)
@@ -567,7 +525,7 @@ class Verifier:
         return args, kwargs
 
     def end_forward(self, output: Any) -> None:
-        self._buffers.check()
+        self._state.check()
         if self._next is not None:
             self._next.calls[-1].output = output
 
@@ -648,10 +606,11 @@ class Verifier:
                         "batch under no_grad or detached, or a frozen module that mixes examples)"
                     )
 
-        outputs = [
-            self._replay(model, replaying, compare, call, *(replaced or (call.args, call.kwargs)))
-            for call, replaced in zip(probe.calls, changed, strict=True)
-        ]
+        with self._state.replaying():  # from the attributes as they were: check 3 learns which hold data
+            outputs = [
+                self._replay(model, replaying, compare, call, *(replaced or (call.args, call.kwargs)))
+                for call, replaced in zip(probe.calls, changed, strict=True)
+            ]
         if next(position) != len(uses):
             raise _control_flow_error("fewer layers")
         for call, output in zip(probe.calls, outputs, strict=True):
@@ -827,6 +786,11 @@ class Verifier:
         for p in self._params.values():
             p.requires_grad_(False)
 
+    def remove(self) -> None:
+        """Take check 3's hooks off the model."""
+        self._state.remove()
+
     def end_backward(self) -> None:
         self.release_parameters()
+        self._state.settle()
         self.probe = None

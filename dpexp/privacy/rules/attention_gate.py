@@ -25,7 +25,7 @@ from torch import nn
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
 from dpexp.privacy.rules.submodule_values import once, unfollowed
-from dpexp.privacy.rules.window_attention import attention_output_grad, wrapped_o_proj
+from dpexp.privacy.rules.window_attention import attention_output_grad, through_o_proj, wrapped_o_proj
 
 _BEAM = "transformers.models.beam.modeling_beam.BeamAttention"
 _FIX = "Otherwise freeze gate_bias (requires_grad=False)."
@@ -58,7 +58,6 @@ def gate_bias_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[st
     with torch.no_grad():
         y = seen["y"][0].reshape(batch, length, heads, -1).to(dtype)
         gate = seen["gate"].reshape(batch, length, heads, -1).to(dtype) + bias.to(dtype)[:, None]
-        d_out = dy[:, : length * module.o_proj.out_features].reshape(batch, length, -1).to(dtype)
-        d_heads = (d_out @ module.o_proj.weight.to(dtype)).reshape(batch, length, heads, -1)
+        d_heads = through_o_proj(module, dy, length, dtype)[0].reshape(batch, length, heads, -1)
         grad = (d_heads * y * (1 - gate.sigmoid())).sum((1, 3))
     return {"gate_bias": Dense(grad.to(bias.dtype))}

@@ -39,7 +39,7 @@ from torch import nn
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
 from dpexp.privacy.rules.submodule_values import tangents
-from dpexp.privacy.rules.window_attention import attention_output_grad, wrapped_o_proj
+from dpexp.privacy.rules.window_attention import attention_output_grad, through_o_proj, wrapped_o_proj
 
 _MODELS = "transformers.models"
 _ATTENTIONS = (
@@ -109,12 +109,9 @@ def sinks_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
     moved, moved_probs = seen["out"][0], output[1] if isinstance(output, tuple) else None
     grad = torch.zeros(batch, heads, dtype=dtype, device=dy.device)
     with torch.no_grad():
-        width = length * module.o_proj.out_features  # the output's part of each row of dy
+        d_heads, d_returned = through_o_proj(module, dy, length, dtype)  # do: (B, T, heads * head_dim)
         if moved is not None:
-            d_out = dy[:, :width].reshape(batch, length, -1).to(dtype)
-            d_heads = d_out @ module.o_proj.weight.to(dtype)  # do: (B, T, heads * head_dim)
             grad += (d_heads * moved.to(dtype)).reshape(batch, length, heads, -1).sum((1, 3))
-        d_returned = dy[:, width:]
         if d_returned.shape[1] and moved_probs is not None:
             d_probs = d_returned.reshape(moved_probs.shape).to(dtype)
             grad += (d_probs * moved_probs.to(dtype)).flatten(2).sum(2)

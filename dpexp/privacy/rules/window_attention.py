@@ -133,6 +133,17 @@ def wrapped_o_proj(module: nn.Module) -> str | None:
     )
 
 
+def through_o_proj(
+    module: nn.Module, dy: torch.Tensor, length: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dy`` in :func:`attention_output_grad`'s layout split into the gradient at ``o_proj``'s input,
+    ``dO W_o`` (rows, length, heads * head_dim) in ``dtype``, and the rest of each row (the returned
+    probabilities' gradient, if any). ``o_proj`` is a plain ``nn.Linear`` (:func:`wrapped_o_proj`)."""
+    width = length * module.o_proj.out_features
+    d_out = dy[:, :width].reshape(dy.shape[0], length, -1).to(dtype)
+    return d_out @ module.o_proj.weight.to(dtype), dy[:, width:]
+
+
 def _check_hf(module: nn.Module) -> None:
     reason = None
     bias = getattr(module, "relative_position_bias", None)
@@ -223,7 +234,7 @@ def hf_swin_bias_grads(
     batch = dy.shape[0]
     heads, head_dim = module.num_attention_heads, module.head_dim
     x, dy, windows = window_rows(hidden, dy)
-    rows, n, channels = x.shape
+    rows, n = x.shape[:2]
     dtype = torch.float64 if table.dtype == torch.float64 else torch.float32
     with torch.no_grad():
 
@@ -240,8 +251,8 @@ def hf_swin_bias_grads(
                 )
             scores = (scores.unflatten(0, (batch, windows)) + mask.to(dtype)[None, :, None]).flatten(0, 1)
         probs = scores.softmax(-1)
-        d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
-        d_scores = scores_grad(probs, v, split(d_out @ module.o_proj.weight.to(dtype)), dy[:, n * channels :])
+        d_heads, d_probs = through_o_proj(module, dy, n, dtype)
+        d_scores = scores_grad(probs, v, split(d_heads), d_probs)
     index = module.relative_position_bias.relative_position_index
     grad = table_grads(d_scores.reshape(batch, windows, heads, n, n), index, table)
     return {_HF_TABLE: Dense(grad.to(table.dtype))}
