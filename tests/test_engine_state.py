@@ -316,7 +316,7 @@ def test_harness_detects_a_batch_that_reaches_the_next_release(monkeypatch):
 class ActNorm(nn.Module):
     """Glow's data-dependent initialisation (Kingma and Dhariwal 2018, sec. 3.1): the bias and log-scale
     set from the first batch's statistics through ``.data``, out of autograd's and the version counters'
-    sight."""
+    sight, and used from the next call on (so that the first forward itself mixes nothing)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -330,15 +330,41 @@ class ActNorm(nn.Module):
                 self.bias.data.copy_(-h.mean(0))
                 self.logs.data.copy_(-h.std(0).log())
             self.initialised = True
+            return h
         return (h + self.bias) * self.logs.exp()
 
 
-def test_a_data_dependent_initialisation_is_refused_at_its_forward():
+class Cast(nn.Module):
+    """Casts its child to float32 in its forward, as Switch Transformers' router does: a change of the
+    parameters' storage and values that no batch's data enters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.fc = self.fc.to(torch.float32)
+        return self.fc(h.float()).to(h.dtype)
+
+
+@pytest.mark.parametrize("size", [4, 1])
+def test_a_data_dependent_initialisation_is_refused_at_its_forward(size):
+    """Refused at the end of the verified forward, before its backward: also in a micro-batch of one
+    example, which no replay could check."""
     model = _net(ActNorm())
     engine, _ = _trainer(model)
-    with pytest.raises(ValueError, match=r"module '1' \(ActNorm\) changed 'bias' in a training forward"):
-        model(_batch(0)["x"])
+    with pytest.raises(ValueError, match=r"module '1' \(ActNorm\) changed 'bias' in a training forward out "):
+        model(_batch(0)["x"][:size])
     assert engine.steps == 0
+
+
+@pytest.mark.parametrize("size", [4, 1])
+def test_a_cast_in_the_forward_is_accepted(size):
+    model = _net(Cast())
+    engine, step = _trainer(model)
+    for seed in range(2):
+        step({k: v[:size] for k, v in _batch(seed).items()})
+    assert engine.steps == 2 and model[1].fc.weight.dtype == torch.float32
 
 
 def test_an_initialisation_before_training_is_accepted():

@@ -7,9 +7,11 @@ noised, and the accounting does not see it. Three places hold such state:
 - **Buffers.** A training forward that changes one (BatchNorm's and I-BERT's running statistics) is refused
   at its end, whatever the values: buffers reach evaluation and the saved model.
 - **Parameters and buffers written out of autograd's sight** (Glow's ActNorm sets its bias from the first
-  batch's mean through ``.data``, which bumps no version counter): a verified forward (the first of each
-  input structure, every one with ``verify_every_step``) must leave every parameter's and buffer's storage
-  and values as they were (compared by sum and norm, so no copy is kept).
+  batch's mean through ``.data``, which bumps no version counter). A verified forward (the first of each
+  input structure, every one with ``verify_every_step``) must leave every parameter's and buffer's values
+  as they were (compared by sum and norm: no copy is kept), unless it casts them to another dtype (Switch
+  Transformers' router moves its classifier to float32 in its forward); refused at its end, before its
+  backward. A forward that was not verified is not compared.
 - **Plain attributes that hold tensors** (``self.prev = h.detach()``, tensors in lists and dicts), which
   ``state_dict`` does not show. A module may keep one legitimately: a table computed from shapes alone (ESM's
   rotary cache), or state its owner resets before every call (RecurrentGemma's RG-LRU). So an attribute a
@@ -74,16 +76,28 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def _fingerprints(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-    """Every parameter's and buffer's storage and values, summarised without a copy: (data pointer, (sum,
-    norm)); equal values give equal summaries (the reductions are deterministic)."""
+Fingerprint = tuple[int, torch.dtype, torch.Tensor]
+
+
+def _fingerprints(model: nn.Module) -> dict[str, Fingerprint]:
+    """Every parameter's and buffer's storage and values, summarised without a copy: (data pointer, dtype,
+    (sum, norm)); equal values give equal summaries (the reductions are deterministic)."""
     out = {}
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             t = t.detach()
             moments = [t.sum()] + ([torch.linalg.vector_norm(t)] if t.is_floating_point() else [])
-            out[name] = (t.data_ptr(), torch.stack([m.double() for m in moments]).cpu())
+            out[name] = (t.data_ptr(), t.dtype, torch.stack([m.double() for m in moments]).cpu())
     return out
+
+
+def _same_fingerprint(a: Fingerprint | None, b: Fingerprint) -> bool:
+    return a is not None and a[:2] == b[:2] and torch.equal(a[2], b[2])
+
+
+def _signature(value: Any) -> tuple:
+    """Which tensors an attribute holds, at which in-place versions."""
+    return tuple((id(t), t._version) for t in attribute_tensors(value))
 
 
 def _same_values(a: Any, b: Any) -> bool:
@@ -107,12 +121,15 @@ class StateWatch:
     def __init__(self, model: nn.Module, ignored: frozenset[str] = frozenset()) -> None:
         self.model, self._ignored = model, _MODULE_FIELDS | ignored
         self._buffers: dict[str, tuple[int, int]] = {}
-        self._before: dict[Key, tuple] = {}  # at the forward's start: each attribute's (id, version)s
-        self._values: dict[str, tuple] | None = None  # parameters' and buffers' values before a verification
-        self._snapshot: dict[Key, Any] | None = None  # copies of all attributes before a verification
-        self._pending: set[Key] = set()  # written since the snapshot, not yet replayed
-        self._written: dict[Key, list[tuple[weakref.ref, int]]] = {}  # what a training forward left
-        self._independent: dict[Key, dict[tuple, Any]] = {}  # the replay found no data: values by shapes
+        self._before: dict[Key, tuple] = {}  # each tensor attribute's signature at the forward's start
+        # a verification, from its first forward to its replay: copies of the attributes as they were, the
+        # parameters' and buffers' fingerprints, the tensor attributes its forwards wrote
+        self._snapshot: dict[Key, Any] = {}
+        self._values: dict[str, Fingerprint] | None = None
+        self._pending: set[Key] = set()
+        # what training forwards left in attributes, and what the replays established of it
+        self._written: dict[Key, list[tuple[weakref.ref, int]]] = {}
+        self._independent: dict[Key, dict[tuple, Any]] = {}  # free of data: values seen, by shapes
         self._dependent: set[Key] = set()
         self._found: set[Key] = set()  # independent attributes a call of this forward found again
         self._watched: dict[str, Any] = {}  # module name -> its pre-hook's handle
@@ -128,30 +145,26 @@ class StateWatch:
 
     def start(self, snapshot: bool = False) -> None:
         """A training forward begins; ``snapshot``: it is the first of a verification, which check 4 will
-        replay from the attributes as they are now."""
+        replay from the model's state as it is now."""
         self._buffers = {name: (id(b), b._version) for name, b in self.model.named_buffers()}
         self._found = set()
         attributes = self._attributes()
-        self._before = {
-            key: tuple((id(t), t._version) for t in attribute_tensors(value))
-            for key, value in attributes.items()
-        }
+        self._before = {key: _signature(value) for key, value in attributes.items()}
         if snapshot:
             self._snapshot = {key: _copied(value) for key, value in attributes.items()}
-            self._pending = set()
-            self._values = _fingerprints(self.model)
+            self._values, self._pending = _fingerprints(self.model), set()
 
     def check(self) -> None:
-        """A training forward ended: refuse a changed buffer (and, in a verification, a parameter or buffer
-        whose values changed out of autograd's sight); note the tensor attributes it wrote."""
+        """A training forward ended: refuse a changed buffer, and in a verification a parameter or buffer
+        whose values changed out of the version counters' sight; note the tensor attributes it wrote."""
         self._check_buffers()
         self._check_values()
         for key, value in self._attributes().items():
-            tensors = attribute_tensors(value)
-            if not tensors or self._before.get(key) == tuple((id(t), t._version) for t in tensors):
+            signature = _signature(value)
+            if not signature or self._before.get(key) == signature:
                 continue
-            self._written[key] = [(weakref.ref(t), t._version) for t in tensors]
-            if self._snapshot is not None:
+            self._written[key] = [(weakref.ref(t), t._version) for t in attribute_tensors(value)]
+            if self._values is not None:
                 self._pending.add(key)
             if key in self._independent:
                 self._check_unchanged(key, value)
@@ -175,24 +188,24 @@ class StateWatch:
         )
 
     def _check_values(self) -> None:
-        """A data-dependent initialisation (Glow's ActNorm sets its bias from the first batch's mean through
-        ``.data``, which no version counter sees) puts raw data into every later step."""
         if self._values is None:
             return
         now = _fingerprints(self.model)
         changed = [
             name
-            for name, (pointer, moments) in self._values.items()
-            if name not in now or now[name][0] != pointer or not torch.equal(now[name][1], moments)
+            for name, (pointer, dtype, moments) in self._values.items()
+            if name not in now
+            or (now[name][1] == dtype and not _same_fingerprint(now[name], (pointer, dtype, moments)))
         ]
         if not changed:
             return
         owner, _, leaf = changed[0].rpartition(".")
         raise ValueError(
             f"module {owner!r} ({type(self.model.get_submodule(owner)).__name__}) changed {leaf!r} in a "
-            "training forward (e.g. a data-dependent initialisation through .data): values computed from a "
-            "raw batch are neither clipped nor noised and reach every later step. Initialise it before "
-            "training, from public data, or with the model's own initialiser."
+            "training forward out of autograd's sight (e.g. a data-dependent initialisation through .data): "
+            "values computed from a raw batch are neither clipped nor noised and reach every later step. "
+            "Initialise it before training, from public data, or with the model's own initialiser."
+            + (f" Also changed: {changed[1:5]}." if len(changed) > 1 else "")
         )
 
     def _check_unchanged(self, key: Key, value: Any) -> None:
@@ -249,38 +262,37 @@ class StateWatch:
 
     def _describe(self, key: Key) -> str:
         name, attribute = key
-        return (
-            f"module {name!r} ({type(self.model.get_submodule(name)).__name__}): its attribute {attribute!r}"
-        )
+        kind = type(self.model.get_submodule(name)).__name__
+        return f"module {name!r} ({kind}): its attribute {attribute!r}"
 
     # ------------------------------------------------------------------ check 4's replay
     @contextmanager
     def replaying(self) -> Iterator[None]:
-        """Run check 4's replay of the pending verification inside: the attributes the verified forward
-        wrote are set to copies of their values before it; after the replay, an attribute with the real
+        """Run check 4's replay of the pending verification inside: the tensor attributes the verified
+        forward wrote are set to copies of their values before it; after the replay, one with the real
         forward's values is independent of the data, one with other values dependent; the real values are
-        put back. A replay that raises classifies nothing."""
-        pending, snapshot = self._pending, self._snapshot or {}
-        self._pending, self._snapshot = set(), None
+        put back. A replay that raises classifies nothing. (Other attributes are left as they are: a flag
+        such as Hugging Face's ``_output_capturing_hooks_installed`` stands for hooks a copy cannot undo.)"""
+        pending, snapshot = self._pending, self._snapshot
+        self.settle()
         modules = {key: self.model.get_submodule(key[0]) for key in pending}
         real = {key: vars(modules[key]).get(key[1], _ABSENT) for key in pending}
         for key in pending:
             self._set(modules[key], key[1], _copied(snapshot.get(key, _ABSENT)))
         try:
             yield
-        except BaseException:
+        finally:
+            replayed = {key: vars(modules[key]).get(key[1], _ABSENT) for key in pending}
             for key in pending:
                 self._set(modules[key], key[1], real[key])
-            raise
         for key in pending:
-            replayed = vars(modules[key]).get(key[1], _ABSENT)
-            if real[key] is not _ABSENT and replayed is not _ABSENT and _same_values(real[key], replayed):
+            value, again = real[key], replayed[key]
+            if value is not _ABSENT and again is not _ABSENT and _same_values(value, again):
                 if key not in self._dependent:
-                    self._independent.setdefault(key, {})[_shapes(real[key])] = _copied(real[key])
+                    self._independent.setdefault(key, {})[_shapes(value)] = _copied(value)
             else:
                 self._dependent.add(key)
                 self._independent.pop(key, None)
-            self._set(modules[key], key[1], real[key])
 
     @staticmethod
     def _set(module: nn.Module, attribute: str, value: Any) -> None:
@@ -288,6 +300,10 @@ class StateWatch:
             vars(module).pop(attribute, None)
         else:
             vars(module)[attribute] = value
+
+    def settle(self) -> None:
+        """The verification ended: attributes it wrote and did not replay stay unestablished."""
+        self._snapshot, self._values, self._pending = {}, None, set()
 
     # ------------------------------------------------------------------ a watch without a verifier
     def hooks(self) -> list[Any]:
@@ -302,10 +318,6 @@ class StateWatch:
                 self.check()
 
         return [self.model.register_forward_pre_hook(before), self.model.register_forward_hook(after)]
-
-    def settle(self) -> None:
-        """The verification's backward ended: attributes it wrote and did not replay stay unestablished."""
-        self._snapshot, self._pending, self._values = None, set(), None
 
     def remove(self) -> None:
         for handle in self._watched.values():
