@@ -5,7 +5,8 @@ function) and Swin V2's ``Swinv2SelfAttention`` (scaled cosine attention: a lear
 examples) against the brute-force oracle in every strategy x clipping mode (float64, sdpa, two
 micro-batches): two-stage models whose first stage has 4 windows per example, plain and shifted (with the
 shift mask), and whose second stage has one; eager Swin attention in float32, attention probabilities in
-the loss; window-major rows refused by the probe; and the refusals of what the rules cannot recompute."""
+the loss; window-major rows refused by the probe; and the refusals of what the rules cannot read or
+recompute."""
 
 from __future__ import annotations
 
@@ -222,27 +223,21 @@ def test_window_major_rows_are_refused(attention):
         engine.backward(loss)
 
 
-def test_a_swinv2_forward_that_skips_its_projections_is_refused(monkeypatch):
-    """The V2 rule reads Q, K, V off the query, key and value calls of the module's own forward; a forward
-    that computes them some other way (here: their hooks silenced while the rule recomputes) is refused."""
+def test_a_swinv2_forward_that_calls_its_dropout_twice_is_refused(monkeypatch):
+    """The V2 rule keeps the probabilities where they enter the attention dropout and Q, K, V off the query,
+    key and value calls of the module's training call; a forward that calls one of them more than once
+    leaves the rule no single value to read, and is refused."""
     model = Swinv2Net().double()
     attention = model.backbone.encoder.layers[0].blocks[0].attention.self
     forward = attention.forward
 
     @functools.wraps(forward)  # the same signature: the rule binds the call's arguments by name
-    def silent_projections(*args, **kwargs):
-        if torch.is_grad_enabled():  # the model's own forward: as usual
-            return forward(*args, **kwargs)
-        projections = (attention.query, attention.key, attention.value)
-        saved = [dict(p._forward_hooks) for p in projections]
-        for p in projections:
-            p._forward_hooks.clear()
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            for p, hooks in zip(projections, saved, strict=True):
-                p._forward_hooks.update(hooks)
+    def dropout_twice(*args, **kwargs):
+        attention.dropout(torch.zeros(1, dtype=torch.float64))
+        return forward(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "forward", silent_projections)
-    with pytest.raises(RuntimeError, match=r"Swinv2SelfAttention: its forward did not call query, key and"):
+    monkeypatch.setattr(attention, "forward", dropout_twice)
+    with pytest.raises(
+        RuntimeError, match=r"Swinv2SelfAttention: its call called its submodules .*'dropout': 2"
+    ):
         _engine(model).backward(loss_fn(model, _batch()))

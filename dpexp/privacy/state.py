@@ -46,6 +46,7 @@ _MODULE_FIELDS = frozenset(vars(nn.Module()))  # nn.Module's bookkeeping: parame
 _ABSENT = object()  # an attribute a module did not have
 
 Key = tuple[str, str]  # (module name, attribute)
+_HOLDERS = (torch.Tensor, list, tuple, dict)  # the values :func:`attribute_tensors` finds tensors in
 
 
 def attribute_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
@@ -120,6 +121,7 @@ class StateWatch:
 
     def __init__(self, model: nn.Module, ignored: frozenset[str] = frozenset()) -> None:
         self.model, self._ignored = model, _MODULE_FIELDS | ignored
+        self._modules: list[tuple[str, nn.Module]] = []  # the model's, at the forward's start
         self._buffers: dict[str, tuple[int, int]] = {}
         self._before: dict[Key, tuple] = {}  # each tensor attribute's signature at the forward's start
         # a verification, from its first forward to its replay: copies of the attributes as they were, the
@@ -135,23 +137,25 @@ class StateWatch:
         self._watched: dict[str, Any] = {}  # module name -> its pre-hook's handle
 
     # ------------------------------------------------------------------ around a training forward
-    def _attributes(self) -> dict[Key, Any]:
+    def _attributes(self, holders: bool = True) -> dict[Key, Any]:
+        """Every module's plain attributes (the modules as :meth:`start` found them); ``holders``: only
+        those that may hold tensors."""
         return {
             (name, key): value
-            for name, module in self.model.named_modules()
+            for name, module in self._modules
             for key, value in vars(module).items()
-            if key not in self._ignored
+            if (not holders or isinstance(value, _HOLDERS)) and key not in self._ignored
         }
 
     def start(self, snapshot: bool = False) -> None:
         """A training forward begins; ``snapshot``: it is the first of a verification, which check 4 will
         replay from the model's state as it is now."""
+        self._modules = list(self.model.named_modules())
         self._buffers = {name: (id(b), b._version) for name, b in self.model.named_buffers()}
         self._found = set()
-        attributes = self._attributes()
-        self._before = {key: _signature(value) for key, value in attributes.items()}
-        if snapshot:
-            self._snapshot = {key: _copied(value) for key, value in attributes.items()}
+        self._before = {key: _signature(value) for key, value in self._attributes().items()}
+        if snapshot:  # all attributes: a None the forward replaces is put back as None
+            self._snapshot = {key: _copied(value) for key, value in self._attributes(holders=False).items()}
             self._values, self._pending = _fingerprints(self.model), set()
 
     def check(self) -> None:

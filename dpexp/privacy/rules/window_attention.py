@@ -46,6 +46,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
+from dpexp.privacy.rules.submodule_values import once
 
 
 def _check(module: nn.Module) -> None:
@@ -281,9 +282,11 @@ def _check_hf_v2(module: nn.Module) -> None:
         reason = "it has no relative_coords_table and relative_position_index buffers"
     elif not all(type(getattr(module, name, None)) is nn.Linear for name in ("query", "key", "value")):
         reason = (
-            "its query, key and value are not all nn.Linear, so the rule cannot recompute the cosine "
-            "similarities and values from the captured input; leave them unwrapped"
+            "its query, key and value are not all nn.Linear, whose outputs the rule reads; leave them "
+            "unwrapped"
         )
+    elif not isinstance(getattr(module, "dropout", None), nn.Dropout):
+        reason = "it has no attention dropout module, where the rule reads the probabilities"
     refuse(
         module,
         "scaled-cosine-attention",
@@ -294,38 +297,38 @@ def _check_hf_v2(module: nn.Module) -> None:
 
 
 def hf_swinv2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(hidden_states (B*nW, N, C), attention_mask (nW, N, N) or None)``; refuses attention dropout in
-    training, whose mask (drawn in the forward) the rule's recomputation cannot reproduce."""
+    """``(hidden_states (B*nW, N, C),)``, the capture appending the kept values; refuses attention dropout
+    in training, whose mask the rule does not apply."""
     call = inspect.signature(module.forward).bind(*args, **kwargs)
     if module.training and module.dropout.p > 0:
         raise ValueError(
             f"applies attention dropout (p={module.dropout.p}) to its probabilities in training, whose mask "
-            "the rule cannot recompute; set attention_probs_dropout_prob=0, or freeze logit_scale and "
+            "the rule does not apply; set attention_probs_dropout_prob=0, or freeze logit_scale and "
             f"{_V2_MLP}"
         )
-    return call.arguments["hidden_states"], call.arguments.get("attention_mask")
+    return (call.arguments["hidden_states"],)
 
 
 @register_rule(
     _HF_SWINV2,
     check=_check_hf_v2,
-    call=CallLayout(hf_swinv2_inputs, attention_output_grad),
+    call=CallLayout(hf_swinv2_inputs, attention_output_grad, keeps=lambda _: _KEEP_V2),
     position_wise=True,
     claims=(f"{_V2_MLP}.0", f"{_V2_MLP}.2"),
 )
 def hf_swinv2_grads(
-    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
+    module: nn.Module, call: tuple[torch.Tensor, dict], dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
     """Hugging Face Swin V2's ``Swinv2SelfAttention``. Per window and head the scores are (Swin V2, eq. 2-3)
 
         S = cos(Q, K) * exp(min(logit_scale, log 100)) + 16 sigmoid(T)[index] + M,   T = W2 relu(W1 c + b1),
 
     with ``c`` the (log-spaced, eq. 4) relative coordinates of the buffer ``relative_coords_table`` (one row
-    per relative position r), ``T`` (r, heads) the MLP's table and M the shift mask. The rule takes the
-    probabilities P from the module's own forward (called without recording, so that how it adds the mask is
-    its own; Q, K and V read off its query, key and value calls, not computed again) and the scores'
-    gradient by the softmax's backward, ``dS = P * (dP - rowsum(P * dP))``, ``dP = dO V^T`` (+ the gradient
-    of the returned probabilities); then, summed over example i's windows,
+    per relative position r), ``T`` (r, heads) the MLP's table and M the shift mask. The rule keeps the
+    probabilities P and Q, K, V from the module's training call (:func:`kept_probabilities`: how it adds
+    the mask is its own, and nothing runs again) and takes the scores' gradient by the softmax's backward,
+    ``dS = P * (dP - rowsum(P * dP))``, ``dP = dO V^T`` (+ the gradient of the returned probabilities);
+    then, summed over example i's windows,
 
         d logit_scale_i[h] = sum dS_i[h] * cos[h] * exp(logit_scale_h)   (0 where the clamp is active),
         dT_i[r, h] = sum_{(s, t): index[s, t] = r} dS_i[h, s, t] * 16 sigmoid'(T[r, h]),
@@ -336,23 +339,21 @@ def hf_swinv2_grads(
     (B, nW, N, C) once the probe has established the windows per example (position-wise, as
     :func:`hf_swin_bias_grads`), or (B, N, C); computed in float64 for a float64 model, else in float32,
     exact to that rounding."""
-    hidden, mask = call
+    hidden, kept = call
     batch = dy.shape[0]
     heads = module.num_attention_heads
     x, dy, windows = window_rows(hidden, dy)
     rows, n, channels = x.shape
     dtype = torch.float64 if module.logit_scale.dtype == torch.float64 else torch.float32
+    seen = kept_probabilities(module, kept, _KEEP_V2, f"freeze logit_scale and {_V2_MLP}")
     first, second = module.get_submodule(f"{_V2_MLP}.0"), module.get_submodule(f"{_V2_MLP}.2")
     with torch.no_grad():
 
         def split(t: torch.Tensor) -> torch.Tensor:  # (rows, N, C) -> (rows, heads, N, head_dim)
             return t.reshape(rows, n, heads, -1).transpose(1, 2).to(dtype)
 
-        probs, projections = own_probabilities(
-            module, x, mask, ("query", "key", "value"), f"freeze logit_scale and {_V2_MLP}"
-        )
-        probs = probs.to(dtype)
-        q, k, v = (split(projections[name]) for name in ("query", "key", "value"))
+        probs = seen["probs"].to(dtype)
+        q, k, v = (split(seen[name]) for name in ("query", "key", "value"))
         cos = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).transpose(-2, -1)
         d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
         d_scores = scores_grad(probs, v, split(d_out), dy[:, n * channels :])
@@ -385,33 +386,20 @@ def hf_swinv2_grads(
     return {name: Dense(g.to(params[name].dtype)) for name, g in grads.items() if name in params}
 
 
-def own_probabilities(
-    module: nn.Module, x: torch.Tensor, mask: torch.Tensor | None, names: tuple[str, ...], otherwise: str
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(P, outputs)``: the attention probabilities (rows, heads, N, N) of the module's own forward on the
-    windows ``x`` (rows, N, C) with the shift ``mask``, called without recording and asked for them
-    (``output_attentions=True``), and the outputs of its submodules ``names`` in that one call (its
-    query, key and value projections, not computed again). ``otherwise``: the user's fix besides a rule."""
-    outputs: dict[str, torch.Tensor] = {}
-    handles = [
-        getattr(module, name).register_forward_hook(
-            lambda _, __, out, name=name: outputs.__setitem__(name, out)
-        )
-        for name in names
-    ]
-    try:
-        with torch.no_grad():
-            probs = module(x, mask, output_attentions=True)[1]
-    finally:
-        for handle in handles:
-            handle.remove()
-    if len(outputs) < len(names):
-        listed = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
-        raise RuntimeError(
-            f"{type(module).__name__}: its forward did not call {listed}, which the rule reads; "
-            f"register a rule for this attention, or {otherwise}."
-        )
-    return probs, outputs
+def kept_probabilities(
+    module: nn.Module, kept: dict, keeps: dict[str, tuple[str, str]], otherwise: str
+) -> dict:
+    """The values a self-attention rule keeps from the module's training call (``keeps``, CallLayout's):
+    ``"probs"``, the probabilities (rows, heads, N, N) as they enter the attention dropout (refused in
+    training, so they are the ones applied), and its projections' outputs (rows, N, C). Autograd keeps the
+    same tensors for its own backward, so nothing is computed again or held longer. ``otherwise``: the
+    user's fix besides a rule."""
+    seen = once(module, kept, keeps, f"register a rule for this attention, or {otherwise}")
+    return {**seen, "probs": seen["probs"][0]}
+
+
+_KEEP_V2 = {"probs": ("dropout", "input"), **{name: (name, "output") for name in ("query", "key", "value")}}
+_KEEP_V1 = {"probs": ("dropout", "input"), "value": ("value", "output")}
 
 
 # Hugging Face's older form of Swin's attention, kept by Donut-Swin, MaskFormer-Swin and CLAP's audio encoder
@@ -435,6 +423,8 @@ def _check_self_attention(module: nn.Module) -> None:
         reason = "it has no relative_position_index buffer"
     elif not all(type(getattr(module, name, None)) is nn.Linear for name in ("query", "key", "value")):
         reason = "its query, key and value are not all nn.Linear, whose values it reads; leave them unwrapped"
+    elif not isinstance(getattr(module, "dropout", None), nn.Dropout):
+        reason = "it has no attention dropout module, where the rule reads the probabilities"
     refuse(
         module,
         "relative-position-bias",
@@ -445,49 +435,51 @@ def _check_self_attention(module: nn.Module) -> None:
 
 
 def swin_self_attention_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(hidden_states (B*nW, N, C), attention_mask (nW, N, N) or None)``; refuses attention dropout in
-    training, whose mask (drawn in the forward) the rule's second run cannot reproduce."""
+    """``(hidden_states (B*nW, N, C),)``, the capture appending the kept values; refuses attention dropout
+    in training, whose mask the rule does not apply."""
     call = inspect.signature(module.forward).bind(*args, **kwargs)
     if module.training and module.dropout.p > 0:
         raise ValueError(
             f"applies attention dropout (p={module.dropout.p}) to its probabilities in training, whose mask "
-            f"the rule cannot recompute; set attention_probs_dropout_prob=0, or freeze {_TABLE}"
+            f"the rule does not apply; set attention_probs_dropout_prob=0, or freeze {_TABLE}"
         )
-    return call.arguments["hidden_states"], call.arguments.get("attention_mask")
+    return (call.arguments["hidden_states"],)
 
 
 @register_rule(
     *_SELF_ATTENTIONS,
     check=_check_self_attention,
-    call=CallLayout(swin_self_attention_inputs, attention_output_grad),
+    call=CallLayout(swin_self_attention_inputs, attention_output_grad, keeps=lambda _: _KEEP_V1),
     position_wise=True,
     copies=True,
 )
 def swin_self_attention_grads(
-    module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
+    module: nn.Module, call: tuple[torch.Tensor, dict], dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
-    """The older ``SwinSelfAttention`` form: the probabilities P of every window from the module's own
-    forward run once more without recording (its scaling, bias lookup and shift mask its own), its value
-    projection's output V read in that call, and, since the module's output is the heads' output itself,
-    ``dO = dy_out``: ``dS = P * (dP - rowsum(P * dP))`` with ``dP = dO V^T`` (+ the gradient of the returned
-    probabilities), then ``d table_i`` as for :func:`hf_swin_bias_grads`. ``call[0]`` is (B, nW, N, C)
-    once the probe has established the windows per example (position-wise), or (B, N, C); computed in
-    float64 for a float64 table, else in float32, exact to that rounding."""
-    hidden, mask = call
+    """The older ``SwinSelfAttention`` form: the probabilities P of every window and its value
+    projection's output V kept from the module's training call (:func:`kept_probabilities`; its scaling,
+    bias lookup and shift mask its own, nothing run again), and, since the module's output is the heads'
+    output itself, ``dO = dy_out``: ``dS = P * (dP - rowsum(P * dP))`` with ``dP = dO V^T`` (+ the
+    gradient of the returned probabilities), then ``d table_i`` as for :func:`hf_swin_bias_grads`.
+    ``call[0]`` is (B, nW, N, C) once the probe has established the windows per example (position-wise), or
+    (B, N, C); computed in float64 for a float64 table, else in float32, exact to that rounding."""
+    hidden, kept = call
     table = module.relative_position_bias_table
     batch = dy.shape[0]
     heads = module.num_attention_heads
     x, dy, windows = window_rows(hidden, dy)
     rows, n, channels = x.shape
     dtype = torch.float64 if table.dtype == torch.float64 else torch.float32
-    probs, outputs = own_probabilities(module, x, mask, ("value",), f"freeze {_TABLE}")
+    seen = kept_probabilities(module, kept, _KEEP_V1, f"freeze {_TABLE}")
     with torch.no_grad():
 
         def split(t: torch.Tensor) -> torch.Tensor:  # (rows, N, C) -> (rows, heads, N, head_dim)
             return t.reshape(rows, n, heads, -1).transpose(1, 2).to(dtype)
 
         d_out = dy[:, : n * channels].reshape(rows, n, channels)
-        d_scores = scores_grad(probs.to(dtype), split(outputs["value"]), split(d_out), dy[:, n * channels :])
+        d_scores = scores_grad(
+            seen["probs"].to(dtype), split(seen["value"]), split(d_out), dy[:, n * channels :]
+        )
         grad = table_grads(
             d_scores.reshape(batch, windows, heads, n, n), module.relative_position_index, table
         )
