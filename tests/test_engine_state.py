@@ -259,23 +259,6 @@ def test_state_written_and_read_within_one_verified_step_is_left_to_check_4():
     assert engine.steps == 3
 
 
-def test_state_carried_across_batches_is_refused_in_the_opacus_baseline():
-    from dpexp.backends.opacus import OpacusBackend
-
-    model = nn.Sequential(nn.Linear(3, WIDTH), Carried(lambda h: h.mean(0)), nn.Linear(WIDTH, 2))
-    backend = OpacusBackend(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        batch_size=4,
-        max_grad_norm=1.0,
-        noise_multiplier=1.0,
-    )
-    backend.model(torch.randn(4, 3))
-    with pytest.raises(ValueError, match=r"module '1' \(Carried\): its attribute 'prev'.*no replay"):
-        backend.model(torch.randn(4, 3))
-    backend.close()
-
-
 def _second_release(middle: nn.Module, first: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The released sum (noise 0) of a second step on a fixed batch, from the same parameters whatever the
     first step released: the first batch must not reach it at all (its sensitivity to that batch is 0)."""
@@ -405,3 +388,25 @@ def test_a_record_its_owner_resets_is_kept_although_the_replay_misses_its_data()
     assert engine.steps == 3
     engine.detach()
     _exact_steps(model, [_batch(seed) for seed in range(3, 5)])
+
+
+def test_state_in_an_ordered_dict_is_copied_for_the_replay_and_refused():
+    """A cache kept in an ``OrderedDict`` filled in place: the replay must run on a copy of the container,
+    or it fills the real one and sees the data as unchanged."""
+    from collections import OrderedDict
+
+    class Cache(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cache = OrderedDict()
+
+        def forward(self, h):
+            out = h + self.cache["last"] if "last" in self.cache else h
+            self.cache["last"] = h.detach().mean(0)
+            return out
+
+    model = _net(Cache())
+    _, step = _trainer(model)
+    step(_batch(0))
+    with pytest.raises(ValueError, match=r"its attribute 'cache'.*gave it other values"):
+        model(_batch(1)["x"])

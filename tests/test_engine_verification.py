@@ -353,9 +353,14 @@ def test_ibert_is_refused_in_training():
     assert engine.steps == 0
 
 
-def test_running_statistics_are_refused_in_the_opacus_baseline():
+def _opacus(model: nn.Module):
     from dpexp.backends.opacus import OpacusBackend
 
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return OpacusBackend(model, optimizer, batch_size=4, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_running_statistics_are_refused_in_the_opacus_baseline():
     class Accumulating(nn.Module):  # state Opacus' validator does not know about
         def __init__(self) -> None:
             super().__init__()
@@ -366,16 +371,31 @@ def test_running_statistics_are_refused_in_the_opacus_baseline():
                 self.seen += x.detach().mean(0)
             return x
 
-    model = nn.Sequential(nn.Linear(4, 4), Accumulating(), nn.Linear(4, 2))
-    backend = OpacusBackend(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        batch_size=4,
-        max_grad_norm=1.0,
-        noise_multiplier=1.0,
-    )
+    backend = _opacus(nn.Sequential(nn.Linear(4, 4), Accumulating(), nn.Linear(4, 2)))
     with pytest.raises(ValueError, match=r"module '1' \(Accumulating\) changed its buffer 'seen'"):
         backend.model(torch.randn(4, 4))
+
+
+def test_state_kept_in_an_attribute_is_refused_in_the_opacus_baseline():
+    """Opacus does not replay a forward, so a tensor attribute a training forward wrote cannot be
+    established free of the batch's data: refused when the next call finds it (Opacus' own per-layer
+    ``activations`` are not the model's state)."""
+
+    class Carried(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.prev = None
+
+        def forward(self, h):
+            out = h if self.prev is None else h + self.prev
+            self.prev = h.detach().mean(0)
+            return out
+
+    backend = _opacus(nn.Sequential(nn.Linear(3, 4), Carried(), nn.Linear(4, 2)))
+    backend.model(torch.randn(4, 3))
+    with pytest.raises(ValueError, match=r"module '1' \(Carried\): its attribute 'prev'.*no replay"):
+        backend.model(torch.randn(4, 3))
+    backend.close()
 
 
 class BatchCentred(nn.Module):

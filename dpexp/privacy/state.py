@@ -33,6 +33,7 @@ attribute read by a module other than its owner is seen only through its owner's
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,14 +67,21 @@ def attribute_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
 
 
 def _copied(value: Any) -> Any:
-    """``value`` with its lists, tuples and dicts rebuilt and its tensors cloned (detached); anything else,
-    parameters included, as it is."""
-    if torch.is_tensor(value) and not isinstance(value, nn.Parameter):
-        return value.detach().clone()
-    if type(value) is dict:
-        return {k: _copied(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_copied(v) for v in value)
+    """``value`` with its lists, tuples and dicts (their subclasses too: an ``OrderedDict`` cache, a named
+    tuple) rebuilt and its tensors cloned (detached); anything else, parameters included, as it is."""
+    if torch.is_tensor(value):
+        return value if isinstance(value, nn.Parameter) else value.detach().clone()
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        out.update((k, _copied(v)) for k, v in value.items())
+        return out
+    if isinstance(value, list):
+        out = copy.copy(value)
+        out[:] = [_copied(v) for v in value]
+        return out
+    if isinstance(value, tuple):
+        items = [_copied(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 
 

@@ -24,9 +24,10 @@ on the model the user brought (:class:`Verifier`), and the engine refuses what i
    rule (built in or registered by a user) that gives example i a gradient that is not its own
    (:class:`ProjectedSums`, :func:`mismatched_parameters`).
 3. **No state carried across batches.** A training forward must not change any buffer of the model (running
-   statistics computed from raw batches are neither clipped nor noised and reach evaluation), and a tensor
-   it leaves in a plain attribute must not be read by a later call unless check 4's replay established
-   that it holds none of the batch's data (:mod:`dpexp.privacy.state`).
+   statistics computed from raw batches are neither clipped nor noised and reach evaluation), a verified
+   one must not change a parameter's values out of autograd's sight (a data-dependent initialisation), and
+   a tensor a forward leaves in a plain attribute must not be read by a later call unless check 4's replay
+   established that it holds none of the batch's data (:mod:`dpexp.privacy.state`).
 4. **Examples processed independently, gradients or not.** The probe of check 1 sees only differentiable
    dependencies from the first probed tensor on: a batch mean that is detached, computed under ``no_grad``,
    or taken after a frozen prefix on integer inputs (token ids -> frozen embedding -> ``h - h.mean(0)``)
