@@ -410,3 +410,15 @@ def test_state_in_an_ordered_dict_is_copied_for_the_replay_and_refused():
     step(_batch(0))
     with pytest.raises(ValueError, match=r"its attribute 'cache'.*gave it other values"):
         model(_batch(1)["x"])
+
+
+def test_a_table_written_in_a_micro_batch_of_one_example_asks_for_two():
+    """No replay can run on one example, so a table written there is not established free of data: the
+    refusal says why and what to change (verify_every_step would not help)."""
+    model = _net(Table())
+    _, step = _trainer(model)
+    step({k: v[:1] for k, v in _batch(0).items()})
+    with pytest.raises(
+        ValueError, match=r"'cached'.*could not replay with another example.*at least two different"
+    ):
+        model(_batch(1)["x"])

@@ -13,15 +13,16 @@ noised, and the accounting does not see it. Three places hold such state:
   Transformers' router moves its classifier to float32 in its forward); refused at its end, before its
   backward. A forward that was not verified is not compared.
 - **Plain attributes that hold tensors** (``self.prev = h.detach()``, tensors in lists and dicts), which
-  ``state_dict`` does not show. A module may keep one legitimately: a table computed from shapes alone (ESM's
-  rotary cache), or state its owner resets before every call (RecurrentGemma's RG-LRU). So an attribute a
-  training forward wrote is refused when a later call of its module still finds it (the same tensor at the
-  same in-place version) and it is not established as free of the batch's data. Check 4's replay of a
-  verified forward establishes it: the attributes that forward wrote are set back to copies of their values
-  before it, the forward runs again with example 0 replaced, and an attribute whose values come out
-  different depends on the data (:meth:`StateWatch.replaying`). An attribute the replay found independent
-  must stay so: written again with the same shapes and other values, it is refused at once if a call of
-  that forward found the earlier value, and counts as dependent from then on.
+  ``state_dict`` does not show. A module may keep one legitimately: a table computed from shapes alone (a
+  rotary cache rebuilt for new lengths), or state its owner resets before every call (RecurrentGemma's
+  RG-LRU). So an attribute a training forward wrote is refused when a later call of its module still finds
+  it (the same tensor at the same in-place version) and it is not established as free of the batch's data.
+  Check 4's replay of a verified forward establishes it: the attributes that forward wrote are set back to
+  copies of their values before it, the forward runs again with example 0 replaced, and an attribute whose
+  values come out different depends on the data (:meth:`StateWatch.replaying`). An attribute the replay
+  found independent must stay so: written again with the same shapes and other values, it is refused at
+  once if a call of that forward found the earlier value, and counts as dependent from then on. One
+  written in a micro-batch that cannot be replayed (one example) stays unestablished.
 
 The replay changes example 0 only, as check 4 does: a value computed from other examples alone (a batch
 maximum example 0 does not reach) passes it, and is refused when a later forward that found it writes other
@@ -141,6 +142,7 @@ class StateWatch:
         self._written: dict[Key, list[tuple[weakref.ref, int]]] = {}
         self._independent: dict[Key, dict[tuple, Any]] = {}  # free of data: values seen, by shapes
         self._dependent: set[Key] = set()
+        self._unreplayed: set[Key] = set()  # written in a verification that ended without a replay
         self._found: set[Key] = set()  # independent attributes a call of this forward found again
         self._watched: dict[str, Any] = {}  # module name -> its pre-hook's handle
 
@@ -259,6 +261,13 @@ class StateWatch:
                 "and check 4's replay, with one example changed, gave it other values: it holds the "
                 "batch's data"
             )
+        elif key in self._unreplayed:
+            why = (
+                "and no replay established that it is free of the batch's data: it was written in a "
+                "micro-batch that check 4 could not replay with another example (one example, or all "
+                "alike); make the first micro-batch of each input structure hold at least two different "
+                "examples"
+            )
         else:
             why = (
                 "and no replay established that it is free of the batch's data (it was written by a "
@@ -286,7 +295,9 @@ class StateWatch:
         put back. A replay that raises classifies nothing. (Other attributes are left as they are: a flag
         such as Hugging Face's ``_output_capturing_hooks_installed`` stands for hooks a copy cannot undo.)"""
         pending, snapshot = self._pending, self._snapshot
+        self._pending = set()
         self.settle()
+        self._unreplayed -= pending
         modules = {key: self.model.get_submodule(key[0]) for key in pending}
         real = {key: vars(modules[key]).get(key[1], _ABSENT) for key in pending}
         for key in pending:
@@ -315,6 +326,7 @@ class StateWatch:
 
     def settle(self) -> None:
         """The verification ended: attributes it wrote and did not replay stay unestablished."""
+        self._unreplayed |= self._pending
         self._snapshot, self._values, self._pending = {}, None, set()
 
     # ------------------------------------------------------------------ a watch without a verifier
