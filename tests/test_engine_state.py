@@ -1,8 +1,9 @@
 """Check 3 (dpexp.privacy.state): a tensor a training forward leaves in a plain attribute must not reach a
-later forward unless check 4's replay established that it holds none of the batch's data. Each refused
-model below trained silently before the check: its next step's released sum depended on the previous batch,
-unclipped and unnoised. Each accepted one keeps state legitimately (a table of shapes, state reset by its
-owner) and stays exact."""
+later forward unless check 4's replay established that it holds none of the batch's data, and a verified
+forward must not change a parameter's values out of autograd's sight. Each refused model below trained
+silently before the check: its next step's released sum depended on an earlier batch, unclipped and
+unnoised. Each accepted one keeps state legitimately (a table of shapes, state reset by its owner, a cast)
+and stays exact."""
 
 from __future__ import annotations
 
