@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -82,16 +83,20 @@ class Head(nn.Module):
         return self.body(x).flatten(1).tanh().sum(1)
 
 
-CHUNKS = pytest.mark.parametrize("chunk", [32, 2], ids=["whole", "in_chunks"])
+CHUNKS = pytest.mark.parametrize("chunk", [32, 2, 0], ids=["whole", "in_chunks", "by_patches"])
 """Per-example gradients instantiated at once, or in chunks of 2 examples (3-example micro-batches: chunks of
 2 and 1), whose norms, kept sums and selections read the chunks (``PerExampleGrad.instantiate_chunks``); pixel
 Gram norms (:func:`~dpexp.privacy.rules.conv.patch_gram_norm_sq`) over the whole micro-batch, or one example
-at a time."""
+at a time; or (0) 1-D and 2-D convolutions instantiated as off the CPU, over unfolded patches
+(:func:`~dpexp.privacy.rules.conv.patch_weight_grads`), one example a chunk."""
 
 
 def _set_chunks(monkeypatch, chunk: int) -> None:
-    monkeypatch.setattr(conv_rules, "INSTANTIATE_CHUNK", chunk)
+    monkeypatch.setattr(conv_rules, "INSTANTIATE_CHUNK", chunk or 2)
     monkeypatch.setitem(conv_rules.GRAM_VALUES, "cpu", 2**30 if chunk == 32 else 1)
+    if chunk == 0:
+        monkeypatch.setattr(conv_rules, "GROUPED_INSTANTIATION", frozenset())
+        monkeypatch.setattr(conv_rules, "PATCH_VALUES", 1)  # one example a chunk
 
 
 @CHUNKS
@@ -198,6 +203,35 @@ def test_ghost_norms_match_instantiation(name, method, monkeypatch):
     want = grads.norm_sq("instantiate")
     monkeypatch.setattr(conv_rules, "norm_costs", _costs_favouring(method))
     torch.testing.assert_close(grads.norm_sq("auto"), want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("name", list(_geometries()))
+def test_unfolded_patches_are_f_unfold(name):
+    """The patches read as windows of the padded input are ``F.unfold``'s, values and layout."""
+    module, shape = _geometries()[name]
+    x = torch.randn(3, *shape, generator=torch.Generator().manual_seed(0))
+    image, (kernel, stride, padding, dilation) = conv_rules.as_image(module, x)
+    want = F.unfold(image, kernel, dilation=dilation, padding=padding, stride=stride).transpose(1, 2)
+    got = conv_rules.unfold_patches(module, x)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("name", list(_geometries()))
+def test_weight_grads_over_patches_match_grouped_convolution(name, groups):
+    """Per-example weight gradients as one batched product over unfolded patches (off the CPU) equal the
+    batch-grouped convolution's (on CPU), grouped and depthwise too, in float64."""
+    module, shape = _geometries()[name]
+    module = copy.deepcopy(module)
+    if groups > 1:  # the same geometry with 4 input and output channels in groups
+        kwargs = {k: getattr(module, k) for k in ("stride", "padding", "dilation", "padding_mode")}
+        module = type(module)(4, 4, module.kernel_size, groups=groups, **kwargs)
+        shape = (4, *shape[1:])
+    module = module.double()
+    x = torch.randn(5, *shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    dy = torch.randn_like(module(x))
+    want = ConvWeightGrads(module, x, dy)._instantiate(x, dy)
+    torch.testing.assert_close(conv_rules.patch_weight_grads(module, x, dy), want, rtol=1e-12, atol=1e-12)
 
 
 def _costs_favouring(method: str):

@@ -8,8 +8,11 @@ Everything runs on the convolution's own backward kernel, as non-private trainin
 ``sum_i c_i dW_i`` is the weight gradient for output gradients ``c_i dy_i``, and the per-example gradients
 are the weight gradient of the same convolution with the batch folded into the channels (``groups = B g``
 for a convolution of g groups: example b's group j is group ``b g + j``), which avoids materialising the
-(B, T, p) patch tensor. Grouped and depthwise convolutions (ConvNeXt, MobileNet, EfficientNet, ResNeXt, NFNet)
-have per-example gradients of only ``C_out * C_in / g * prod(kernel)`` values, which may be instantiated.
+(B, T, p) patch tensor. That holds on CPU; on a GPU cuDNN ran such convolutions one group (one example) at a
+time for some shapes, so there the per-example gradients of 1-D and 2-D convolutions are a batched product
+over unfolded patches, a bounded chunk of examples at a time (:func:`patch_weight_grads`). Grouped and
+depthwise convolutions (ConvNeXt, MobileNet, EfficientNet, ResNeXt, NFNet) have per-example gradients of
+only ``C_out * C_in / g * prod(kernel)`` values, which may be instantiated.
 
 The norm has two ghost forms, ``||dW_i||^2 = sum_{t,s} <a_t, a_s> <dy_t, dy_s>``, for 1-D and 2-D
 convolutions (3-D and transposed ones instantiate their per-example gradients for the norm): over unfolded
@@ -146,9 +149,38 @@ class Geometry(NamedTuple):
 
 
 def unfold_patches(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """Input patches, shape (B, T, C_in * prod(kernel)), in the order of ``weight.flatten(1)``."""
+    """Input patches, shape (B, T, C_in * prod(kernel)), in the order of ``weight.flatten(1)``: the values and
+    layout of ``F.unfold(...).transpose(1, 2)``, read as windows (strided views) of the zero-padded input and
+    copied once. On CUDA ``F.unfold`` launches one kernel per example (WRN-16-4's bk step at B = 256 ran 1024
+    of them, H200, ``results/bench/gpu_stop57/kernels.log``); on CPU the copy also took 0.1-0.7x its time
+    (WRN shapes, B = 16, one thread)."""
     x, (kernel, stride, padding, dilation) = as_image(module, x)
-    return F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride).transpose(1, 2)
+    if any(padding):
+        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    for dim, (k, s, d) in enumerate(zip(kernel, stride, dilation, strict=True), start=2):
+        x = x.unfold(dim, d * (k - 1) + 1, s)  # each window spans the dilated kernel
+    x = x[..., :: dilation[0], :: dilation[1]]  # (B, C_in, H_out, W_out, k_h, k_w)
+    b, t = x.shape[0], x.shape[2] * x.shape[3]
+    return x.permute(0, 1, 4, 5, 2, 3).reshape(b, -1, t).transpose(1, 2)
+
+
+def patch_weight_grads(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Per-example weight gradients ``dW_i = sum_t dy_{i,t} (x) a_{i,t}``, shape (B, *weight.shape), as one
+    batched product of the output gradients (B, G, C_out / G, T) with the unfolded patches (B, G, T,
+    C_in K / G) (group j's output channels read its input channels, contiguous in both)."""
+    patches = unfold_patches(module, x.to(dy.dtype)).transpose(1, 2)  # (B, C_in K, T), contiguous
+    b, t, groups = dy.shape[0], patches.shape[-1], module.groups
+    grads = torch.matmul(dy.reshape(b, groups, -1, t), patches.view(b, groups, -1, t).transpose(-1, -2))
+    return grads.view(b, *module.weight.shape)
+
+
+PATCH_VALUES = 2**24
+"""Patch values (64 MiB in float32) that one chunk of :func:`patch_weight_grads` may unfold."""
+
+GROUPED_INSTANTIATION = frozenset({"cpu"})
+"""Device types on which :meth:`ConvWeightGrads.instantiate_chunks` runs the batch-grouped convolution: on
+CPU (one thread, chunks of 32) it took 0.4-1.0x the time of :func:`patch_weight_grads` where T >= 256 output
+positions, the layers whose norm instantiates (larger ones have a cheaper ghost form)."""
 
 
 GRAM_VALUES = {"cpu": 2**19, "other": 2**22}
@@ -368,11 +400,21 @@ class ConvWeightGrads(PerExampleGrad):
         return joined(self.instantiate_chunks())
 
     def instantiate_chunks(self) -> list[torch.Tensor]:
-        """The batch-grouped weight gradient, :data:`INSTANTIATE_CHUNK` examples at a time."""
+        """On CPU the batch-grouped weight gradient, :data:`INSTANTIATE_CHUNK` examples at a time. Elsewhere,
+        for 1-D and 2-D convolutions, :func:`patch_weight_grads` in chunks of at most :data:`PATCH_VALUES`
+        patch values: cuDNN ran the batch-grouped convolution of some WRN-16-4 layers as one kernel per
+        group (256 launches a layer at B = 256, H200, ``results/bench/gpu_stop57/kernels.log``)."""
+        if self.has_ghost_form and self.dy.device.type not in GROUPED_INSTANTIATION:
+            per_example = self.dy[0, 0].numel() * self.shape[1:].numel() * self.module.groups
+            size = max(1, PATCH_VALUES // per_example)
+            chunks = zip(self.x.split(size), self.dy.split(size), strict=True)
+            return [patch_weight_grads(self.module, accurate(x), accurate(dy)) for x, dy in chunks]
         chunks = zip(self.x.split(INSTANTIATE_CHUNK), self.dy.split(INSTANTIATE_CHUNK), strict=True)
         return [self._instantiate(x, dy) for x, dy in chunks]
 
     def _instantiate(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        """The per-example gradients of examples ``x``, ``dy`` as the weight gradient of one convolution with
+        the batch folded into the channels and groups (module docstring)."""
         b, groups = x.shape[0], self.module.groups
         x, dy = accurate(x).reshape(1, -1, *x.shape[2:]), accurate(dy).reshape(1, -1, *dy.shape[2:])
         grads = _weight_grad(self.module, x, dy, b * groups, (b * self.shape[0], *self.shape[1:]))
