@@ -34,7 +34,6 @@ attribute read by a module other than its owner is seen only through its owner's
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpexp.privacy.containers import map_tensors, tensors_in
+
 _MODULE_FIELDS = frozenset(vars(nn.Module()))  # nn.Module's bookkeeping: parameters, buffers, hooks
 _ABSENT = object()  # an attribute a module did not have
 
@@ -51,39 +52,16 @@ Key = tuple[str, str]  # (module name, attribute)
 _HOLDERS = (torch.Tensor, list, tuple, dict)  # the values :func:`attribute_tensors` finds tensors in
 
 
-def attribute_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
+def attribute_tensors(value: Any) -> list[torch.Tensor]:
     """The tensors an attribute holds: itself, or those in its lists, tuples and dicts (three levels);
     parameters are left out (the optimizer changes them, and :meth:`StateWatch.check` watches them)."""
-    if isinstance(value, nn.Parameter):
-        return []
-    if torch.is_tensor(value):
-        return [value]
-    if depth > 2:
-        return []
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in attribute_tensors(v, depth + 1)]
-    return []
+    return [t for t in tensors_in(value, levels=3) if not isinstance(t, nn.Parameter)]
 
 
 def _copied(value: Any) -> Any:
     """``value`` with its lists, tuples and dicts (their subclasses too: an ``OrderedDict`` cache, a named
     tuple) rebuilt and its tensors cloned (detached); anything else, parameters included, as it is."""
-    if torch.is_tensor(value):
-        return value if isinstance(value, nn.Parameter) else value.detach().clone()
-    if isinstance(value, dict):
-        out = copy.copy(value)
-        out.update((k, _copied(v)) for k, v in value.items())
-        return out
-    if isinstance(value, list):
-        out = copy.copy(value)
-        out[:] = [_copied(v) for v in value]
-        return out
-    if isinstance(value, tuple):
-        items = [_copied(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
+    return map_tensors(value, lambda t: t if isinstance(t, nn.Parameter) else t.detach().clone())
 
 
 Fingerprint = tuple[int, torch.dtype, torch.Tensor]

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy.capture import Forward, Use
+from dpexp.privacy.containers import map_tensors, tensors_in
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.precision import tolerance
 from dpexp.privacy.rules.functional import batch_outputs, pack_output_grads
@@ -343,33 +344,11 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
     )
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in nested tuples, lists and mappings (Hugging Face's outputs are mappings), in order."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with every tensor in its nested tuples, lists and dicts replaced by ``fn(tensor)``."""
-    if torch.is_tensor(value):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value
-
-
 def replaced_example(args: tuple, kwargs: dict[str, Any], batch_size: int) -> tuple[tuple, dict] | None:
     """The call's arguments with example 0 replaced by the first example j whose data differs from it: row 0
     of every tensor with ``batch_size`` rows in dim 0 set to its row j (copies; ids stay valid ids). None if
     no such tensor exists or every example is the same."""
-    batched = [t for t in _tensors((args, kwargs)) if t.dim() and t.shape[0] == batch_size]
+    batched = [t for t in tensors_in((args, kwargs)) if t.dim() and t.shape[0] == batch_size]
     differs = [j for j in range(1, batch_size) if any(not torch.equal(t[j], t[0]) for t in batched)]
     if not differs:
         return None
@@ -382,7 +361,7 @@ def replaced_example(args: tuple, kwargs: dict[str, Any], batch_size: int) -> tu
         t[0] = t[j]
         return t
 
-    return _map_tensors(args, replace), _map_tensors(kwargs, replace)
+    return map_tensors(args, replace), map_tensors(kwargs, replace)
 
 
 def moved_rows(real: torch.Tensor, replayed: torch.Tensor, batch_size: int, tol: float) -> str | None:
@@ -577,7 +556,7 @@ class Verifier:
         """Check 4's replay and comparisons; False if every example is the same (nothing to replace)."""
         probe = self.probe
         tol = max(tolerance(dtype) for dtype in probe.dtypes)
-        inputs = [_tensors((c.args, c.kwargs)) for c in probe.calls]
+        inputs = [tensors_in((c.args, c.kwargs)) for c in probe.calls]
         if not any(t.dim() and t.shape[0] == batch_size for ts in inputs for t in ts):
             raise VerificationError(
                 f"no input of the model has the micro-batch's {batch_size} examples in dim 0, so the "
@@ -615,7 +594,8 @@ class Verifier:
         if next(position) != len(uses):
             raise _control_flow_error("fewer layers")
         for call, output in zip(probe.calls, outputs, strict=True):
-            for k, (real, replayed) in enumerate(zip(_tensors(call.output), _tensors(output), strict=False)):
+            pairs = zip(tensors_in(call.output), tensors_in(output), strict=False)
+            for k, (real, replayed) in enumerate(pairs):
                 rows = real.shape[0] if real.dim() else 0
                 if not rows or rows % batch_size or not real.is_floating_point():
                     continue  # a batch-level summary (e.g. a mean loss): not part of any example's output
