@@ -470,6 +470,27 @@ def mixtral() -> nn.Module:
     return _routed(_decoder(MixtralConfig, MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2))
 
 
+def dbrx() -> nn.Module:
+    """Tiny random DBRX: its experts' weights stacked (E I, d) in the experts' ``mlp``, which each expert's
+    gathered rows are passed to with the expert's slices (``rules/dbrx_moe.py``); a router softmaxing all
+    logits, top 2 of 4, the top scores renormalised by their 1-norm; clipped q, k, v; no router jitter. The
+    routers' weights at scale 0.5 and the experts' at 0.3: routing and expert outputs differ by token."""
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    config = DbrxConfig(
+        d_model=16, n_heads=2, n_layers=2, max_seq_len=16, vocab_size=40, pad_token_id=1,
+        ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 4, "moe_top_k": 2, "moe_jitter_eps": None},
+        attn_config={"kv_n_heads": 1, "rope_theta": 1e4, "clip_qkv": 8.0},
+    )  # fmt: skip
+    model = DbrxForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for block in model.transformer.blocks:
+            block.ffn.router.layer.weight.normal_(0.0, 0.5)
+            for weight in block.ffn.experts.mlp.parameters():
+                weight.normal_(0.0, 0.3)
+    return model
+
+
 def llama4() -> nn.Module:
     """Tiny random Llama 4 (text): MoE blocks in which every token goes to every expert (expert-major rows
     of (E*N, d), scaled by the sigmoid of the router's top-1 logit, 0 for the others), a shared expert added

@@ -30,7 +30,8 @@ def test_map_tensors_rebuilds_each_container_as_its_type():
     value = Output(first=Pair(a, 5), rest=[b, "s"])
     out = map_tensors(value, lambda t: t + 1)
     assert type(out) is Output and type(out["first"]) is Pair and out["first"].second == 5
-    assert torch.equal(out["first"].first, a + 1) and torch.equal(out["rest"][0], b + 1) and out["rest"][1] == "s"
+    assert torch.equal(out["first"].first, a + 1) and torch.equal(out["rest"][0], b + 1)
+    assert out["rest"][1] == "s"
     assert torch.equal(value["first"].first, a)  # the input is left as it was
 
 

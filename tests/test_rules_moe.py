@@ -6,6 +6,7 @@ routers' recomputation against the modules, the copies that take the rules, and 
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tests.engine_models import (
     NEW_MOE,
     _padded_text,
     aria,
+    dbrx,
     deepseek_v2,
     deepseek_v3,
     ernie4_5_moe,
@@ -121,6 +123,19 @@ def test_routed_weighted_sum_mask_sibling_and_cross_term():
     torch.testing.assert_close(sibling.instantiate(), 2 * first.instantiate())
 
 
+def test_routed_stacked_experts_block_as_their_3d_form():
+    """A weight stored with its experts stacked, (E L, R) (DBRX), given ``experts=E``: the same gradients,
+    norms and sums as the (E, L, R) form, in the stacked shape."""
+    grad, dense = _routed()
+    left, right, expert, example = grad._factors()
+    stacked = Routed(left, right, expert, example, 5, (4 * 6, 7), experts=4)
+    torch.testing.assert_close(stacked.instantiate(), dense.view(5, 24, 7), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stacked.norm_sq(), grad.norm_sq(), rtol=1e-12, atol=0)
+    coef = torch.rand(5, dtype=torch.float64)
+    torch.testing.assert_close(stacked.weighted_sum(coef), grad.weighted_sum(coef).view(24, 7))
+    torch.testing.assert_close(stacked.dot(stacked), grad.dot(grad), rtol=1e-12, atol=0)
+
+
 def test_routed_bias_sums_each_examples_rows_per_expert():
     """A bias (E, R): left factor 1, ``G_i[e] = sum_r right_r`` over example i's rows routed to e."""
     gen = torch.Generator().manual_seed(0)
@@ -177,6 +192,50 @@ def test_new_moe_models_match_oracle(name, strategy, clipping, groups):
     _routing_spreads(model, batch)
     tolerance = {"rel": 2e-3, "floor": 1e-6} if NEW_MOE[name][2] else {"rel": 1e-6}
     check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, groups, **tolerance)
+
+
+@pytest.mark.parametrize("strategy,clipping,groups", SETTINGS)
+def test_dbrx_experts_match_oracle(strategy, clipping, groups):
+    """DBRX's stacked experts, each expert's rows passed to the experts' ``mlp`` with its weight slices
+    (``rules/dbrx_moe.py``), its router and attention: float64, padded text, two micro-batches, no
+    fallback; some expert gets rows of several examples and every example reaches several experts."""
+    from dpexp.privacy.rules import dbrx_moe
+
+    torch.manual_seed(0)
+    model = dbrx()
+    experts = model.transformer.blocks[0].ffn.experts
+    assert rule_for(experts).per_example_grads is dbrx_moe.dbrx_experts_grads
+    batch = _padded_text(6, 8, 40, torch.Generator().manual_seed(0))
+    seen = []
+    handle = experts.register_forward_pre_hook(lambda m, args: seen.append(args[1].view(6, -1)))
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    handle.remove()
+    index = seen[0]
+    assert max(len({int(i) for i in (index == e).nonzero()[:, 0]}) for e in range(4)) > 1
+    assert min(len(set(row.tolist())) for row in index) > 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*torch.func fallback")
+        check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, clipping, groups)
+
+
+def test_dbrx_experts_refusals():
+    """Refused with the cause: a trainable parameter besides the stacked weights, an activation not known
+    to act elementwise, routing that is not one row per flattened token."""
+    from dpexp.privacy.rules import dbrx_moe
+
+    model = dbrx()
+    experts = model.transformer.blocks[0].ffn.experts
+    experts.mlp.extra = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"parameters \['mlp.extra'\] besides mlp.w1, mlp.v1 and mlp.w2"):
+        PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+    del experts.mlp.extra
+    experts.mlp.activation_fn = nn.Softmax(dim=-1)  # mixes a row's features
+    with pytest.raises(ValueError, match=r"DbrxExperts: .*activation"):
+        PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+    hidden = torch.zeros(2, 3, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"needs \(B, T, d\) states with \(B\*T, k\) routing"):
+        dbrx_moe.dbrx_inputs(experts, (hidden, torch.zeros(5, 2, dtype=torch.long), torch.zeros(5, 2)), {})
 
 
 class _RoutedRows(nn.Module):

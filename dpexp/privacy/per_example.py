@@ -365,8 +365,12 @@ class Routed(PerExampleGrad):
         example: torch.Tensor,
         batch_size: int,
         shape: torch.Size | tuple[int, ...],
+        experts: int | None = None,
     ) -> None:
+        """``shape`` is the weight's; ``experts``: E, where it is not ``shape[0]`` (DBRX stores its experts'
+        weights stacked as (E L, R))."""
         self.shape, self._batch_size = torch.Size(shape), batch_size
+        self.experts = self.shape[0] if experts is None else experts
         key = expert * batch_size + example
         self._order: torch.Tensor | None = None  # the permutation that sorted the rows given, if any
         if key.numel() > 1 and not bool((key[1:] >= key[:-1]).all()):
@@ -379,7 +383,7 @@ class Routed(PerExampleGrad):
                 key[order],
             )
         self.left, self.right, self.expert, self.example = left, right, expert, example
-        self.counts = torch.bincount(key, minlength=self.shape[0] * batch_size)  # rows per (expert, example)
+        self.counts = torch.bincount(key, minlength=self.experts * batch_size)  # rows per (expert, example)
         self._routing: dict[str, _Pairs] = {}  # the pairs, once computed; shared with siblings
 
     def sibling(self, left: torch.Tensor, right: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> Routed:
@@ -464,7 +468,7 @@ class Routed(PerExampleGrad):
     @property
     def _blocks(self) -> tuple[int, int, int]:
         """(E, L, R): the weight as its factors make it (a bias (E, R) is (E, 1, R), its left factor 1)."""
-        return self.shape[0], self.left.shape[1], self.right.shape[1]
+        return self.experts, self.left.shape[1], self.right.shape[1]
 
     def instantiate(self) -> torch.Tensor:
         pairs = self._pairs()
@@ -484,7 +488,7 @@ class Routed(PerExampleGrad):
         else:
             right = right * scale
         out = left.new_zeros(self._blocks)
-        per_expert = self.counts.view(self.shape[0], self.batch_size).sum(1).tolist()
+        per_expert = self.counts.view(self.experts, self.batch_size).sum(1).tolist()
         for e, (rows_left, rows_right) in enumerate(
             zip(left.split(per_expert), right.split(per_expert), strict=True)
         ):
@@ -509,6 +513,7 @@ class Routed(PerExampleGrad):
             *(torch.cat(pair) for pair in zip(self._factors(), other._factors(), strict=True)),
             self.batch_size,
             self.shape,
+            self.experts,
         )
         return (both.norm_sq() - self.norm_sq() - other.norm_sq()) / 2
 

@@ -280,6 +280,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     beit_attention,
     bilinear,
     conv,
+    dbrx_moe,
     embedding,
     embedding_bag,
     expert_modules,
