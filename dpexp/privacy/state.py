@@ -128,18 +128,25 @@ class StateWatch:
     def _attributes(self, holders: bool = True) -> dict[Key, Any]:
         """Every module's plain attributes (the modules as :meth:`start` found them); ``holders``: only
         those that may hold tensors."""
-        return {
-            (name, key): value
-            for name, module in self._modules
-            for key, value in vars(module).items()
-            if (not holders or isinstance(value, _HOLDERS)) and key not in self._ignored
-        }
+        out = {}
+        for name, module in self._modules:
+            attributes = vars(module)
+            for key in sorted(attributes.keys() - self._ignored):  # nn.Module's own fields skipped in C
+                value = attributes[key]
+                if not holders or isinstance(value, _HOLDERS):
+                    out[name, key] = value
+        return out
 
     def start(self, snapshot: bool = False) -> None:
         """A training forward begins; ``snapshot``: it is the first of a verification, which check 4 will
         replay from the model's state as it is now."""
         self._modules = list(self.model.named_modules())
-        self._buffers = {name: (id(b), b._version) for name, b in self.model.named_buffers()}
+        self._buffers = {  # by the modules just listed (the check after the forward walks the model again)
+            f"{name}.{key}" if name else key: (id(b), b._version)
+            for name, module in self._modules
+            for key, b in module._buffers.items()
+            if b is not None
+        }
         self._found = set()
         self._before = {key: _signature(value) for key, value in self._attributes().items()}
         if snapshot:  # all attributes: a None the forward replaces is put back as None
