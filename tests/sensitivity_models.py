@@ -660,6 +660,7 @@ NEW_CASES = [
     "hf_convnext",  # HF ConvNextLayerNorm (both data formats), ConvNextLayer's layer_scale_parameter
     "hf_convnextv2",  # HF ConvNextV2GRN: statistics over each example's own positions
     "hf_bit",  # HF WeightStandardizedConv2d with its DynamicPad2d, BitGroupNormActivation
+    "hf_hiera",  # HF HieraEmbeddings: a position table added to the patch convolution, a tuple returned
     "mobilebert",  # HF MobileBERT's NoNorm
     "convbert",  # HF ConvBERT's SeparableConv1D bias
     "esmc",  # HF ESM C's EsmcLayerNorm
@@ -867,7 +868,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "hf_convnext",
         "hf_convnextv2",
         "hf_bit",
-    ):  # timm's and Hugging Face's CNNs
+        "hf_hiera",
+    ):  # timm's and Hugging Face's CNNs (and Hiera)
         builder = timm_cnn_models.BUILDERS["efficientnet" if name == "efficientnet_gn" else name]
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return builder(), engine_models.classification_loss, batch, float_info

@@ -171,6 +171,20 @@ def hf_bit() -> nn.Module:
     return hf_image_classifier("bit", 8, **sizes, global_padding="SAME", layer_type="preactivation")
 
 
+def hf_hiera() -> nn.Module:
+    """Hugging Face Hiera: two stages of one block (widths 8 and 16), 3 x 3 patches at stride 2 (a 4 x 4 token
+    grid), a query pool after the first stage, an absolute position table added to the patch embeddings
+    (``HieraEmbeddings``, which returns a tuple)."""
+    from transformers import HieraConfig, HieraForImageClassification
+
+    config = HieraConfig(
+        image_size=[8, 8], patch_size=[3, 3], patch_stride=[2, 2], patch_padding=[1, 1], embed_dim=8,
+        depths=[1, 1], num_heads=[1, 2], query_stride=[2, 2], masked_unit_size=[2, 2], num_query_pool=1,
+        num_labels=3,
+    )  # fmt: skip
+    return Logits(_perturbed(HieraForImageClassification(config), 9))
+
+
 BUILDERS = {
     "convnext": convnext,
     "convnext_conv_mlp": partial(convnext, conv_mlp=True),
@@ -184,6 +198,7 @@ BUILDERS = {
     "hf_convnext": hf_convnext,
     "hf_convnextv2": partial(hf_convnext, v2=True),
     "hf_bit": hf_bit,
+    "hf_hiera": hf_hiera,
 }
 
 

@@ -212,6 +212,9 @@ class TimmImage(ImageClassifier):
         return timm.create_model(self.model_name, **kwargs).train()
 
 
+_SIZE_AS_PAIR = ("hiera",)  # configurations that take the image size as [height, width] only
+
+
 class HFImageClassifier(ImageClassifier):
     """A Hugging Face image classifier from its ``model_type`` (``AutoConfig.for_model``: ``dinov2``,
     ``clip_vision_model``, ``beit``, ``siglip_vision_model``...) and config fields, random weights."""
@@ -225,8 +228,9 @@ class HFImageClassifier(ImageClassifier):
     def build(self) -> nn.Module:
         from transformers import AutoConfig, AutoModelForImageClassification
 
+        size = [self.image_size] * 2 if self.architecture in _SIZE_AS_PAIR else self.image_size
         config = AutoConfig.for_model(
-            self.architecture, image_size=self.image_size, num_labels=self.num_classes, **self.config
+            self.architecture, image_size=size, num_labels=self.num_classes, **self.config
         )
         return AutoModelForImageClassification.from_config(config).train()
 

@@ -1,8 +1,8 @@
 """Vision Transformers' own parameters: class, distillation, register and mask tokens and absolute position
 embedding (timm's ``VisionTransformer``, DeiT's ``VisionTransformerDistilled`` and ``Beit``, Hugging Face's
 ``ViTEmbeddings``, CLIP's ``CLIPVisionEmbeddings``, DINOv2's ``Dinov2Embeddings`` (and, with register
-tokens, ``Dinov2WithRegistersEmbeddings``) and BEiT's (and data2vec-vision's) ``BeitEmbeddings``); and
-SigLIP's attention-pooling probe, a learned query token.
+tokens, ``Dinov2WithRegistersEmbeddings``), BEiT's (and data2vec-vision's) ``BeitEmbeddings`` and Hiera's
+``HieraEmbeddings``; and SigLIP's attention-pooling probe, a learned query token.
 
 timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
 (or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``; a ``Beit``
@@ -360,3 +360,47 @@ def probe_grads(module: nn.Module, query: torch.Tensor, dq: torch.Tensor) -> dic
     (``attention``, an ``nn.MultiheadAttention`` with its own rule). The rule taps the attention's query
     input, (B, 1, d), and ``d probe_i = dq_i``. Without it the fallback recomputed the head per example."""
     return {"probe": Dense(dq.reshape(-1, *module.probe.shape))}
+
+
+# ---------------------------------------------------------------------------------------------- Hiera
+_HIERA = "transformers.models.hiera.modeling_hiera.HieraEmbeddings"
+
+
+def _check_hiera(module: nn.Module) -> None:
+    reason = unknown_parameters(module, {"position_embeddings"})
+    refuse(module, "position-embedding", "module", reason, "Freeze them, or register a rule.")
+
+
+def hiera_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(pixel_values,)`` of a call of Hiera's embeddings; refuses a call that resamples the position table
+    (``interpolate_pos_encoding`` for another size, or traced), whose gradient the rule does not take back
+    through the bicubic resampling."""
+    call = inspect.signature(module.forward).bind(*args, **kwargs)
+    call.apply_defaults()
+    pixels = call.arguments["pixel_values"]
+    height, width = pixels.shape[-2:]
+    patches = math.prod(
+        size // stride for size, stride in zip((height, width), module.patch_stride, strict=True)
+    )
+    if call.arguments["interpolate_pos_encoding"] and (
+        torch.jit.is_tracing() or patches != module.position_embeddings.shape[1] or height != width
+    ):
+        raise ValueError(
+            f"resamples position_embeddings for {(height, width)} images (interpolate_pos_encoding=True), "
+            "which the rule does not differentiate; feed images of config.image_size, or freeze "
+            "position_embeddings"
+        )
+    return (pixels,)
+
+
+@register_rule(_HIERA, check=_check_hiera, call=CallLayout(hiera_inputs, dinov2_output_grad))
+def hiera_position_grads(
+    module: nn.Module, call: tuple[torch.Tensor], dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """Hugging Face Hiera (Ryali et al. 2023: a hierarchical ViT with an absolute position embedding
+    added to the patch embeddings): ``patch_embeddings(x) + position_embeddings`` (1, N, d), the patch
+    convolution a submodule with its own rule, returned with the MAE mask and restore ids (None or integers:
+    no gradient). With ``dy`` (B, N, d) the first output's gradient, ``d pos_i = dy_i``. Without the rule
+    the exact fallback recomputed the module, convolution included, per example."""
+    table = module.position_embeddings
+    return {"position_embeddings": Dense(dy.reshape(dy.shape[0], *table.shape))}
