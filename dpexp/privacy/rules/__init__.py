@@ -293,6 +293,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     norm,
     norm_act,
     projection_bias,
+    scaled_linear,
     reads,
     recurrent,
     rms_norm,
