@@ -41,7 +41,8 @@ def test_head_grads_match_autograd_per_example(dtype):
     dy = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(1))  # the float32 logits' gradient
     grads = scaled_linear.scaled_head_grads(head, x, dy)
     for i in range(3):
-        weight, scale = torch.autograd.grad(head(x[i : i + 1]), [head.weight, head.logit_scale], dy[i : i + 1])
+        out = head(x[i : i + 1])
+        weight, scale = torch.autograd.grad(out, [head.weight, head.logit_scale], dy[i : i + 1])
         rel = 1e-12 if dtype == torch.float64 else 1e-5
         torch.testing.assert_close(grads["weight"].instantiate()[i], weight, rtol=rel, atol=rel)
         torch.testing.assert_close(grads["logit_scale"].instantiate()[i], scale, rtol=1e-5, atol=1e-7)
