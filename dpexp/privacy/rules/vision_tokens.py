@@ -379,9 +379,9 @@ def hiera_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
     call.apply_defaults()
     pixels = call.arguments["pixel_values"]
     height, width = pixels.shape[-2:]
-    patches = math.prod(
-        size // stride for size, stride in zip((height, width), module.patch_stride, strict=True)
-    )
+    conv = module.patch_embeddings.projection  # its output grid is the token grid the table is added to
+    geometry = zip((height, width), conv.kernel_size, conv.stride, conv.padding, conv.dilation, strict=True)
+    patches = math.prod((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, s, p, d in geometry)
     if call.arguments["interpolate_pos_encoding"] and (
         torch.jit.is_tracing() or patches != module.position_embeddings.shape[1] or height != width
     ):
