@@ -182,6 +182,53 @@ def test_noise_of_other_tensors_is_drawn_per_tensor():
         noise_module.add_gaussian_noises_([(torch.zeros(3), 1.0)], torch.Generator(), secure=True)
 
 
+@pytest.mark.parametrize("limit", [1 << 26, 3_000], ids=["one_bucket", "buckets"])
+def test_device_noise_has_every_std_and_independent_draws(monkeypatch, limit):
+    """An accelerator's noise (run here on CPU tensors, which the function does not mind): one draw per
+    bucket of whole tensors, split, scaled and added by multi-tensor kernels; every tensor its own std,
+    non-contiguous ones too, every value its own draw, tensors and buckets uncorrelated; the same generator
+    state gives the same noise, and dtypes are drawn apart."""
+    monkeypatch.setattr(noise_module, "DEVICE_NOISE_VALUES", limit)
+
+    def case() -> list[tuple[torch.Tensor, float]]:
+        strided = torch.zeros(40, 50, dtype=torch.float64).t()  # not contiguous
+        return [(torch.zeros(2_000, dtype=torch.float64), 3.0), (torch.zeros(7, dtype=torch.float64), 2.0),
+                (strided, 0.5), (torch.zeros(2_500), 1.5)]  # fmt: skip
+
+    pieces = case()
+    noise_module.add_device_noises_(pieces, torch.Generator().manual_seed(0))
+    for tensor, std in pieces:
+        assert (tensor != 0).all()
+        if tensor.numel() > 100:
+            assert tensor.std().item() == pytest.approx(std, rel=0.1)
+    assert pieces[3][0].dtype == torch.float32
+    rows = torch.stack([pieces[0][0][:1_000] / 3.0, pieces[2][0].flatten()[:1_000] / 0.5,
+                        pieces[3][0][:1_000].double() / 1.5])  # fmt: skip
+    corr = torch.corrcoef(rows)
+    assert (corr - torch.eye(3, dtype=corr.dtype)).abs().max() < 0.15
+    again = case()
+    noise_module.add_device_noises_(again, torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(pieces, again, strict=True))
+
+
+def test_buckets_hold_whole_tensors_up_to_the_limit():
+    sizes = [5, 3, 4, 20, 1, 1]
+    pieces = [(torch.zeros(n), 1.0) for n in sizes]
+    runs = [[t.numel() for t, _ in bucket] for bucket in noise_module._buckets(pieces, 8)]
+    assert runs == [[5, 3], [4], [20], [1, 1]]
+
+
+def test_accelerator_tensors_take_the_device_noise(monkeypatch):
+    """add_gaussian_noises_ hands tensors off the CPU to add_device_noises_ (meta tensors stand in for an
+    accelerator's), keeps CPU tensors on its streams, and secure noise per tensor wherever they are."""
+    seen = []
+    monkeypatch.setattr(noise_module, "add_device_noises_", lambda pieces, generator: seen.append(pieces))
+    meta, cpu = torch.empty(3, device="meta"), torch.zeros(4)
+    noise_module.add_gaussian_noises_([(meta, 2.0), (cpu, 1.0)], torch.Generator().manual_seed(0))
+    assert len(seen) == 1 and [(t is meta, std) for t, std in seen[0]] == [(True, 2.0)]
+    assert (cpu != 0).all()
+
+
 @pytest.mark.parametrize("device_path", ["chunked", "whole"])
 def test_gaussian_noise_is_independent_in_every_chunk(monkeypatch, device_path):
     """CPU noise is drawn chunk by chunk: every element (also in the last, partial chunk) gets its own draw

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -33,6 +33,9 @@ SECURE_SUMMANDS = 4  # k: Gaussians summed per secure value (Holohan & Braghin's
 # thread count), so that the noise of a seed is the same on every machine
 NOISE_STREAMS = 8
 PARALLEL_NOISE_MIN = 1 << 22  # values from which the streams are drawn in threads (below: a pool costs more)
+# a step's noise on an accelerator is drawn in buckets of whole tensors of at most this many values (256 MiB
+# in float32; a larger tensor alone), one draw and two multi-tensor kernels each, not two launches a tensor
+DEVICE_NOISE_VALUES = 1 << 26
 
 
 def allocation_weights(thresholds: torch.Tensor, dims: torch.Tensor, allocation: Allocation) -> torch.Tensor:
@@ -91,14 +94,16 @@ def add_gaussian_noises_(
     contiguous ranges, each drawn chunk by chunk from its own generator, seeded by one draw of
     ``NOISE_STREAMS`` 63-bit seeds from ``generator``; from ``PARALLEL_NOISE_MIN`` values on, the ranges
     are drawn in parallel threads (torch's kernels release the GIL). The noise depends on ``generator``'s
-    state only, not on the threads. Other tensors (``secure``, another device, not contiguous):
-    :func:`add_gaussian_noise_` each.
+    state only, not on the threads. Tensors on an accelerator: :func:`add_device_noises_`. Others
+    (``secure``, or on CPU and not contiguous): :func:`add_gaussian_noise_` each.
     """
     streamed = [(t, std) for t, std in pieces if not secure and t.device.type == "cpu" and t.is_contiguous()]
-    ids = {id(t) for t, _ in streamed}
+    on_device = [(t, std) for t, std in pieces if not secure and t.device.type != "cpu"]
+    ids = {id(t) for t, _ in streamed + on_device}
     for tensor, std in pieces:
         if id(tensor) not in ids:
             add_gaussian_noise_(tensor, std, generator, secure)
+    add_device_noises_(on_device, generator)
     total = sum(t.numel() for t, _ in streamed)
     if total == 0:
         return
@@ -126,6 +131,41 @@ def add_gaussian_noises_(
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(draw, range(NOISE_STREAMS)))  # list(): re-raises a worker's error
+
+
+def add_device_noises_(
+    pieces: Sequence[tuple[torch.Tensor, float]], generator: torch.Generator | None = None
+) -> None:
+    """``t += std_t z_t``, ``z_t ~ N(0, I)``, in place, for tensors on an accelerator, where every kernel
+    launch costs host time: by device and dtype, in buckets of whole tensors of at most
+    ``DEVICE_NOISE_VALUES`` values (:func:`_buckets`), each one ``randn`` split into the tensors' shapes,
+    scaled by ``std_t`` and added by two multi-tensor kernels. Every element still gets its own draw."""
+    kinds: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, float]]] = {}
+    for tensor, std in pieces:
+        kinds.setdefault((tensor.device, tensor.dtype), []).append((tensor, std))
+    for (device, dtype), kind in kinds.items():
+        for bucket in _buckets(kind, DEVICE_NOISE_VALUES):
+            tensors, sizes = [t for t, _ in bucket], [t.numel() for t, _ in bucket]
+            noise = torch.randn(sum(sizes), generator=generator, device=device, dtype=dtype)
+            draws = [z.view(t.shape) for z, t in zip(noise.split(sizes), tensors, strict=True)]
+            torch._foreach_mul_(draws, [std for _, std in bucket])
+            torch._foreach_add_(tensors, draws)
+
+
+def _buckets(
+    pieces: list[tuple[torch.Tensor, float]], limit: int
+) -> Iterator[list[tuple[torch.Tensor, float]]]:
+    """``pieces`` in order, in runs of at most ``limit`` values (a larger tensor alone)."""
+    bucket: list[tuple[torch.Tensor, float]] = []
+    values = 0
+    for tensor, std in pieces:
+        if bucket and values + tensor.numel() > limit:
+            yield bucket
+            bucket, values = [], 0
+        bucket.append((tensor, std))
+        values += tensor.numel()
+    if bucket:
+        yield bucket
 
 
 def standard_normal(
