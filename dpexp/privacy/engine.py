@@ -488,12 +488,14 @@ class PrivacyEngine:
         if self.aggregation.draws_noise:
             pieces = [(sums[name], float(stds[k])) for k, group in enumerate(self.groups) for name in group]
             add_gaussian_noises_([p for p in pieces if p[1] > 0], self.generator, self.secure_mode)
-        self.aggregation.sum_([sums[name] for group in self.groups for name in group])
+        ordered = [sums[name] for group in self.groups for name in group]
+        self.aggregation.sum_(ordered)
+        torch._foreach_div_(ordered, self.batch_size)  # one multi-tensor kernel on an accelerator
         released, noise_std = {}, {}
         for k, group in enumerate(self.groups):
             std = float(stds[k])
             for name in group:
-                grad = sums[name].div_(self.batch_size)
+                grad = sums[name]
                 if self.coordinate is not None:  # back from the standardised coordinates
                     grad = coordinate_clipping.unstandardise(grad, self._mean[name], self._scale[name])
                     released[name], noise_std[name] = grad, self._scale[name] * (std / self.batch_size)
