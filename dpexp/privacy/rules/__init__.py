@@ -131,7 +131,9 @@ _RULES_OF_COPIES: dict[type, LayerRule | None] = {}  # a class without a rule of
 
 
 def first_output(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
-    """A :class:`CallLayout`'s ``output_grad`` for a module whose one output is a tensor: its gradient."""
+    """A :class:`CallLayout`'s ``output_grad`` where the first output is the only one that reaches the loss
+    as a tensor (the others, if any, are None or integers: data2vec-vision's patch grid size, Hiera's MAE
+    mask and restore ids): its gradient."""
     return grads[0]
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from dpexp.privacy.per_example import PerExampleGrad, Routed
 from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
 from dpexp.privacy.rules.activation import activation_refusal
-from dpexp.privacy.rules.moe import compute_dtype
+from dpexp.privacy.rules.moe import compute_dtype, routed_rows
 
 DBRX = "transformers.models.dbrx.modeling_dbrx"
 _WEIGHTS = ("w1", "v1", "w2")
@@ -93,20 +93,10 @@ def dbrx_experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[st
     ``mlp.v1`` and ``mlp.w2``'s gradients (module docstring), recomputed in the call's compute dtype."""
     hidden, index, weights, dtype = x
     mlp, experts = module.mlp, module.num_experts
-    batch, width = hidden.shape[0], hidden.shape[-1]
-    rows = hidden.detach().reshape(-1, width).to(dtype)  # (N, d), example-major
-    length = rows.shape[0] // batch
-    slots = index.shape[-1]
-    flat = index.reshape(-1)
-    routed = (flat < experts).nonzero().squeeze(1)  # one_hot's extra class E is no expert
-    expert, order = torch.sort(flat[routed], stable=True)
-    slot = routed[order]
-    token = slot // slots
-    sizes = torch.bincount(expert, minlength=experts).tolist()
-    inputs = rows[token]  # (n, d)
+    inputs, scaled, expert, example, sizes = routed_rows(hidden, index, weights, dy, experts, dtype)
+    width = hidden.shape[-1]
     w1, v1, w2 = (getattr(mlp, name).detach().to(dtype).view(experts, -1, width) for name in _WEIGHTS)
-    scaled = (dy.reshape(-1, width)[token] * weights.reshape(-1)[slot, None]).to(dtype)  # s_r dy_t
-    gate, up, hidden_grad = (inputs.new_empty(len(token), w1.shape[1]) for _ in range(3))
+    gate, up, hidden_grad = (inputs.new_empty(len(expert), w1.shape[1]) for _ in range(3))
     for e, (a, g, u, s, dh) in enumerate(
         zip(*(t.split(sizes) for t in (inputs, gate, up, scaled, hidden_grad)), strict=True)
     ):
@@ -118,9 +108,8 @@ def dbrx_experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[st
         activated = mlp.activation_fn(leaf)
     (act_grad,) = torch.autograd.grad(activated, leaf, hidden_grad * up)
     activated = activated.detach()
-    example = token // length
     shape = mlp.w1.shape
-    w1_grad = Routed(act_grad, inputs, expert, example, batch, shape, experts)
+    w1_grad = Routed(act_grad, inputs, expert, example, hidden.shape[0], shape, experts)
     return {
         "mlp.w1": w1_grad,
         "mlp.v1": w1_grad.sibling(activated * hidden_grad, inputs, shape),

@@ -254,6 +254,43 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+class RoutedRows(NamedTuple):
+    """Every (token, slot) row of a call routed to an expert, sorted by expert (tokens in order within each):
+    its token's input ``x_t`` (n, d) and ``s_r dy_t`` (n, d), its expert and example (n,), and the number of
+    rows of each expert."""
+
+    inputs: torch.Tensor
+    scaled: torch.Tensor
+    expert: torch.Tensor
+    example: torch.Tensor
+    sizes: list[int]
+
+
+def routed_rows(
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    dy: torch.Tensor,
+    experts: int,
+    dtype: torch.dtype,
+) -> RoutedRows:
+    """The rows of a call with ``hidden`` (b, T, d) (or (b, d)), its routing ``index``, ``weights`` (b, T, k)
+    and output gradient ``dy``, folded per example; rows routed to ``experts`` or beyond (the sentinel
+    expert E that expert parallelism uses, or DBRX's extra one-hot class) are skipped. ``s_r dy_t`` is formed
+    in the precision in which the eager forward multiplies the expert's output by its weight."""
+    batch, width = hidden.shape[0], hidden.shape[-1]
+    rows = hidden.detach().reshape(-1, width).to(dtype)  # (N, d), N = b*T in example-major order
+    slots = index.shape[-1]
+    flat = index.reshape(-1)
+    routed = (flat < experts).nonzero().squeeze(1)
+    expert, order = torch.sort(flat[routed], stable=True)  # by expert, tokens in order within each
+    slot = routed[order]
+    token = slot // slots
+    scaled = (dy.reshape(-1, width)[token] * weights.reshape(-1)[slot, None]).to(dtype)
+    sizes = torch.bincount(expert, minlength=experts).tolist()
+    return RoutedRows(rows[token], scaled, expert, token // (rows.shape[0] // batch), sizes)
+
+
 def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``gate_up_proj`` and ``down_proj`` of one call, see the module docstring, and their biases where the
     layout has them (:func:`_layout`: GPT-OSS); without a gate (Nemotron-H) ``up_proj`` and ``h_r =
@@ -263,28 +300,16 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
     hidden, index, weights, dtype = x
     transposed, biased, gated = _layout(module)
     first = _first_projection(module)
-    batch, width = hidden.shape[0], hidden.shape[-1]
-    rows = hidden.detach().reshape(-1, width).to(dtype)  # (N, d), N = b*T in example-major order
-    length = rows.shape[0] // batch
-    index = index.reshape(rows.shape[0], -1)
-    slots = index.shape[1]
-    flat = index.reshape(-1)
-    routed = (flat < module.num_experts).nonzero().squeeze(1)  # the sentinel expert E is skipped
-    expert, order = torch.sort(flat[routed], stable=True)  # by expert, tokens in order within each
-    slot = routed[order]
-    token = slot // slots
-    sizes = torch.bincount(expert, minlength=module.num_experts).tolist()
-    inputs = rows[token]  # (n, d)
+    experts = module.num_experts
+    inputs, scaled, expert, example, sizes = routed_rows(hidden, index, weights, dy, experts, dtype)
     gate_up, down = module.get_parameter(first).detach().to(dtype), module.down_proj.detach().to(dtype)
     if not transposed:  # (E, in, out) views: every product below is x @ W
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    projected = inputs.new_empty(len(token), gate_up.shape[2])
+    projected = inputs.new_empty(len(expert), gate_up.shape[2])
     for e, (a, out) in enumerate(zip(inputs.split(sizes), projected.split(sizes), strict=True)):
         torch.mm(a, gate_up[e], out=out)  # the expert's projection of its rows, as the eager forward
     if biased:
         projected += module.get_parameter(f"{first}_bias").detach().to(dtype)[expert]
-    # s_r dy_t, in the precision in which the eager forward multiplies the expert's output by its weight
-    scaled = (dy.reshape(-1, width)[token] * weights.reshape(-1)[slot, None]).to(dtype)
     gate = _custom_gate(module)
     with torch.enable_grad():
         leaf = projected.requires_grad_()
@@ -299,7 +324,8 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
     for e, (g, out) in enumerate(zip(scaled.split(sizes), hidden_grad.split(sizes), strict=True)):
         torch.mm(g, down[e].T, out=out)  # the down projection's backward to its input
     (projected_grad,) = torch.autograd.grad(activated, leaf, hidden_grad)
-    example, activated = token // length, activated.detach()
+    activated = activated.detach()
+    batch = hidden.shape[0]
     shape = module.get_parameter(first).shape
     if transposed:  # gate_up_proj[e] (d, 2I), down_proj[e] (I, d)
         first_grad = Routed(inputs, projected_grad, expert, example, batch, shape)
@@ -309,7 +335,7 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
         down_grad = first_grad.sibling(scaled, activated, module.down_proj.shape)
     grads: dict[str, PerExampleGrad] = {first: first_grad, "down_proj": down_grad}
     if biased:  # the biases' gradients: the rows' output gradients, summed per (example, expert)
-        ones = projected_grad.new_ones(len(token), 1)
+        ones = projected_grad.new_ones(len(expert), 1)
         grads[f"{first}_bias"] = first_grad.sibling(
             ones, projected_grad, module.get_parameter(f"{first}_bias").shape
         )

@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, qualified_name, refuse, register_rule, unknown_parameters
+from dpexp.privacy.rules import (
+    CallLayout,
+    first_output,
+    qualified_name,
+    refuse,
+    register_rule,
+    unknown_parameters,
+)
 
 _PREFIX = ("cls_token", "dist_token", "reg_token")  # in their order in the sequence
 _TOKENS = (*_PREFIX, "pos_embed")
@@ -240,12 +247,6 @@ def dinov2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
     return _token_call(module, args, kwargs, resample_in_float32=True)
 
 
-def dinov2_output_grad(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.Tensor:
-    """The gradient of the first output (the tokens), (B, 1 + N, d); data2vec-vision's embeddings also
-    return the patch grid's size, integers without a gradient."""
-    return grads[0]
-
-
 def _token_grads(
     module: nn.Module,
     call: tuple[torch.Tensor, torch.Tensor | None],
@@ -272,7 +273,7 @@ def _token_grads(
     return grads
 
 
-@register_rule(_DINOV2, check=_check_dinov2, call=CallLayout(dinov2_inputs, dinov2_output_grad))
+@register_rule(_DINOV2, check=_check_dinov2, call=CallLayout(dinov2_inputs, first_output))
 def dinov2_token_grads(
     module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
@@ -296,7 +297,7 @@ def _check_registers(module: nn.Module) -> None:
 @register_rule(
     "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers.Dinov2WithRegistersEmbeddings",
     check=_check_registers,
-    call=CallLayout(dinov2_inputs, dinov2_output_grad),
+    call=CallLayout(dinov2_inputs, first_output),
 )
 def dinov2_register_token_grads(
     module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
@@ -325,7 +326,7 @@ def beit_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
     return _token_call(module, args, kwargs, resample_in_float32=False)
 
 
-@register_rule(*_BEIT, check=_check_dinov2, call=CallLayout(beit_inputs, dinov2_output_grad))
+@register_rule(*_BEIT, check=_check_dinov2, call=CallLayout(beit_inputs, first_output))
 def beit_token_grads(
     module: nn.Module, call: tuple[torch.Tensor, torch.Tensor | None], dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
@@ -393,7 +394,7 @@ def hiera_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
     return (pixels,)
 
 
-@register_rule(_HIERA, check=_check_hiera, call=CallLayout(hiera_inputs, dinov2_output_grad))
+@register_rule(_HIERA, check=_check_hiera, call=CallLayout(hiera_inputs, first_output))
 def hiera_position_grads(
     module: nn.Module, call: tuple[torch.Tensor], dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
