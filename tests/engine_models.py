@@ -491,6 +491,22 @@ def dbrx() -> nn.Module:
     return model
 
 
+def dory() -> nn.Module:
+    """Tiny random Dory: Gemma-2-like sandwich layers on the unit sphere, its LM head's logit scale drawn away
+    from its start so that it matters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "dory", hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=24, vocab_size=40, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    with torch.no_grad():
+        model.lm_head.logit_scale.uniform_(0.01, 0.05)
+    return model
+
+
 def llama4() -> nn.Module:
     """Tiny random Llama 4 (text): MoE blocks in which every token goes to every expert (expert-major rows
     of (E*N, d), scaled by the sigmoid of the router's top-1 logit, 0 for the others), a shared expert added

@@ -7,30 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.rules import rule_for, scaled_linear
-from tests.engine_models import _padded_text, lm_loss
+from tests.engine_models import _padded_text, dory, lm_loss
 from tests.oracle import SETTINGS, check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
-
-
-def dory() -> nn.Module:
-    """Tiny random Dory: Gemma-2-like sandwich layers on the unit sphere, its LM head's logit scale drawn away
-    from its start so that it matters."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "dory", hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        intermediate_size=24, vocab_size=40, pad_token_id=1, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).double().eval()
-    with torch.no_grad():
-        model.lm_head.logit_scale.uniform_(0.01, 0.05)
-    return model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
