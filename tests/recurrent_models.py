@@ -189,6 +189,11 @@ MODELS = {
     "mha_cross_packed_no_bias": lambda: AttentionNet(True, cross=True, packed=True, bias=False),
     "transformer_encoder": lambda: EncoderNet(True),
     "transformer_encoder_norm_first_causal": lambda: EncoderNet(True, norm_first=True, causal=True),
+    # PyTorch's default layout: the linear and norm layers see (T, B, d), read time-major once probed
+    "transformer_encoder_time_major": lambda: EncoderNet(False),
+    "transformer_encoder_time_major_norm_first_causal": lambda: EncoderNet(
+        False, norm_first=True, causal=True
+    ),
 }
 
 

@@ -39,15 +39,20 @@ def _cross_entropy(model, batch):
 
 
 class TimeMajor(nn.Module):
-    """(B, T, d) -> (T, B, d) -> Linear -> back: dim 0 of the layer's input is time."""
+    """(B, T, d) -> (T, B, d) -> Linear, LayerNorm -> back: dim 0 of the layers' input is time (or, with
+    ``time_major`` off, the same layers on the batch-first tensor)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(3, 3)
+        self.norm = nn.LayerNorm(3)
         self.head = nn.Linear(3, 2)
+        self.time_major = True
 
     def forward(self, x):
-        h = self.fc(x.transpose(0, 1)).transpose(0, 1)
+        if not self.time_major:
+            return self.head(torch.tanh(self.norm(self.fc(x)))).sum(1)
+        h = self.norm(self.fc(x.transpose(0, 1))).transpose(0, 1)
         return self.head(torch.tanh(h)).sum(1)
 
 
@@ -80,10 +85,62 @@ def _sequence_batch(batch_size: int, length: int):
     return {"x": torch.randn(batch_size, length, 3, generator=gen), "y": torch.randint(0, 2, (batch_size,))}
 
 
-@pytest.mark.parametrize("length", [4, 6])  # 4 = the micro-batch size: only the probe can tell
-def test_time_major_layer_is_refused(length):
-    with pytest.raises(VerificationError, match=r"layer 'fc' \(Linear\)"):
-        _step(TimeMajor(), _cross_entropy, _sequence_batch(4, length))
+def _oracle_update(model: nn.Module, batch) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The brute-force clipped mean of one step at per-layer thresholds between the examples' norms (some
+    examples clipped, some not), and those thresholds."""
+    grads = per_example_grads(model, _cross_entropy, batch)
+    groups = [[n for n in grads[0] if n.startswith(f"{prefix}.")] for prefix in ("fc", "norm", "head")]
+    thresholds = group_norms(grads, groups).median(0).values.tolist()
+    return clipped_mean(grads, groups, thresholds, batch_size=len(batch["y"])), thresholds
+
+
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("length", [1, 4, 6])  # 4 = the micro-batch size: only the probe can tell
+def test_time_major_position_wise_layers_are_exact(length, strategy):
+    """A (T, b, d) input of a position-wise layer is read with the examples in dim 1 once the probe
+    establishes it, also where T = b and the sizes fit dim 0 as well."""
+    model = TimeMajor().double()
+    batch = {**_sequence_batch(4, length), "x": _sequence_batch(4, length)["x"].double()}
+    expected, thresholds = _oracle_update(model, batch)
+    delta = _step(
+        copy.deepcopy(model),
+        _cross_entropy,
+        batch,
+        clipping="per_layer",
+        thresholds=thresholds,
+        strategy=strategy,
+    )
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-7, atol=1e-10)
+
+
+def test_a_later_micro_batch_is_read_in_the_verified_layout():
+    """Verified time-major at T = 6, the same layers at T = 4 = b on the next (unprobed) micro-batch are
+    still read time-major: sizes alone would read dim 0 as the examples."""
+    model = TimeMajor().double()
+    first, second = (_sequence_batch(4, length) for length in (6, 4))
+    first["x"], second["x"] = first["x"].double(), second["x"].double()
+    expected, thresholds = _oracle_update(model, second)
+    engine = _engine(copy.deepcopy(model), clipping="per_layer", thresholds=thresholds)
+    engine.backward(_cross_entropy(engine.model, first))
+    engine._clipper.end_step()  # the first micro-batch's sums dropped: the second's alone are compared
+    engine.backward(_cross_entropy(engine.model, second))
+    assert engine._verifier.probe is None  # not probed: the layout came from the verification
+    sums = engine._clipper.take_sums()
+    for name, want in expected.items():
+        torch.testing.assert_close(sums[name] / 4, want, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("verified_time_major", [True, False])
+def test_a_layer_that_changes_layout_after_verification_is_refused(verified_time_major):
+    """Sizes that fit only the other layout on an unprobed micro-batch: refused, naming the fix."""
+    model = TimeMajor()
+    engine = _engine(model)
+    model.time_major = verified_time_major
+    engine.backward(_cross_entropy(model, _sequence_batch(4, 5)))
+    model.time_major = not verified_time_major
+    with pytest.raises(VerificationError, match=r"'(fc|norm)' .*where the model was verified.*every_step"):
+        engine.backward(_cross_entropy(model, _sequence_batch(4, 5)))
 
 
 class FlatTimeMajor(nn.Module):

@@ -18,7 +18,7 @@ from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.per_example import Dense
 from dpexp.privacy.verification import VerificationError
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
-from tests.recurrent_models import MODELS, EncoderNet, RecurrentNet, make_recurrent_case
+from tests.recurrent_models import MODELS, RecurrentNet, make_recurrent_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 
@@ -72,7 +72,10 @@ def test_rule_matches_oracle_everywhere(name, strategy, clipping, groups):
     _check_against_oracle(*make_recurrent_case(name), strategy, clipping, groups)
 
 
-@pytest.mark.parametrize("name", ["lstm_time_major_bidirectional_2_layers", "mha_time_major_self"])
+@pytest.mark.parametrize(
+    "name",
+    ["lstm_time_major_bidirectional_2_layers", "mha_time_major_self", "transformer_encoder_time_major"],
+)
 def test_time_major_with_length_equal_to_batch_is_exact(name):
     """The batch dimension comes from ``batch_first``, not from sizes: T == B changes nothing."""
     _check_against_oracle(*make_recurrent_case(name, length=6), micro=[[0, 1, 2, 3, 4, 5]])
@@ -195,15 +198,6 @@ def test_dropout_is_accepted_in_eval_mode():
     model = RecurrentNet("LSTM", True, num_layers=2, dropout=0.5).double().eval()
     _, loss_fn, batch = make_recurrent_case("gru_bidirectional_2_layers")
     _check_against_oracle(model, loss_fn, batch)
-
-
-def test_time_major_transformer_layer_is_refused_at_its_position_wise_layers():
-    """The attention rule reads ``batch_first``; the linear and normalisation layers of a time-major
-    ``nn.TransformerEncoderLayer`` see (T, B, d) tensors, which the engine refuses, naming them."""
-    model = EncoderNet(batch_first=False).double().train()
-    _, loss_fn, batch = make_recurrent_case("transformer_encoder")
-    with pytest.raises(VerificationError, match=r"encoder\.(linear|norm)"):
-        engine_update(model, loss_fn, batch, [[0, 1, 2, 3, 4, 5]], batch_size=6, max_grad_norm=1.0)
 
 
 class _AutocastNet(nn.Module):

@@ -28,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpexp.privacy.broadcast import BroadcastExpander
 from dpexp.privacy.grouping import ParameterLayout
+from dpexp.privacy.layout import BATCH_FIRST, Layout
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.rules import CallLayout, LayerRule, reads_for, rule_for, supported_types
 from dpexp.privacy.rules.functional import (
@@ -636,21 +637,23 @@ class Capture:
         forward, self.forward = self.forward, Forward()
         return forward
 
-    def per_example_grads(self, use: Use, dy: torch.Tensor, fold: int = 1) -> dict[str, PerExampleGrad]:
+    def per_example_grads(
+        self, use: Use, dy: torch.Tensor, layout: Layout = BATCH_FIRST
+    ) -> dict[str, PerExampleGrad]:
         """The per-example gradients of ``use``'s trainable parameters for output gradient ``dy`` (b, ...),
         by its layer's rule or, without one, the exact fallback (which recomputes the layer, unrecorded).
-        ``fold`` > 1: the input was flattened to (b*fold, ...) and is folded to (b, fold, ...) for the
-        (position-wise) rule."""
+        ``layout``: where the examples are in the input (:mod:`dpexp.privacy.layout`); a (position-wise)
+        rule gets it as (b, ...), folded or transposed like ``dy``."""
         layer = use.layer
         if layer.rule is not None:
             x = use.args if layer.rule.call is not None or layer.rule.numbered else use.args[0]
-            if fold > 1:  # of a call layout's tuple, the main input and the entries of its rows are folded
-                unfold = partial(torch.Tensor.unflatten, dim=0, sizes=(dy.shape[0], fold))
+            if layout != BATCH_FIRST:  # of a call layout's tuple, the main input and the entries of its rows
+                view = partial(layout.batch_first, batch_size=dy.shape[0])
                 rows = layer.rule.call.rows if layer.rule.call is not None else (0,)
                 x = (
-                    tuple(unfold(t) if i in rows else t for i, t in enumerate(x))
+                    tuple(view(t) if i in rows else t for i, t in enumerate(x))
                     if isinstance(x, tuple)
-                    else unfold(x)
+                    else view(x)
                 )
             kept = {} if layer.rule.keep_output is None else {"output": use.kept_output()}
             grads = layer.rule.per_example_grads(layer.module, x, dy, **kept)

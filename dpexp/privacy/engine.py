@@ -376,17 +376,13 @@ class PrivacyEngine:
             )
         if isinstance(dy, tuple):
             dy = check_outputs(use, dy, self._batch_size)
-        fold = check_use(use, dy, self._batch_size)
-        self._verifier.check_fold(use, fold)
-        if fold > 1:  # a flattened (b*T, ...) input of a position-wise rule: (b, T, ...)
-            dy = dy.unflatten(0, (self._batch_size, fold))
-        verifying = self._verifier.probe is not None
+        layouts = check_use(use, dy, self._batch_size)
+        layout = self._verifier.layout(use, dy, layouts, self._phase, self._batch_size)
         if self._phase == "probe":
-            self._verifier.record(use, dy)
             return
-        if verifying and self._phase == "first":
-            self._verifier.check_rows(use, dy)
-        grads = self._capture.per_example_grads(use, dy, fold)
+        dy = layout.batch_first(dy, self._batch_size)  # folded or transposed to (b, ...) for the rule
+        verifying = self._verifier.probe is not None
+        grads = self._capture.per_example_grads(use, dy, layout)
         if verifying and self._phase == "first":
             self._verifier.add_engine_sums(use, grads)
         if self._phase == "second" or self.strategy.passes == 1:

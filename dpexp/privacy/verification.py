@@ -15,7 +15,10 @@ on the model the user brought (:class:`Verifier`), and the engine refuses what i
    embedding, normalisation), and the model's floating-point inputs are probed the same way, which exposes
    examples mixed before the first trainable layer. A position-wise layer may also get its input flattened
    to (b*T, ..., F) (OPT's MLP): it is folded to (b, T, ..., F) and the probe establishes the same of each
-   block of T rows, so a time-major (T*b) flattening is refused like a time-major tensor.
+   block of T rows, so a time-major (T*b) flattening is refused. Or time-major, (T, b, ..., F)
+   (``nn.TransformerEncoderLayer`` with ``batch_first=False``): it is read with dims 0 and 1 swapped where
+   the probe establishes that column i is example i's, at T = b too, where both readings fit the sizes
+   (:mod:`dpexp.privacy.layout`, :meth:`Verifier.layout`).
 2. **Every use of every trainable parameter, attributed to the right example.** Hooks see module calls; a
    parameter can also be used outside them (``F.linear(h, emb.weight)`` as a hand-tied output layer, a weight
    read only through ``F.linear`` or in the loss). On a verified micro-batch the parameters require gradients,
@@ -45,8 +48,10 @@ Checks 1, 2 and 4 run on the first micro-batch (of at least two examples) of eve
 tensor ranks and dtypes, keyword names, non-tensor arguments (:func:`structure_signature`). Which dimension
 carries the example is a property of the code path, not of the sizes: a layer whose dim 0 is something else
 fails the probe at its first verification when that dimension happens to have the batch size, and the size
-check at every call otherwise. A later micro-batch that calls the layers in a sequence never verified is
-refused unless every micro-batch is verified (``verify_every_step``). Check 3 runs on every training forward.
+check at every call otherwise; a later micro-batch is read in the layout its layers were verified in, and
+one whose sizes fit only another layout is refused. A later micro-batch that calls the layers in a
+sequence never verified is refused unless every micro-batch is verified (``verify_every_step``). Check 3
+runs on every training forward.
 """
 
 from __future__ import annotations
@@ -59,8 +64,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpexp.privacy.capture import Forward, Use
+from dpexp.privacy.capture import Forward, Layer, Use
 from dpexp.privacy.containers import map_tensors, tensors_in
+from dpexp.privacy.layout import BATCH_FIRST, TIME_MAJOR, Layout
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.precision import tolerance
 from dpexp.privacy.rules.functional import batch_outputs, pack_output_grads
@@ -272,11 +278,34 @@ def check_outputs(use: Use, grads: tuple[torch.Tensor, ...], batch_size: int) ->
     return pack_output_grads(outputs, grads, batch_size)
 
 
-def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
-    """The captured input is unchanged since the call, and dim 0 of input and output gradient has the batch
-    size b, or b*T for a position-wise rule (a flattened (B*T, ..., F) input, e.g. OPT's MLP); returns the
-    positions per example folded into dim 0 (1: batch-first). Sizes are necessary, not sufficient: the probe
-    establishes that row i (or rows [i*T, (i+1)*T)) belongs to example i."""
+def reads_time_major(layer: Layer) -> bool:
+    """Whether the layer's rule can read a time-major (T, b, ..., F) call: a position-wise rule of the layer's
+    own input and output gradient (no call layout, tap or kept output), of a layer not shared."""
+    rule = layer.rule
+    return (
+        rule is not None
+        and rule.position_wise
+        and rule.call is None
+        and not rule.taps
+        and not rule.numbered
+        and rule.keep_output is None
+        and not layer.shared
+    )
+
+
+def is_time_major_shaped(x: torch.Tensor, dy: torch.Tensor, batch_size: int) -> bool:
+    """Input (T, b, ...) and output gradient (T, b, ..., F): dim 1 of both has b, and the output gradient has
+    a feature axis after it (a (T, F) matrix whose F happens to be b is not time-major)."""
+    return x.dim() >= 2 and dy.dim() >= 3 and x.shape[:2] == dy.shape[:2] and x.shape[1] == batch_size
+
+
+def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> list[Layout]:
+    """The captured input is unchanged since the call, and the sizes of input and output gradient allow
+    the examples to be where a layout puts them (:mod:`dpexp.privacy.layout`): dim 0 has the batch size b,
+    or b*T for a position-wise rule (a flattened (B*T, ..., F) input, e.g. OPT's MLP), or dim 1 has b for
+    a position-wise rule's (T, b, ..., F) input (time-major). Returns the layouts the sizes allow, dim 0's
+    first. Sizes are necessary, not sufficient: the probe establishes which one holds
+    (:meth:`Verifier.layout`)."""
     layer, tensors = use.layer, use.tensors
     if [t._version for t in tensors] != use.versions:
         raise RuntimeError(
@@ -287,7 +316,7 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
         # a shared table read as a whole, or called on tensors without an example dimension only (position
         # ids passed by keyword, as Blenderbot's): dy's rows are where its output met the batch
         if dy.dim() and dy.shape[0] == batch_size:
-            return 1
+            return [BATCH_FIRST]
         raise VerificationError(
             f"layer {layer.name!r} ({type(layer.module).__name__}) is shared by all examples and met the "
             f"batch in a tensor of leading size {dy.shape[0] if dy.dim() else 0} for a micro-batch of "
@@ -304,11 +333,16 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
         )
     x = tensors[0]
     rows = x.shape[0] if x.dim() else 0
-    if rows == batch_size and dy.dim() and dy.shape[0] == batch_size:
-        return 1
     position_wise = layer.rule is not None and layer.rule.position_wise
-    if position_wise and rows > batch_size and rows % batch_size == 0 and dy.dim() and dy.shape[0] == rows:
-        return rows // batch_size
+    layouts = []
+    if rows == batch_size and dy.dim() and dy.shape[0] == batch_size:
+        layouts.append(BATCH_FIRST)
+    elif position_wise and rows > batch_size and rows % batch_size == 0 and dy.dim() and dy.shape[0] == rows:
+        layouts.append(Layout(fold=rows // batch_size))
+    if reads_time_major(layer) and is_time_major_shaped(x, dy, batch_size):
+        layouts.append(TIME_MAJOR)
+    if layouts:
+        return layouts
     shape = f"{layer.name!r} ({type(layer.module).__name__}) got an input of shape {tuple(x.shape)}"
     if rows == batch_size:
         cause = (
@@ -332,9 +366,10 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> int:
         )
     else:
         cause = (
-            "its leading dimension is not the example index (a time-major tensor, or a tensor shared by "
-            "all examples). Make its input batch-first, declare a layer whose output is shared by all "
-            "examples and meets the batch later (as T5's relative_attention_bias) with "
+            "its leading dimension is not the example index (a time-major tensor, which only a "
+            "position-wise rule reads, or a tensor shared by all examples). Make its input batch-first, "
+            "declare a layer whose output is shared by all examples and meets the batch later (as T5's "
+            "relative_attention_bias) with "
             "dpexp.privacy.shared.register_shared (or a weight read directly and passed to submodules, as "
             "DeBERTa-v2's rel_embeddings, with register_shared_weight), or freeze its parameters."
         )
@@ -410,6 +445,15 @@ def _mixed_error(what: str) -> VerificationError:
     )
 
 
+def _moved_input_error(layer: Layer, moved: str) -> VerificationError:
+    return _mixed_error(
+        f"layer {layer.name!r} ({type(layer.module).__name__}): when example 0's data changed, its input "
+        f"moved for other examples ({moved}), so the forward mixes examples before this layer (batch "
+        "statistics, a value computed from the whole batch under no_grad or detached, or a frozen module "
+        "that mixes examples)"
+    )
+
+
 def _control_flow_error(what: str) -> VerificationError:
     return VerificationError(
         f"when example 0's data changed, the model called {what}, so one example's data decides how the "
@@ -449,6 +493,9 @@ class _Probe:
     autograd_sums: ProjectedSums | None = None  # sum_i v_i grad l_i from autograd
     path: tuple = ()
     batch_first: set[int] = field(default_factory=set)  # indices in the path of uses verified unfolded
+    time_major: set[int] = field(default_factory=set)  # indices in the path of uses verified time-major
+    # check 4 on a use with two readings (dim 0 or dim 1 the examples): what moved under each, by index
+    readings: dict[int, dict[bool, str | None]] = field(default_factory=dict)
     calls: list[ModelCall] = field(default_factory=list)  # the forwards of the model being verified
     independent: bool = False  # check 4 ran with a changed example and passed
     mixed: VerificationError | None = None  # check 4's refusal, raised after checks 1 and 2 (more specific)
@@ -469,6 +516,7 @@ class Verifier:
         self._structures: set[tuple] = set()
         self._paths: set[tuple] = set()
         self._batch_first: dict[tuple, set[int]] = {}  # verified path -> its uses verified unfolded
+        self._time_major: dict[tuple, set[int]] = {}  # verified path -> its uses verified time-major
         self._path: tuple = ()  # the path of the current backward
         self._index: dict[int, int] = {}  # id(use) -> its position in the current path
         self._state = StateWatch(model)
@@ -575,16 +623,19 @@ class Verifier:
                 raise _control_flow_error(f"another sequence (call {i}: layer {replayed.layer.name!r})")
             if [t._version for t in real.tensors] != real.versions:
                 return  # changed in place after the call: check_use refuses it with its own message
+            time_major = reads_time_major(real.layer)
             for t, r in _paired_tensors(real, replayed):
                 moved = moved_rows(t, r, batch_size, tol)
+                if time_major and t.dim() >= 2 and t.shape[1] == batch_size and r.shape == t.shape:
+                    # which reading holds, check 1 establishes: keep what moved under each
+                    moved_across = moved_rows(t.transpose(0, 1), r.transpose(0, 1), batch_size, tol)
+                    if moved is None or moved_across is None:
+                        readings = probe.readings.setdefault(i, {False: None, True: None})
+                        readings[False] = readings[False] or moved
+                        readings[True] = readings[True] or moved_across
+                        continue
                 if moved is not None:
-                    layer = real.layer
-                    raise _mixed_error(
-                        f"layer {layer.name!r} ({type(layer.module).__name__}): when example 0's data "
-                        f"changed, its input moved for other examples ({moved}), so the forward mixes "
-                        "examples before this layer (batch statistics, a value computed from the whole "
-                        "batch under no_grad or detached, or a frozen module that mixes examples)"
-                    )
+                    raise _moved_input_error(real.layer, moved)
 
         with self._state.replaying():  # from the attributes as they were: check 3 learns which hold data
             outputs = [
@@ -669,45 +720,89 @@ class Verifier:
         for leaf in probe.leaves:
             leaf.grad = None
 
-    def check_fold(self, use: Use, fold: int) -> None:
-        """``fold`` positions per example in dim 0 of a use (:func:`check_use`). Probed: remember the uses
-        that were batch-first. Not probed: a use verified batch-first must not arrive flattened, since only
-        a probe can tell an example-major (B*T) layout from a time-major (T*B) one (a (T, B, d) tensor
-        flattened at T = 1 is batch-first when verified)."""
+    def layout(
+        self, use: Use, dy: torch.Tensor, layouts: list[Layout], phase: str, batch_size: int
+    ) -> Layout:
+        """Which of the ``layouts`` the sizes allow (:func:`check_use`, dim 0's first) holds for ``use``.
+
+        Probe pass: every one is fingerprinted. First plain pass of a probed backward: the first whose rows
+        of ``dy`` are the probe's scaled by ``v_i`` (check 1) and under whose reading check 4's replay kept
+        the other examples, remembered by the use's position in the path. Any other pass: the layout verified
+        there. A use verified batch-first must not arrive flattened, nor one verified time-major otherwise
+        (or the reverse): only a probe can tell an example-major (B*T) layout from a time-major (T*B) one, or
+        a (T, b) tensor from a (b, T) one at T = b."""
+        probe = self.probe
+        if probe is not None and phase == "probe":
+            probe.fingerprints[id(use)] = [RowFingerprint(ly.batch_first(dy, batch_size)) for ly in layouts]
+            probe.dtypes.add(dy.dtype)
+            return layouts[0]
         index = self._index.get(id(use), -1)
-        if self.probe is not None:
-            if fold == 1:
-                self.probe.batch_first.add(index)
-            return
-        if fold > 1 and index in self._batch_first.get(self._path, ()):
-            layer = use.layer
+        if probe is not None and phase == "first":
+            chosen = self._establish(use, dy, layouts, index)
+            if chosen.time_major:
+                probe.time_major.add(index)
+            elif chosen.fold == 1:
+                probe.batch_first.add(index)
+            return chosen
+        time_major = index in self._time_major.get(self._path, ())
+        matching = [ly for ly in layouts if ly.time_major == time_major]
+        layer = use.layer
+        where = f"layer {layer.name!r} ({type(layer.module).__name__})"
+        never_probed = (
+            "which example a row belongs to cannot be established without a probe. Construct the "
+            "PrivacyEngine with verify_every_step=True."
+        )
+        if not matching:
+            verified = "time-major (examples in dim 1)" if time_major else "with its examples in dim 0"
             raise VerificationError(
-                f"layer {layer.name!r} ({type(layer.module).__name__}) got {fold} rows per example, "
-                "flattened into dim 0, where it had one row per example when the model was verified; which "
-                "example a row belongs to cannot be established without a probe. Construct the PrivacyEngine "
-                "with verify_every_step=True."
+                f"{where} got an input of shape {tuple(use.tensors[0].shape)}, whose examples can only be "
+                f"{layouts[0].describe()}, where the model was verified {verified}; {never_probed}"
             )
-
-    def record(self, use: Use, dy: torch.Tensor) -> None:
-        """Probe pass: fingerprint the rows of a use's output gradient."""
-        self.probe.fingerprints[id(use)] = RowFingerprint(dy)
-        self.probe.dtypes.add(dy.dtype)
-
-    def check_rows(self, use: Use, dy: torch.Tensor) -> None:
-        """First plain pass: row i of the output gradient must be the probe's row over ``v_i`` (check 1)."""
-        fingerprint = self.probe.fingerprints.pop(id(use), None)
-        if fingerprint is None:
-            return
-        mixed = fingerprint.mixed_rows(dy, self.probe.weights)
-        if mixed.numel():
-            layer = use.layer
+        chosen = matching[0]
+        if chosen.fold > 1 and index in self._batch_first.get(self._path, ()):
             raise VerificationError(
-                f"layer {layer.name!r} ({type(layer.module).__name__}): row {int(mixed[0])} of its output "
-                "gradient depends on other examples' losses, so dim 0 of its input and output is not the "
-                "example index (a time-major or flattened tensor whose leading size happens to equal the "
-                "batch size, a tensor shared by all examples, or examples mixed after this layer). Make the "
-                f"layer's input batch-first and per-example, {DECLARE_SHARED}, or freeze its parameters."
+                f"{where} got {chosen.fold} rows per example, flattened into dim 0, where it had one row per "
+                f"example when the model was verified; {never_probed}"
             )
+        return chosen
+
+    def _establish(self, use: Use, dy: torch.Tensor, layouts: list[Layout], index: int) -> Layout:
+        """Check 1 of a use in the first plain pass: the first layout whose rows of ``dy`` scale with ``v_i``
+        and that check 4 did not see mixing (its refusal is raised after checks 1 and 2, as any check-4
+        failure); a use the probe did not reach keeps dim 0's layout and is never read time-major."""
+        probe = self.probe
+        fingerprints = probe.fingerprints.pop(id(use), None)
+        layer = use.layer
+        if fingerprints is None:
+            unprobed = [ly for ly in layouts if not ly.time_major]
+            if not unprobed:
+                raise VerificationError(
+                    f"layer {layer.name!r} ({type(layer.module).__name__}): its input is time-major only if "
+                    "the probe establishes it, and the probe's backward did not reach the layer"
+                )
+            return unprobed[0]
+        readings = probe.readings.get(index, {})
+        scaled = [
+            ly
+            for ly, fingerprint in zip(layouts, fingerprints, strict=True)
+            if not fingerprint.mixed_rows(ly.batch_first(dy, len(probe.weights)), probe.weights).numel()
+        ]
+        for ly in scaled:
+            if readings.get(ly.time_major) is None:
+                return ly
+        if scaled:  # check 1 holds only under a reading whose input moved for other examples
+            probe.mixed = probe.mixed or _moved_input_error(layer, readings[scaled[0].time_major])
+            return scaled[0]
+        mixed = fingerprints[0].mixed_rows(layouts[0].batch_first(dy, len(probe.weights)), probe.weights)
+        which = "dim 0" if len(layouts) == 1 else "neither dim 0 nor dim 1 (read time-major)"
+        which = "dim 1" if layouts[0].time_major else which
+        raise VerificationError(
+            f"layer {layer.name!r} ({type(layer.module).__name__}): row {int(mixed[0])} of its output "
+            f"gradient depends on other examples' losses, so {which} of its input and output is not the "
+            "example index (a time-major or flattened tensor whose leading size happens to equal the "
+            "batch size, a tensor shared by all examples, or examples mixed after this layer). Make the "
+            f"layer's input batch-first and per-example, {DECLARE_SHARED}, or freeze its parameters."
+        )
 
     def add_engine_sums(self, use: Use, grads: Mapping[str, PerExampleGrad]) -> None:
         """First plain pass: the engine's side of check 2, ``sum_i v_i g_i`` of this use."""
@@ -729,6 +824,7 @@ class Verifier:
             self._structures.add(probe.structure)
         self._paths.add(probe.path)
         self._batch_first[probe.path] = probe.batch_first
+        self._time_major[probe.path] = probe.time_major
 
     def _check_parameter_uses(self, probe: _Probe) -> None:
         tol = max(tolerance(dtype) for dtype in probe.dtypes)
