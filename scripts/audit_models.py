@@ -117,6 +117,8 @@ OVERRIDES = {  # per model type: what its configuration needs beyond SIZES to bu
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 8},
     "prophetnet": {"num_hidden_layers": None, "num_encoder_layers": 1, "num_decoder_layers": 2, "ngram": 2},
+    # stop 58: XLNet has no position limit (its configuration refuses the key) and names its sizes its own way
+    "xlnet": {"max_position_embeddings": None, "d_model": 16, "n_layer": 2, "n_head": 2, "d_inner": 24},
     **{name: {**STAGES, "embed_dim": 8, "num_heads": [1, 2], "window_size": 2}
        for name in ("swin", "swinv2", "donut-swin")},
     **{name: {**STAGES, "hidden_sizes": [8, 16], "num_stages": 2} for name in ("convnext", "convnextv2")},

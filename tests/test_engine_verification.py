@@ -935,3 +935,49 @@ def test_the_fallback_reports_running_out_of_memory_not_mixed_examples(monkeypat
     ) as caught:
         engine.backward(loss_fn(model, batch))
     assert "mixes examples" not in str(caught.value)
+
+
+class ScaledInPlace(nn.Module):
+    """A Linear's 3-D output (a view of its matmul) divided in place, as Longformer scales its queries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h /= 2.0
+        return self.head(torch.tanh(h)).sum(1)
+
+
+def test_a_layer_output_whose_gradient_never_arrives_is_refused_with_its_cause():
+    """Autograd drops the hook on a view modified in place: the engine would see no gradient for ``fc``
+    (whose parameters still have one), and says why instead of blaming a use outside the module."""
+    with pytest.raises(VerificationError, match=r"'fc.weight' has a gradient.*never reached.*in place"):
+        _step(ScaledInPlace(), _cross_entropy, _sequence_batch(4, 5))
+
+
+class OwnsAndReturnsAMapping(nn.Module):
+    """A module that owns a parameter itself and returns a dict: no tensor output to hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.offset = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return {"logits": self.fc(x) + self.offset}
+
+
+def test_a_module_without_tensor_output_names_the_parameters_it_owns():
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = OwnsAndReturnsAMapping()
+
+        def forward(self, x):
+            return self.inner(x)["logits"]
+
+    with pytest.raises(TypeError, match=r"'inner' .*freeze its parameters \['inner.offset'\]"):
+        _step(Wrapper(), _cross_entropy, _FLOATS)

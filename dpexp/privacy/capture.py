@@ -462,7 +462,8 @@ class Capture:
             raise TypeError(
                 f"layer {layer.name!r} ({type(module).__name__}) returned {type(output).__name__}, but the "
                 "privacy engine needs a tensor output (or, without a rule, a tuple of them) to capture its "
-                "gradient; freeze its parameters or register a rule for it."
+                f"gradient; freeze its parameters {sorted(layer.params.values())[:5]} (those it owns itself) "
+                "or register a rule for it."
             )
         if not output.is_floating_point():  # indices (a sparse attention's top-k): no gradient flows back
             raise TypeError(

@@ -496,6 +496,7 @@ class _Probe:
     time_major: set[int] = field(default_factory=set)  # indices in the path of uses verified time-major
     # check 4 on a use with two readings (dim 0 or dim 1 the examples): what moved under each, by index
     readings: dict[int, dict[bool, str | None]] = field(default_factory=dict)
+    delivered: set[str] = field(default_factory=set)  # layers whose output gradient reached the engine
     calls: list[ModelCall] = field(default_factory=list)  # the forwards of the model being verified
     independent: bool = False  # check 4 ran with a changed example and passed
     mixed: VerificationError | None = None  # check 4's refusal, raised after checks 1 and 2 (more specific)
@@ -806,6 +807,7 @@ class Verifier:
 
     def add_engine_sums(self, use: Use, grads: Mapping[str, PerExampleGrad]) -> None:
         """First plain pass: the engine's side of check 2, ``sum_i v_i g_i`` of this use."""
+        self.probe.delivered.add(use.layer.name)
         for attr, grad in grads.items():
             if attr in use.layer.params:
                 total = grad.weighted_sum(self.probe.weights)
@@ -833,6 +835,14 @@ class Verifier:
             return
         name, gap = mismatched[0]
         owners = self._owners[name]
+        if not any(owner in probe.delivered for owner in owners):
+            raise VerificationError(
+                f"parameter {name!r} has a gradient, but the gradient of the output of its "
+                f"module{'s' * (len(owners) > 1)} {owners} never reached the engine, so it cannot be "
+                "clipped. Autograd drops the hook on a layer's output when that output is a view (a Linear's "
+                "3-D output) modified in place afterwards (Longformer's `query /= sqrt(head_dim)`). Make "
+                "that change out of place (q = q / s), or freeze the parameter."
+            )
         raise VerificationError(
             f"parameter {name!r}: the per-example gradients from its module{'s' * (len(owners) > 1)} "
             f"{owners} do not add up to its gradient (relative difference {gap:.2g}): it is used outside "
