@@ -1,8 +1,8 @@
 """Small float64 models around ``nn.LSTM``/``GRU``/``RNN``, their cells and ``nn.MultiheadAttention`` for the
 oracle and sensitivity tests: time-major and batch-first layouts, bidirectional and stacked layers, a
 projected LSTM with given initial states, cells stepped by a loop with and without initial states, self-
-and cross-attention with padding and attention masks, and
-``nn.TransformerEncoderLayer``. Padded positions (id 0) never enter a loss; a padding-only example has a
+and cross-attention with padding and attention masks, ``nn.TransformerEncoderLayer`` and ``nn.Transformer``,
+batch-first and time-major. Padded positions (id 0) never enter a loss; a padding-only example has a
 finite one."""
 
 from __future__ import annotations
@@ -128,6 +128,33 @@ class EncoderNet(nn.Module):
         return self.head((h * keep).sum(1) / keep.sum(1).clamp_min(1))
 
 
+class Seq2SeqNet(nn.Module):
+    """Embedding -> ``nn.Transformer`` (one encoder and one decoder layer, dropout 0; PyTorch's default
+    time-major layout unless ``batch_first``): the decoder reads the sequence reversed, with a causal mask,
+    and attends to the encoder's output with its padding mask -> mean of unpadded -> head."""
+
+    def __init__(self, batch_first: bool = False) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(VOCAB, 8, padding_idx=0)
+        self.transformer = nn.Transformer(
+            8, 2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=12, dropout=0.0,
+            batch_first=batch_first,
+        )  # fmt: skip
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, pad = self.embed(ids), _padding_mask(ids)
+        keep = (ids != 0).unsqueeze(-1).to(torch.float64)
+        target = x.flip(1)
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=x.dtype)
+        layout = (lambda t: t) if self.batch_first else (lambda t: t.transpose(0, 1))
+        h = self.transformer(
+            layout(x), layout(target), tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad
+        )
+        return self.head((layout(h) * keep).sum(1) / keep.sum(1).clamp_min(1))
+
+
 class CellNet(nn.Module):
     """Embedding -> a user's loop over the steps of an ``nn.LSTMCell``/``GRUCell``/``RNNCell`` (one call per
     step, the state kept at padded positions) -> a head on the mean of the unpadded states plus one on the
@@ -191,6 +218,7 @@ MODELS = {
     "transformer_encoder_norm_first_causal": lambda: EncoderNet(True, norm_first=True, causal=True),
     # PyTorch's default layout: the linear and norm layers see (T, B, d), read time-major once probed
     "transformer_encoder_time_major": lambda: EncoderNet(False),
+    "transformer_seq2seq_time_major": lambda: Seq2SeqNet(False),
     "transformer_encoder_time_major_norm_first_causal": lambda: EncoderNet(
         False, norm_first=True, causal=True
     ),

@@ -74,7 +74,12 @@ def test_rule_matches_oracle_everywhere(name, strategy, clipping, groups):
 
 @pytest.mark.parametrize(
     "name",
-    ["lstm_time_major_bidirectional_2_layers", "mha_time_major_self", "transformer_encoder_time_major"],
+    [
+        "lstm_time_major_bidirectional_2_layers",
+        "mha_time_major_self",
+        "transformer_encoder_time_major",
+        "transformer_seq2seq_time_major",
+    ],
 )
 def test_time_major_with_length_equal_to_batch_is_exact(name):
     """The batch dimension comes from ``batch_first``, not from sizes: T == B changes nothing."""
