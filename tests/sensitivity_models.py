@@ -451,6 +451,28 @@ def mpnet() -> nn.Module:
     return MPNetForSequenceClassification(config).double().eval()
 
 
+def longformer() -> nn.Module:
+    """Tiny random Longformer classifier: sliding-window attention of 4 tokens plus global attention on the
+    first token, both time-major inside, and ``query_global``'s 3-D output divided in place (which drops a
+    hook on the view: the Linear's matmul result is hooked instead)."""
+    from transformers import LongformerConfig, LongformerForSequenceClassification
+
+    config = LongformerConfig(
+        vocab_size=40,
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=24,
+        attention_window=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=1,
+        num_labels=2,
+    )
+    return LongformerForSequenceClassification(config).double().eval()
+
+
 def deberta_v2(
     share_att_key: bool, norm_rel_ebd: str = "layer_norm", pos_att_type=("p2c", "c2p")
 ) -> nn.Module:
@@ -637,6 +659,7 @@ NEW_CASES = [
     "blenderbot_small",  # learned positions called on a shape, position ids (T,) by keyword
     "bigbird_pegasus",  # the same, the decoder's called on the ids
     "mpnet",  # one relative attention bias, expanded to the batch, added to the scores in place
+    "longformer",  # time-major projections, global attention on the first token, a query divided in place
     "time_major_len_eq_batch",
     "time_major_len_ne_batch",
     "flat_time_major_len_eq_batch",
@@ -829,6 +852,11 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         batch["labels"] = _labels(gen, size, 2)
         info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
         return mpnet(), engine_models.seq_classification_loss, batch, info
+    if name == "longformer":
+        batch = engine_models._padded_text(size, 6, 32, gen)
+        batch["labels"] = _labels(gen, size, 2)
+        info = {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}}
+        return longformer(), engine_models.seq_classification_loss, batch, info
     if name.startswith("deberta_v2"):
         batch = engine_models._padded_text(size, 6, 32, gen)
         batch["labels"] = _labels(gen, size, 2)

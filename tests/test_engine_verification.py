@@ -143,6 +143,38 @@ def test_a_layer_that_changes_layout_after_verification_is_refused(verified_time
         engine.backward(_cross_entropy(model, _sequence_batch(4, 5)))
 
 
+class GatedTimeMajor(nn.Module):
+    """A time-major Linear whose output is scaled by ``gate`` (0: no gradient reaches it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+        self.gate = 0.0
+
+    def forward(self, x):
+        h = self.fc(x.transpose(0, 1)).transpose(0, 1)
+        return self.head(x + self.gate * h).sum(1)
+
+
+def test_a_layer_verified_without_gradient_takes_a_layout_only_while_it_has_none():
+    """At b = 2, T = 4 the sizes fit a fold of 2 rows and time-major; with no gradient at the layer and the
+    examples equal after position 2 (padding), neither check 1 nor check 4 tells them apart, and dim 0's
+    reading is kept. At b = 3 only time-major fits: accepted while the layer still gets no gradient (every
+    reading gives every example zero), refused once it gets one."""
+    model = GatedTimeMajor()
+    engine = _engine(model)
+    batch = _sequence_batch(2, 4)
+    batch["x"][:, 2:] = batch["x"][0, 2:]
+    engine.backward(_cross_entropy(model, batch))
+    engine.backward(_cross_entropy(model, _sequence_batch(3, 4)))
+    model.gate = 1.0
+    with pytest.raises(
+        VerificationError, match=r"'fc' .*can only be time-major.*verified with its examples in dim 0"
+    ):
+        engine.backward(_cross_entropy(model, _sequence_batch(3, 4)))
+
+
 class FlatTimeMajor(nn.Module):
     """(B, T, d) -> (T, B, d) flattened to (T*B, d) -> Linear: b*T rows, but time-major."""
 
@@ -938,11 +970,12 @@ def test_the_fallback_reports_running_out_of_memory_not_mixed_examples(monkeypat
 
 
 class ScaledInPlace(nn.Module):
-    """A Linear's 3-D output (a view of its matmul) divided in place, as Longformer scales its queries."""
+    """A layer's 3-D output divided in place, as Longformer scales its queries: a Linear's (a view of its
+    matmul), or (``viewed``) a rule-less module's that returns a view of a product."""
 
-    def __init__(self) -> None:
+    def __init__(self, viewed: bool = False) -> None:
         super().__init__()
-        self.fc = nn.Linear(3, 3)
+        self.fc = ViewedScale() if viewed else nn.Linear(3, 3)
         self.head = nn.Linear(3, 2)
 
     def forward(self, x):
@@ -951,11 +984,33 @@ class ScaledInPlace(nn.Module):
         return self.head(torch.tanh(h)).sum(1)
 
 
+class ViewedScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return (x * self.weight).flatten(0, 1).view(x.shape)
+
+
+def test_a_linear_output_changed_in_place_is_exact():
+    """Autograd drops the hook on a view modified in place; a Linear's output is a view of its matmul, which
+    nothing else holds, and the engine hooks that instead (Longformer's queries)."""
+    model = ScaledInPlace().double()
+    batch = {**_sequence_batch(4, 5), "x": _sequence_batch(4, 5)["x"].double()}
+    grads = per_example_grads(model, _cross_entropy, batch)
+    thresholds = group_norms(grads, [list(grads[0])]).median(0).values.tolist()
+    expected = clipped_mean(grads, [list(grads[0])], thresholds, batch_size=4)
+    delta = _step(copy.deepcopy(model), _cross_entropy, batch, thresholds=thresholds)
+    for name, want in expected.items():
+        torch.testing.assert_close(delta[name], want, rtol=1e-7, atol=1e-10)
+
+
 def test_a_layer_output_whose_gradient_never_arrives_is_refused_with_its_cause():
-    """Autograd drops the hook on a view modified in place: the engine would see no gradient for ``fc``
-    (whose parameters still have one), and says why instead of blaming a use outside the module."""
+    """A rule-less module's view output changed in place: no gradient reaches the engine for ``fc`` (whose
+    parameter still has one), and the refusal says why instead of blaming a use outside the module."""
     with pytest.raises(VerificationError, match=r"'fc.weight' has a gradient.*never reached.*in place"):
-        _step(ScaledInPlace(), _cross_entropy, _sequence_batch(4, 5))
+        _step(ScaledInPlace(viewed=True), _cross_entropy, _sequence_batch(4, 5))
 
 
 class OwnsAndReturnsAMapping(nn.Module):

@@ -622,12 +622,27 @@ class Capture:
             self._tap_calls[id(module)] = 0
 
     def _record(self, use: Use, tensor: torch.Tensor) -> torch.Tensor:
-        """Record a use and hook the gradient of ``tensor`` (anchored if it needs none)."""
+        """Record a use and hook the gradient of ``tensor`` (anchored if it needs none); of its base where the
+        rule says the layer's output is a view of a result nothing else holds (``private_output``)."""
         self._append(use)
         if self._replayed is not None:
             return tensor
         tensor = self._anchored(tensor)
-        tensor.register_hook(partial(self._deliver, use))
+        base = tensor._base if tensor._is_view() else None
+        rule = use.layer.rule
+        if (
+            rule is not None
+            and rule.private_output
+            and base is not None
+            and base.requires_grad
+            and base.numel() == tensor.numel()
+            and base.is_contiguous()
+            and tensor.is_contiguous()
+        ):  # the same values in the same order: the base's gradient, reshaped, is the output's
+            shape = tensor.shape
+            base.register_hook(lambda grad: self._deliver(use, grad.reshape(shape)))
+        else:
+            tensor.register_hook(partial(self._deliver, use))
         return tensor
 
     def _anchored(self, tensor: torch.Tensor) -> torch.Tensor:

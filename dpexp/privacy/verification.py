@@ -753,19 +753,24 @@ class Verifier:
             "which example a row belongs to cannot be established without a probe. Construct the "
             "PrivacyEngine with verify_every_step=True."
         )
+        flattened = bool(matching) and matching[0].fold > 1 and index in self._batch_first.get(self._path, ())
+        if (not matching or flattened) and not bool(dy.any()):
+            # no output gradient: every reading gives every example a zero gradient (rules are linear in
+            # dy). A layer without one when verified (Longformer's last local attention, which the
+            # classifier's token does not read) may have had its layout chosen without evidence.
+            return layouts[0]
         if not matching:
             verified = "time-major (examples in dim 1)" if time_major else "with its examples in dim 0"
             raise VerificationError(
                 f"{where} got an input of shape {tuple(use.tensors[0].shape)}, whose examples can only be "
                 f"{layouts[0].describe()}, where the model was verified {verified}; {never_probed}"
             )
-        chosen = matching[0]
-        if chosen.fold > 1 and index in self._batch_first.get(self._path, ()):
+        if flattened:
             raise VerificationError(
-                f"{where} got {chosen.fold} rows per example, flattened into dim 0, where it had one row per "
-                f"example when the model was verified; {never_probed}"
+                f"{where} got {matching[0].fold} rows per example, flattened into dim 0, where it had one "
+                f"row per example when the model was verified; {never_probed}"
             )
-        return chosen
+        return matching[0]
 
     def _establish(self, use: Use, dy: torch.Tensor, layouts: list[Layout], index: int) -> Layout:
         """Check 1 of a use in the first plain pass: the first layout whose rows of ``dy`` scale with ``v_i``
@@ -835,7 +840,8 @@ class Verifier:
             return
         name, gap = mismatched[0]
         owners = self._owners[name]
-        if not any(owner in probe.delivered for owner in owners):
+        called = {entry[0] for entry in probe.path}
+        if any(owner in called for owner in owners) and not any(owner in probe.delivered for owner in owners):
             raise VerificationError(
                 f"parameter {name!r} has a gradient, but the gradient of the output of its "
                 f"module{'s' * (len(owners) > 1)} {owners} never reached the engine, so it cannot be "

@@ -91,6 +91,11 @@ class LayerRule:
     example i's positions in rows [i*T, (i+1)*T) is folded back to (B, T, ..., F) before the rule runs. The
     engine's probe establishes that layout; it is never inferred from the sizes alone.
 
+    ``private_output``: the module returns the result of one operation, or a view of it, which nothing else
+    holds (``F.linear``: the output of a 3-D input is a view of its matmul). The capture then hooks that
+    result, whose gradient still arrives when the caller changes the returned view in place: autograd drops
+    a hook on a view modified in place (Longformer's ``query /= sqrt(head_dim)``).
+
     A rule with ``keep_output`` is asked in the forward pass, with ``(module, x, output)``, whether to keep
     the layer's output until its backward; its ``per_example_grads`` then takes ``output=``: the tensor the
     layer returned, or None where it was not kept or was modified in place since (the rule then recomputes
@@ -107,6 +112,7 @@ class LayerRule:
     numbered_tap: bool = False  # the tap is called several times per module call; the rule gets (x, k)
     keep_output: KeepFn | None = None
     tap_output: bool = False  # the tap's output and its gradient, instead of its input's
+    private_output: bool = False  # the output is one operation's result or a view of it (hooked there)
 
     def claimed(self, module: nn.Module) -> tuple[str, ...]:
         """The submodules of ``module`` whose parameters the rule covers (``claims``, or what it says of
@@ -176,6 +182,7 @@ def register_rule(
     keep_output: KeepFn | None = None,
     copies: bool = False,
     tap_output: bool = False,
+    private_output: bool = False,
 ) -> Callable[[GradFn], GradFn]:
     """Decorator registering ``fn`` as the per-example gradient rule of ``module_types`` (classes, or
     qualified class names such as ``"transformers.pytorch_utils.Conv1D"``); see :class:`LayerRule`.
@@ -201,6 +208,7 @@ def register_rule(
                 numbered_tap,
                 keep_output,
                 tap_output,
+                private_output,
             )
             if copies:
                 _ORIGINALS.append(key)

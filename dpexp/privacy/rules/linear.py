@@ -20,6 +20,7 @@ from dpexp.privacy.rules import as_sequence, register_rule
     "timm.layers.linear.Linear",
     "transformers.models.falcon.modeling_falcon.FalconLinear",
     position_wise=True,
+    private_output=True,
 )
 def linear_grads(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     a, g = as_sequence(x), as_sequence(dy)
@@ -29,7 +30,7 @@ def linear_grads(module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> dict[s
     return grads
 
 
-@register_rule("transformers.pytorch_utils.Conv1D", position_wise=True)
+@register_rule("transformers.pytorch_utils.Conv1D", position_wise=True, private_output=True)
 def conv1d_transposed_grads(
     module: nn.Module, x: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
