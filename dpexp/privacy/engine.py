@@ -480,16 +480,17 @@ class PrivacyEngine:
         stds = noise_stds(
             self.thresholds, self._group_dims, self.gradient_noise_multiplier, self.noise_allocation
         )
+        stds = stds.tolist()  # one conversion, not one per parameter
         sums = self._clipper.take_sums()
         if self.aggregation.draws_noise:
-            pieces = [(sums[name], float(stds[k])) for k, group in enumerate(self.groups) for name in group]
+            pieces = [(sums[name], stds[k]) for k, group in enumerate(self.groups) for name in group]
             add_gaussian_noises_([p for p in pieces if p[1] > 0], self.generator, self.secure_mode)
         ordered = [sums[name] for group in self.groups for name in group]
         self.aggregation.sum_(ordered)
         torch._foreach_div_(ordered, self.batch_size)  # one multi-tensor kernel on an accelerator
         released, noise_std = {}, {}
         for k, group in enumerate(self.groups):
-            std = float(stds[k])
+            std = stds[k]
             for name in group:
                 grad = sums[name]
                 if self.coordinate is not None:  # back from the standardised coordinates

@@ -159,7 +159,7 @@ class PerExampleGrad(ABC):
 
     def norm_sq(self, mode: NormMode = "auto") -> torch.Tensor:
         """``||g_i||^2`` for each example, shape (B,) (a fused reduction per chunk: no squared temporary)."""
-        return torch.cat(
+        return joined(
             [
                 torch.linalg.vector_norm(accurate(chunk).reshape(len(chunk), -1), dim=1).square()
                 for chunk in self.per_example_chunks()
