@@ -26,7 +26,8 @@ class BenchModel(ABC):
     """A randomly initialised network with generated inputs of the shapes of its task."""
 
     # gpt2 | llama | llama_lora | roberta | wrn | vit | mlp: the report's targets refer to these; fallback: a
-    # model measured for the cost of a module without a rule (conf/bench_suite/fallbacks.yaml), no targets
+    # model measured for the cost of a module without a rule (conf/bench_suite/fallbacks.yaml), no targets;
+    # transformer: PyTorch's own nn.TransformerEncoder, either layout (conf/bench_suite/time_major.yaml)
     family: str
     sequence: bool = False  # whether the inputs have a sequence length T
 
@@ -345,3 +346,58 @@ def _need(seq_len: int | None) -> int:
     if seq_len is None:
         raise ValueError("a sequence model needs a sequence length: give seq_lens in the suite's model entry")
     return seq_len
+
+
+class TorchEncoderClassifier(BenchModel):
+    """``nn.Embedding -> nn.TransformerEncoder -> mean over tokens -> nn.Linear``, PyTorch's own layers
+    (dropout 0); ``batch_first=False``, PyTorch's default, runs every layer on (T, B, d) tensors, which the
+    engine reads time-major (``dpexp/privacy/layout.py``)."""
+
+    family = "transformer"
+    sequence = True
+
+    def __init__(
+        self,
+        vocab_size: int = 30522,
+        d_model: int = 256,
+        nhead: int = 4,
+        num_layers: int = 4,
+        dim_feedforward: int = 1024,
+        batch_first: bool = False,
+        num_labels: int = 2,
+    ) -> None:
+        self.vocab_size, self.d_model, self.nhead = vocab_size, d_model, nhead
+        self.num_layers, self.dim_feedforward = num_layers, dim_feedforward
+        self.batch_first, self.num_labels = batch_first, num_labels
+
+    def build(self) -> nn.Module:
+        layer = nn.TransformerEncoderLayer(
+            self.d_model, self.nhead, self.dim_feedforward, dropout=0.0, batch_first=self.batch_first
+        )
+        return _TorchEncoder(
+            nn.Embedding(self.vocab_size, self.d_model),
+            nn.TransformerEncoder(layer, self.num_layers, enable_nested_tensor=False),
+            nn.Linear(self.d_model, self.num_labels),
+            self.batch_first,
+        ).train()
+
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        return {
+            "input_ids": torch.randint(0, self.vocab_size, (batch_size, _need(seq_len)), generator=generator),
+            "labels": torch.randint(0, self.num_labels, (batch_size,), generator=generator),
+        }
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return _classification_loss(model(batch["input_ids"]), batch["labels"])
+
+
+class _TorchEncoder(nn.Module):
+    def __init__(self, embed: nn.Module, encoder: nn.Module, head: nn.Module, batch_first: bool) -> None:
+        super().__init__()
+        self.embed, self.encoder, self.head, self.batch_first = embed, encoder, head, batch_first
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)  # (B, T, d)
+        if self.batch_first:
+            return self.head(self.encoder(h).mean(1))
+        return self.head(self.encoder(h.transpose(0, 1)).mean(0))

@@ -113,18 +113,33 @@ def _projections(module: nn.MultiheadAttention) -> list[tuple[torch.Tensor, torc
 def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Per-example gradients of every parameter of ``module`` (``out_proj.*`` included), see the docstring.
     Recomputed in the weights' dtype: under autocast from the recorded half-precision inputs in float32 (the
-    norms and clipped sums are those of these gradients, which differ from autograd's by its rounding)."""
+    norms and clipped sums are those of these gradients, which differ from autograd's by its rounding).
+
+    The output projection is not run again: ``do`` is the output's gradient itself and the context's is
+    ``do W_o``. In self-attention the three projections are one packed matmul, and without the weights
+    returned the attention is ``scaled_dot_product_attention``, whose backward forms no (L, S) gradient."""
     query, key, value, padding, mask, need_weights, average, self_attention = x
     dtype = module.out_proj.weight.dtype
     query, key, value = (t.detach().to(dtype) for t in (query, key, value))
     batch, length, embed = query.shape
     heads = module.num_heads
+    do, dweights = _split_output_grad(dy, batch, length, embed, need_weights)
+    do = do.to(dtype)
+    packed = self_attention and module._qkv_same_embed_dim
     with torch.enable_grad():
-        zq, zk, zv = (t.new_zeros(*t.shape[:2], embed, requires_grad=True) for t in (query, key, value))
-        (wq, bq), (wk, bk), (wv, bv) = _projections(module)
-        q = F.linear(query, wq, bq) + zq
-        k = F.linear(key, wk, bk) + zk
-        v = F.linear(value, wv, bv) + zv
+        if packed:
+            zqkv = query.new_zeros(batch, length, 3 * embed, requires_grad=True)
+            bias = None if module.in_proj_bias is None else module.in_proj_bias.detach()
+            q, k, v = (F.linear(query, module.in_proj_weight.detach(), bias) + zqkv).chunk(3, -1)
+            leaves = [zqkv]
+        else:
+            leaves = [t.new_zeros(*t.shape[:2], embed, requires_grad=True) for t in (query, key, value)]
+            q, k, v = (
+                F.linear(t, weight, bias) + z
+                for t, (weight, bias), z in zip(
+                    (query, key, value), _projections(module), leaves, strict=True
+                )
+            )
         padding, mask = _additive(padding, q.dtype), _additive(mask, q.dtype)
         extra = {}
         if module.bias_k is not None:
@@ -136,36 +151,55 @@ def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -
             k, v = (torch.cat([t, t.new_zeros(batch, 1, embed)], 1) for t in (k, v))
             padding, mask = (None if m is None else F.pad(m, (0, 1)) for m in (padding, mask))
         qh, kh, vh = (t.view(batch, t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
-        scores = qh @ kh.transpose(-1, -2) / math.sqrt(embed // heads)
-        if mask is not None:
-            scores = scores + mask
-        if padding is not None:
-            scores = scores + padding[:, None, None, :]
-        attn = torch.softmax(scores, -1)
-        context = (attn @ vh).transpose(1, 2).reshape(batch, length, embed)
-        zo = q.new_zeros(batch, length, embed, requires_grad=True)
-        out = F.linear(context, module.out_proj.weight.detach(), _detached(module.out_proj.bias)) + zo
-        results = [out] + ([attn.mean(1) if average else attn] if need_weights else [])
-        sizes = [r[0].numel() for r in results]
-        dys = [g.view_as(r).to(r.dtype) for g, r in zip(dy.split(sizes, 1), results, strict=True)]
-        leaves = [zq, zk, zv, zo, *extra.values()]
-        dq, dk, dv, do, *dextra = torch.autograd.grad(results, leaves, dys, allow_unused=True)
-    dq, dk, dv, do = (
-        torch.zeros_like(z) if g is None else g for g, z in zip((dq, dk, dv, do), leaves[:4], strict=True)
-    )
+        bias_scores = _score_bias(mask, padding)
+        if need_weights:
+            scores = qh @ kh.transpose(-1, -2) / math.sqrt(embed // heads)
+            attn = torch.softmax(scores if bias_scores is None else scores + bias_scores, -1)
+            results = [attn @ vh, attn.mean(1) if average else attn]
+        else:
+            results = [F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias_scores)]
+        context = results[0].transpose(1, 2).reshape(batch, length, embed)
+        dcontext = (do @ module.out_proj.weight.detach()).view(batch, length, heads, -1).transpose(1, 2)
+        grads_out = [dcontext] + ([] if dweights is None else [dweights.view_as(results[1]).to(dtype)])
+        found = torch.autograd.grad(results, [*leaves, *extra.values()], grads_out, allow_unused=True)
+    found = [
+        torch.zeros_like(z) if g is None else g
+        for g, z in zip(found, [*leaves, *extra.values()], strict=True)
+    ]
+    dproj, dextra = found[: len(leaves)], found[len(leaves) :]
     grads: dict[str, PerExampleGrad] = {"out_proj.weight": Outer(do, context.detach(), (embed, embed), embed)}
     if module.out_proj.bias is not None:
         grads["out_proj.bias"] = Dense(do.sum(1))
-    if module._qkv_same_embed_dim:
-        grads["in_proj_weight"] = _stacked(dq, dk, dv, query, key, value, self_attention)
+    if packed:  # [dq, dk, dv] at every position of the one input
+        grads["in_proj_weight"] = Outer(dproj[0], query, (3 * embed, embed), 3 * embed)
+    elif module._qkv_same_embed_dim:
+        grads["in_proj_weight"] = _stacked(*dproj, query, key, value)
     else:
+        dq, dk, dv = dproj
         for name, d, a in (("q", dq, query), ("k", dk, key), ("v", dv, value)):
             grads[f"{name}_proj_weight"] = Outer(d, a, (embed, a.shape[-1]), embed)
     if module.in_proj_bias is not None:
-        grads["in_proj_bias"] = Dense(torch.cat([dq.sum(1), dk.sum(1), dv.sum(1)], -1))
-    for name, g, z in zip(extra, dextra, extra.values(), strict=True):
-        grads[name] = Dense((torch.zeros_like(z) if g is None else g).view(batch, 1, 1, embed))
+        grads["in_proj_bias"] = Dense(dproj[0].sum(1) if packed else torch.cat([d.sum(1) for d in dproj], -1))
+    for name, g in zip(extra, dextra, strict=True):
+        grads[name] = Dense(g.view(batch, 1, 1, embed))
     return grads
+
+
+def _score_bias(mask: torch.Tensor | None, padding: torch.Tensor | None) -> torch.Tensor | None:
+    """The additive attention mask (L, S) or (B, heads, L, S) plus the key padding (B, S) as (B, 1, 1, S)."""
+    if padding is None:
+        return mask
+    padding = padding[:, None, None, :]
+    return padding if mask is None else mask + padding
+
+
+def _split_output_grad(
+    dy: torch.Tensor, batch: int, length: int, embed: int, need_weights: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The packed (B, L * E [+ weights' size]) output gradient as the output's (B, L, E) and the weights'
+    (flat, or None when no weights are returned)."""
+    out = dy[:, : length * embed].reshape(batch, length, embed)
+    return out, (dy[:, length * embed :] if need_weights else None)
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -179,12 +213,11 @@ def _stacked(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    self_attention: bool,
 ) -> Outer:
-    """``in_proj_weight``'s per-example gradient ``[dW_q; dW_k; dW_v]`` (3E, E) as one ``Outer``."""
+    """``in_proj_weight``'s per-example gradient ``[dW_q; dW_k; dW_v]`` (3E, E) as one ``Outer`` over the
+    concatenated positions of query, key and value, whose left factor is zero outside each block (inputs
+    that are not one tensor; self-attention takes one packed ``Outer``)."""
     embed = query.shape[-1]
-    if self_attention:
-        return Outer(torch.cat([dq, dk, dv], -1), query, (3 * embed, embed), 3 * embed)
     blocks = [F.pad(d, (i * embed, (2 - i) * embed)) for i, d in enumerate((dq, dk, dv))]
     return Outer(torch.cat(blocks, 1), torch.cat([query, key, value], 1), (3 * embed, embed), 3 * embed)
 
