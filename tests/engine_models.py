@@ -491,6 +491,30 @@ def dbrx() -> nn.Module:
     return model
 
 
+def gpt_neox_japanese() -> nn.Module:
+    """Tiny random GPT-NeoX-Japanese (2 layers; the last attention returns its ``dense_bias``)."""
+    from transformers import GPTNeoXJapaneseConfig, GPTNeoXJapaneseForCausalLM
+
+    config = GPTNeoXJapaneseConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_multiple_size=2,
+        max_position_embeddings=32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    model = GPTNeoXJapaneseForCausalLM(config).double().eval()
+    with torch.no_grad():  # away from the zero initialisation
+        for layer in model.gpt_neox_japanese.layers:
+            if layer.attention.dense_bias is not None:
+                layer.attention.dense_bias.normal_(0, 0.5)
+    return model
+
+
 def dory() -> nn.Module:
     """Tiny random Dory: Gemma-2-like sandwich layers on the unit sphere, its LM head's logit scale drawn away
     from its start so that it matters."""
