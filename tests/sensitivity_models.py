@@ -524,6 +524,7 @@ TEXT_CLASSIFIERS = {  # model type -> what its tiny configuration needs beyond h
                    "intra_bottleneck_size": 8},  # NoNorm in place of LayerNorm
     "convbert": {"num_attention_heads": 4, "embedding_size": 16, "conv_kernel_size": 3},  # its own bias
     "esmc": {"num_attention_heads": 2},  # ESM C's LayerNorm, cast back to its input's dtype
+    "squeezebert": {"num_attention_heads": 2, "embedding_size": 16},  # its LayerNorm over the channels of NCW
 }  # fmt: skip
 
 
@@ -687,6 +688,7 @@ NEW_CASES = [
     "mobilebert",  # HF MobileBERT's NoNorm
     "convbert",  # HF ConvBERT's SeparableConv1D bias
     "esmc",  # HF ESM C's EsmcLayerNorm
+    "squeezebert",  # HF SqueezeBERT's LayerNorm on (B, C, T) and its grouped 1x1 convolutions
     "embedding_bag_rows_weighted",
     "embedding_bag_offsets_mean_padding",
     "layer_scale_dinov2",
