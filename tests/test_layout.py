@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpexp.privacy.capture import discover_layers
+from dpexp.privacy.capture import Use, discover_layers
 from dpexp.privacy.layout import BATCH_FIRST, TIME_MAJOR, Layout
 from dpexp.privacy.verification import check_use, is_time_major_shaped
 
@@ -32,9 +32,7 @@ def test_a_time_major_shape_needs_a_feature_axis_after_the_examples():
     assert is_time_major_shaped(torch.zeros(5, 3, dtype=torch.long), torch.zeros(5, 3, 4), 3)  # ids
 
 
-def _use(layer_type: nn.Module, x: torch.Tensor):
-    from dpexp.privacy.capture import Use
-
+def _use(layer_type: nn.Module, x: torch.Tensor) -> Use:
     model = nn.Sequential(layer_type)
     (layer,), _ = discover_layers(model, generic_fallback=True)
     return Use(layer, (x,), {}, [x._version])
