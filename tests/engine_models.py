@@ -932,6 +932,13 @@ NEW_MOE = {  # stop 53: MoE families new in transformers 5.2x, (model type, conf
     # group-limited sigmoid routing, a float32 gate in the experts: in float32, where a float64 model's
     # float32 gate rounds a row differently when the expert's other rows change, which the engine's probe
     # reads as examples mixed (a refusal)
+    # stop 58: a hash router (the experts fixed by the token id) before a learned sigmoid router; attention
+    # sinks, grouped projections, a compressor and hyper-connections on the fallback
+    "deepseek_v4": (
+        "deepseek_v4",
+        {"n_routed_experts": 4, "moe_intermediate_size": 12, "mlp_layer_types": ["hash_moe", "moe"]},
+        False,
+    ),
     "beam": (
         "beam",
         {"num_experts": 4, "mlp_layer_types": ["dense", "sparse"], "n_group": 2, "topk_group": 1, **_EXPERTS},
@@ -969,6 +976,10 @@ def new_moe(name: str) -> nn.Module:
                 module.weight.normal_(0.0, 0.5)
             if torch.is_tensor(getattr(module, "e_score_correction_bias", None)):
                 module.e_score_correction_bias.normal_(0.0, 0.3)
+            if torch.is_tensor(getattr(module, "tid2eid", None)):  # DeepSeek-V4's hash table: all 0 at start
+                table = module.tid2eid
+                experts = torch.stack([torch.randperm(module.num_experts) for _ in range(len(table))])
+                table.copy_(experts[:, : table.shape[1]])
         for parameter in model.parameters():  # HY-V4's hyper-connections start at 0: no gradient elsewhere
             if not parameter.any():
                 parameter.normal_(0.0, 0.1)

@@ -713,6 +713,7 @@ NEW_CASES = [
     "dbrx",  # experts stacked (E I, d), each expert's gathered rows passed with its slices to one mlp
     "dory",  # an LM head scaling its float32 logits per vocabulary entry; the rest of Dory on the fallback
     "gpt_neox_japanese",  # the last attention returns its dense_bias, which the decoder layer adds
+    "deepseek_v4",  # a hash router (experts by token id), hyper-connections and sinks on the fallback
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
     "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
     "deepseek_v2",  # a softmax router in float32, group-limited top-k scaled
@@ -779,11 +780,13 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "dbrx",
         "dory",
         "gpt_neox_japanese",
+        "deepseek_v4",
     ):
         builders = {
             "dbrx": engine_models.dbrx,
             "dory": engine_models.dory,
             "gpt_neox_japanese": engine_models.gpt_neox_japanese,
+            "deepseek_v4": lambda: engine_models.new_moe("deepseek_v4"),
             "qwen2_moe": engine_models.qwen2_moe,
             "deepseek_v2": engine_models.deepseek_v2,
             "ernie4_5_moe": engine_models.ernie4_5_moe,
