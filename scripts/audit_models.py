@@ -119,6 +119,15 @@ OVERRIDES = {  # per model type: what its configuration needs beyond SIZES to bu
     "prophetnet": {"num_hidden_layers": None, "num_encoder_layers": 1, "num_decoder_layers": 2, "ngram": 2},
     # stop 58: XLNet has no position limit (its configuration refuses the key) and names its sizes its own way
     "xlnet": {"max_position_embeddings": None, "d_model": 16, "n_layer": 2, "n_head": 2, "d_inner": 24},
+    # the encoder-decoder families' decoders (their own names for heads, widths and layers) and others whose
+    # defaults do not fit width 16
+    **{name: {"d_model": 16, "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_layers": 1,
+              "decoder_layers": 2, "encoder_ffn_dim": 24, "decoder_ffn_dim": 24}
+       for name in ("blenderbot", "plbart", "whisper")},
+    "diffllama": {"num_key_value_heads": 2},
+    "funnel": {"num_hidden_layers": None, "block_sizes": [1, 1], "d_model": 16, "n_head": 2, "d_head": 8,
+               "d_inner": 24},
+    "squeezebert": {"embedding_size": 16},
     **{name: {**STAGES, "embed_dim": 8, "num_heads": [1, 2], "window_size": 2}
        for name in ("swin", "swinv2", "donut-swin")},
     **{name: {**STAGES, "hidden_sizes": [8, 16], "num_stages": 2} for name in ("convnext", "convnextv2")},

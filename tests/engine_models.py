@@ -491,6 +491,30 @@ def dbrx() -> nn.Module:
     return model
 
 
+def gpt_neox_japanese() -> nn.Module:
+    """Tiny random GPT-NeoX-Japanese (2 layers; the last attention returns its ``dense_bias``)."""
+    from transformers import GPTNeoXJapaneseConfig, GPTNeoXJapaneseForCausalLM
+
+    config = GPTNeoXJapaneseConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_multiple_size=2,
+        max_position_embeddings=32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    model = GPTNeoXJapaneseForCausalLM(config).double().eval()
+    with torch.no_grad():  # away from the zero initialisation
+        for layer in model.gpt_neox_japanese.layers:
+            if layer.attention.dense_bias is not None:
+                layer.attention.dense_bias.normal_(0, 0.5)
+    return model
+
+
 def dory() -> nn.Module:
     """Tiny random Dory: Gemma-2-like sandwich layers on the unit sphere, its LM head's logit scale drawn away
     from its start so that it matters."""
@@ -908,6 +932,13 @@ NEW_MOE = {  # stop 53: MoE families new in transformers 5.2x, (model type, conf
     # group-limited sigmoid routing, a float32 gate in the experts: in float32, where a float64 model's
     # float32 gate rounds a row differently when the expert's other rows change, which the engine's probe
     # reads as examples mixed (a refusal)
+    # stop 58: a hash router (the experts fixed by the token id) before a learned sigmoid router; attention
+    # sinks, grouped projections, a compressor and hyper-connections on the fallback
+    "deepseek_v4": (
+        "deepseek_v4",
+        {"n_routed_experts": 4, "moe_intermediate_size": 12, "mlp_layer_types": ["hash_moe", "moe"]},
+        False,
+    ),
     "beam": (
         "beam",
         {"num_experts": 4, "mlp_layer_types": ["dense", "sparse"], "n_group": 2, "topk_group": 1, **_EXPERTS},
@@ -945,6 +976,10 @@ def new_moe(name: str) -> nn.Module:
                 module.weight.normal_(0.0, 0.5)
             if torch.is_tensor(getattr(module, "e_score_correction_bias", None)):
                 module.e_score_correction_bias.normal_(0.0, 0.3)
+            if torch.is_tensor(getattr(module, "tid2eid", None)):  # DeepSeek-V4's hash table: all 0 at start
+                table = module.tid2eid
+                experts = torch.stack([torch.randperm(module.num_experts) for _ in range(len(table))])
+                table.copy_(experts[:, : table.shape[1]])
         for parameter in model.parameters():  # HY-V4's hyper-connections start at 0: no gradient elsewhere
             if not parameter.any():
                 parameter.normal_(0.0, 0.1)

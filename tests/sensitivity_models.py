@@ -524,6 +524,7 @@ TEXT_CLASSIFIERS = {  # model type -> what its tiny configuration needs beyond h
                    "intra_bottleneck_size": 8},  # NoNorm in place of LayerNorm
     "convbert": {"num_attention_heads": 4, "embedding_size": 16, "conv_kernel_size": 3},  # its own bias
     "esmc": {"num_attention_heads": 2},  # ESM C's LayerNorm, cast back to its input's dtype
+    "squeezebert": {"num_attention_heads": 2, "embedding_size": 16},  # its LayerNorm over the channels of NCW
 }  # fmt: skip
 
 
@@ -687,6 +688,7 @@ NEW_CASES = [
     "mobilebert",  # HF MobileBERT's NoNorm
     "convbert",  # HF ConvBERT's SeparableConv1D bias
     "esmc",  # HF ESM C's EsmcLayerNorm
+    "squeezebert",  # HF SqueezeBERT's LayerNorm on (B, C, T) and its grouped 1x1 convolutions
     "embedding_bag_rows_weighted",
     "embedding_bag_offsets_mean_padding",
     "layer_scale_dinov2",
@@ -710,6 +712,8 @@ NEW_CASES = [
     "mixtral",  # MoE routers and 3-D expert weights on (B*T) flattened rows, folded with their routing
     "dbrx",  # experts stacked (E I, d), each expert's gathered rows passed with its slices to one mlp
     "dory",  # an LM head scaling its float32 logits per vocabulary entry; the rest of Dory on the fallback
+    "gpt_neox_japanese",  # the last attention returns its dense_bias, which the decoder layer adds
+    "deepseek_v4",  # a hash router (experts by token id), hyper-connections and sinks on the fallback
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
     "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
     "deepseek_v2",  # a softmax router in float32, group-limited top-k scaled
@@ -775,10 +779,14 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "minimax_m2",
         "dbrx",
         "dory",
+        "gpt_neox_japanese",
+        "deepseek_v4",
     ):
         builders = {
             "dbrx": engine_models.dbrx,
             "dory": engine_models.dory,
+            "gpt_neox_japanese": engine_models.gpt_neox_japanese,
+            "deepseek_v4": lambda: engine_models.new_moe("deepseek_v4"),
             "qwen2_moe": engine_models.qwen2_moe,
             "deepseek_v2": engine_models.deepseek_v2,
             "ernie4_5_moe": engine_models.ernie4_5_moe,

@@ -79,8 +79,8 @@ def _cases() -> dict:
 
     def hf_text(architecture: str):
         """MobileBERT (NoNorm in place of LayerNorm), ConvBERT (a separable convolution's own bias after its
-        depthwise and pointwise convolutions), ESM C (its LayerNorm subclass): the sensitivity tests' tiny
-        classifiers."""
+        depthwise and pointwise convolutions), ESM C (its LayerNorm subclass), SqueezeBERT (a LayerNorm over
+        the channels of (B, C, T)): the sensitivity tests' tiny classifiers."""
         from tests.sensitivity_models import hf_text_classifier
 
         batch = {"x": torch.randint(2, 32, (6, 8)), "y": torch.randint(0, 2, (6,))}
@@ -107,6 +107,7 @@ def _cases() -> dict:
         "hf_mobilebert": lambda: hf_text("mobilebert"),
         "hf_convbert": lambda: hf_text("convbert"),
         "hf_esmc": lambda: hf_text("esmc"),
+        "hf_squeezebert": lambda: hf_text("squeezebert"),
         "instance_norm": lambda: vision(nn.InstanceNorm2d(4, affine=True), nn.Tanh()),
         "prelu_shared": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU()),
         "prelu_per_channel": lambda: vision(nn.GroupNorm(2, 4), nn.PReLU(4, init=0.1)),

@@ -331,13 +331,19 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
     config.expert_selection_fn = "sigmoid" if norm_topk_prob else "softmax"  # Cohere2-MoE's
     config.router_scaling_factor, config.scoring_func = 1.5, "sigmoid"  # HY-V3's, DeepSeek-V4's
     config.moe_router_logit_softcapping, config.output_multiplier = 2.0, 0.7  # Laguna's, Muse Spark's
+    config.vocab_size = 9  # DeepSeek-V4's hash router: experts by token id
     router = getattr(importlib.import_module(module_name), name)(config).double()
     with torch.no_grad():
         for tensor in (*router.parameters(), *router.buffers()):  # GPT-OSS's bias, DeepSeek-V3's buffer
-            tensor.normal_()
+            if tensor.is_floating_point():
+                tensor.normal_()
+            else:  # the hash router's token -> experts table
+                tensor.copy_(torch.stack([torch.randperm(5)[:2] for _ in range(len(tensor))]))
         x = torch.randn(11, 6, dtype=torch.float64)
         takes_bias = len(inspect.signature(router.forward).parameters) > 1  # LFM2-MoE, HY-V3, MiniMax-M2
         others = (torch.randn(5, dtype=torch.float64),) if takes_bias else ()
+        if "input_ids" in inspect.signature(router.forward).parameters:
+            others = (torch.randint(0, 9, (11,)),)
         form = moe.ROUTERS[qualified]
         outputs, logits_at = router(x, *others), form.logits_at  # Llama 4: (scores, logits)
         logits = F.linear(x, router.weight, router.bias if form.bias else None)

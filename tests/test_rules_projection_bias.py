@@ -2,7 +2,9 @@
 ``in_proj``'s output) against the brute-force oracle: every strategy x clipping mode is in
 ``test_engine_oracle`` (the ``deberta`` case: padding, two micro-batches, float64, c2p and p2c); here the rule
 alone (the fallback must not be taken), a wrapped ``in_proj``, one bias frozen, and the refusal of a bias
-used outside the attention as well."""
+used outside the attention as well. GPT-NeoX-Japanese's ``dense_bias``, returned by its last attention for
+the decoder layer to add to ``dense``'s output: the oracle in every setting, and the refusal of a bias the
+caller adds elsewhere."""
 
 from __future__ import annotations
 
@@ -15,7 +17,14 @@ from torch import nn
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.verification import VerificationError
-from tests.engine_models import deberta, make_case, seq_classification_loss
+from tests.engine_models import (
+    _padded_text,
+    deberta,
+    gpt_neox_japanese,
+    lm_loss,
+    make_case,
+    seq_classification_loss,
+)
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -108,3 +117,33 @@ def test_an_output_tap_that_returns_no_tensor_is_refused_at_the_call():
     engine = PrivacyEngine(model, batch_size=3, sample_size=30, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(TypeError, match=r"reads the output of its submodule, which returned tuple"):
         engine.backward(model(torch.randn(3, 5, 4, dtype=torch.float64)).square().sum((1, 2)))
+
+
+def _lm_batch() -> dict[str, torch.Tensor]:
+    return _padded_text(6, 7, 40, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_returned_bias_rule_matches_oracle_without_the_fallback(strategy, clipping):
+    model = gpt_neox_japanese()
+    assert unsupported_modules(model) == {}
+    assert model.gpt_neox_japanese.layers[-1].attention.dense_bias is not None
+    check_clipped_step(model, lm_loss, _lm_batch(), MICRO, strategy, clipping)
+
+
+def test_a_returned_bias_added_elsewhere_is_refused():
+    """The rule's gradient assumes the caller adds the bias to ``dense``'s output; a caller that also adds
+    it to the residual makes the example sums differ from autograd's, and the verification refuses."""
+    model = gpt_neox_japanese()
+    layer = model.gpt_neox_japanese.layers[-1]
+    forward = type(layer).forward
+
+    def twice(self, hidden_states, *args, **kwargs):
+        out = forward(self, hidden_states, *args, **kwargs)
+        return (out[0] + self.attention.dense_bias, *out[1:])
+
+    layer.forward = twice.__get__(layer)
+    engine = PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(VerificationError, match=r"dense_bias"):
+        engine.backward(lm_loss(model, _lm_batch()))

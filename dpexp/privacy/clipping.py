@@ -224,6 +224,16 @@ class Clipper:
         self._ask_host = finiteness_on_host(device)
         self._pass: _Pass | None = None
 
+    @property
+    def thresholds(self) -> torch.Tensor:
+        """C_k, shape (K,) (on the CPU); each group's also as a Python float, read once per assignment, not
+        once per group and micro-batch."""
+        return self._thresholds
+
+    @thresholds.setter
+    def thresholds(self, value: torch.Tensor) -> None:
+        self._thresholds, self._bounds = value, [float(c) for c in value.tolist()]
+
     # ------------------------------------------------------------------ one micro-batch
     def begin(
         self, forward: Forward, batch_size: int, second: bool = False, scales: torch.Tensor | None = None
@@ -348,7 +358,7 @@ class Clipper:
             device = self.params[self.groups[k][0]].device
             norm_sq = torch.zeros(batch_size, dtype=torch.float64, device=device)
         norm = norm_sq.clamp_min(0).sqrt()
-        threshold = float(self.thresholds[k])
+        threshold = self._bounds[k]
         if self.statistic == "norm":
             self.statistics[k] += clipped_norm_sums(norm, self.bound_factor * threshold)
         elif self.statistic == "count":

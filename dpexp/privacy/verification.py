@@ -779,6 +779,7 @@ class Verifier:
         probe = self.probe
         fingerprints = probe.fingerprints.pop(id(use), None)
         layer = use.layer
+        readings = probe.readings.get(index, {})
         if fingerprints is None:
             unprobed = [ly for ly in layouts if not ly.time_major]
             if not unprobed:
@@ -786,8 +787,9 @@ class Verifier:
                     f"layer {layer.name!r} ({type(layer.module).__name__}): its input is time-major only if "
                     "the probe establishes it, and the probe's backward did not reach the layer"
                 )
+            if readings.get(False) is not None:  # check 4 saw dim 0's reading mix examples
+                probe.mixed = probe.mixed or _moved_input_error(layer, readings[False])
             return unprobed[0]
-        readings = probe.readings.get(index, {})
         scaled = [
             ly
             for ly, fingerprint in zip(layouts, fingerprints, strict=True)

@@ -612,6 +612,15 @@ def biased_sigmoid_scores(
     return scores_of
 
 
+def hash_scores(module: nn.Module, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's hash router (its first MoE layers): the experts fixed per token id by its frozen
+    ``tid2eid`` table, their ``score_fn`` scores renormalised (sum + 1e-20) and times
+    ``routed_scaling_factor``. The choice reads the example's own token ids only."""
+    scores = module.score_fn(logits)
+    weights = scores.gather(1, module.tid2eid[input_ids.reshape(-1)].long())
+    return _renormalised(weights, 1e-20, module.routed_scaling_factor)
+
+
 def kolibri1_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``Kolibri1TopKRouter``'s scores (N, k): the top k of its float32 logits plus the load-balancing bias
     (sorted), the sigmoid of their logits, renormalised if ``norm_topk_prob``."""
@@ -776,6 +785,8 @@ ROUTERS = {
     f"{_MODELS}.deepseek_v4.modeling_deepseek_v4.DeepseekV4TopKRouter": RouterForm(
         biased_sigmoid_scores(1e-20, "routed_scaling_factor")
     ),
+    # stop 58: (logits, weights (N, k), indices), the experts chosen by the token ids (its second argument)
+    f"{_MODELS}.deepseek_v4.modeling_deepseek_v4.DeepseekV4HashRouter": RouterForm(hash_scores),
     f"{_MODELS}.muse_spark.modeling_muse_spark.MuseSparkTopkRouter": RouterForm(
         biased_sigmoid_scores(1e-15, "routed_scaling_factor"), logits=muse_spark_logits, float32_logits=True
     ),

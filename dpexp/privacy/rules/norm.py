@@ -46,15 +46,18 @@ def layer_norm_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) ->
     return _affine_grads(module, x_hat, dy, reduce)
 
 
-@register_rule("timm.layers.norm.LayerNorm2d")
-def layer_norm_2d_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """timm's ``LayerNorm2d`` (ConvNeXt, Liu et al. 2022): ``x`` (B, C, H, W) normalised over C at every
-    position (``F.layer_norm`` on the channels-last view), so ``dw_i = sum_hw dy_i * x_hat_i``."""
-    x_hat = F.layer_norm(x.permute(0, 2, 3, 1), module.normalized_shape, eps=module.eps).permute(0, 3, 1, 2)
-    return _affine_grads(module, x_hat, dy, (2, 3))
-
-
 _HF = "transformers.models"
+
+
+@register_rule("timm.layers.norm.LayerNorm2d", f"{_HF}.squeezebert.modeling_squeezebert.SqueezeBertLayerNorm")
+def channels_first_layer_norm_grads(
+    module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """timm's ``LayerNorm2d`` (ConvNeXt, Liu et al. 2022: ``x`` (B, C, H, W)) and SqueezeBERT's LayerNorm
+    (Iandola et al. 2020, its NCW layout: ``x`` (B, C, T)): normalised over C at every position
+    (``F.layer_norm`` on the channels-last view), so ``dw_i = sum_positions dy_i * x_hat_i``."""
+    x_hat = F.layer_norm(x.movedim(1, -1), module.normalized_shape, eps=module.eps).movedim(-1, 1)
+    return _affine_grads(module, x_hat, dy, tuple(range(2, x.dim())))
 
 
 @register_rule(
@@ -70,7 +73,7 @@ def data_format_layer_norm_grads(
     second (``"channels_first"``: (B, C, H, W), which it permutes to channels-last and back, as timm's
     ``LayerNorm2d``)."""
     if module.data_format == "channels_first":
-        return layer_norm_2d_grads(module, x, dy)
+        return channels_first_layer_norm_grads(module, x, dy)
     return layer_norm_grads(module, x, dy)
 
 

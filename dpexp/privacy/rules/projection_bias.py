@@ -19,6 +19,13 @@ not call ``in_proj`` (the ``query_states`` path, which reads its weight) is refu
 ConvBERT's ``SeparableConv1D`` (Jiang et al. 2020, sec. 3.2: a depthwise then a pointwise ``nn.Conv1d``,
 both bias-free and rules of their own) adds its ``bias`` (C_out, 1) to the pointwise output last, so its
 per-example gradient is ``d bias_i = sum_t dy_i[:, t]`` from the gradient at the module's output.
+
+GPT-NeoX-Japanese's last ``GPTNeoXJapaneseAttention`` returns its ``dense_bias`` beside the output of its
+bias-free ``dense`` projection, and the decoder layer adds it there before dropout and the residual
+(``bias_dropout_add``): ``d dense_bias_i = sum_t d dense_i[t]``, read at ``dense``'s output (an output tap).
+Without the rule the module's third output, the parameter itself, reached the loss without a row per example
+and the model was refused. That the caller adds the returned bias to ``dense``'s output and nowhere else is
+what the verification's check of the example sums against autograd's gradient establishes.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import refuse, register_rule, unknown_parameters
+from dpexp.privacy.rules import as_sequence, refuse, register_rule, unknown_parameters
 
 _DEBERTA = "transformers.models.deberta.modeling_deberta.DisentangledSelfAttention"
 _BIASES = {"q_bias": 0, "v_bias": 2}  # parameter -> its block of each head's (query, key, value)
@@ -64,3 +71,23 @@ def _check_separable(module: nn.Module) -> None:
 def separable_bias_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``dy``: (B, C_out, T) at the module's output; returns ``d bias`` (B, C_out, 1)."""
     return {"bias": Dense(dy.sum(2, keepdim=True).to(module.bias.dtype))}
+
+
+def _check_returned_bias(module: nn.Module) -> None:
+    reason = unknown_parameters(module, {"dense_bias"})
+    if reason is None and not isinstance(getattr(module, "dense", None), nn.Module):
+        reason = "it has no dense submodule, at whose output the rule reads the bias's gradient"
+    refuse(module, "returned-bias", "module", reason, "Otherwise freeze dense_bias.")
+
+
+@register_rule(
+    "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention",
+    check=_check_returned_bias,
+    tap="dense",
+    tap_output=True,
+)
+def returned_bias_grads(
+    module: nn.Module, out: torch.Tensor, d_out: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """``d_out``: (B, T, d) at ``dense``'s output; returns ``d dense_bias`` (B, d), the sum over positions."""
+    return {"dense_bias": Dense(as_sequence(d_out).sum(1).to(module.dense_bias.dtype))}
