@@ -790,25 +790,25 @@ class Verifier:
             if readings.get(False) is not None:  # check 4 saw dim 0's reading mix examples
                 probe.mixed = probe.mixed or _moved_input_error(layer, readings[False])
             return unprobed[0]
-        scaled = [
-            ly
+        mixed = {
+            ly: fingerprint.mixed_rows(ly.batch_first(dy, len(probe.weights)), probe.weights)
             for ly, fingerprint in zip(layouts, fingerprints, strict=True)
-            if not fingerprint.mixed_rows(ly.batch_first(dy, len(probe.weights)), probe.weights).numel()
-        ]
+        }
+        scaled = [ly for ly in layouts if not mixed[ly].numel()]
         for ly in scaled:
             if readings.get(ly.time_major) is None:
                 return ly
         if scaled:  # check 1 holds only under a reading whose input moved for other examples
             probe.mixed = probe.mixed or _moved_input_error(layer, readings[scaled[0].time_major])
             return scaled[0]
-        mixed = fingerprints[0].mixed_rows(layouts[0].batch_first(dy, len(probe.weights)), probe.weights)
         which = "dim 0" if len(layouts) == 1 else "neither dim 0 nor dim 1 (read time-major)"
         which = "dim 1" if layouts[0].time_major else which
+        row = int(mixed[layouts[0]][0])
         raise VerificationError(
-            f"layer {layer.name!r} ({type(layer.module).__name__}): row {int(mixed[0])} of its output "
-            f"gradient depends on other examples' losses, so {which} of its input and output is not the "
-            "example index (a time-major or flattened tensor whose leading size happens to equal the "
-            "batch size, a tensor shared by all examples, or examples mixed after this layer). Make the "
+            f"layer {layer.name!r} ({type(layer.module).__name__}): row {row} of its output gradient "
+            f"depends on other examples' losses, so {which} of its input and output is not the example "
+            "index (a time-major or flattened tensor whose leading size happens to equal the batch size, a "
+            "tensor shared by all examples, or examples mixed after this layer). Make the "
             f"layer's input batch-first and per-example, {DECLARE_SHARED}, or freeze its parameters."
         )
 
