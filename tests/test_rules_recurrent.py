@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from dpexp.privacy import PrivacyEngine, rules
 from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.per_example import Dense
+from dpexp.privacy.rules import attention
 from dpexp.privacy.verification import VerificationError
 from tests.oracle import clipped_mean, engine_update, group_norms, per_example_grads
 from tests.recurrent_models import MODELS, RecurrentNet, make_recurrent_case
@@ -95,6 +96,66 @@ def test_multihead_attention_covers_its_out_proj():
     groups = {tuple(g) for g in engine.groups}
     assert ("encoder.self_attn.in_proj_weight", "encoder.self_attn.in_proj_bias",
             "encoder.self_attn.out_proj.weight", "encoder.self_attn.out_proj.bias") in groups  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,reads",
+    [
+        ("transformer_encoder", 4),  # one self-attention, 2 micro-batches x 2 passes (ghost)
+        ("transformer_encoder_time_major", 4),
+        ("transformer_encoder_norm_first_causal", 4),
+        ("transformer_seq2seq_time_major", 8),  # the two self-attentions, not the cross-attention
+        ("mha_self_weights", 0),  # the weights returned: recomputed
+        ("mha_cross_packed_no_bias", 0),
+    ],
+)
+def test_self_attention_is_read_off_the_graph_and_equals_the_recomputation(name, reads, monkeypatch):
+    """``nn.TransformerEncoderLayer``'s call (self-attention, no weights returned) takes the context and the
+    packed projection's output gradient from the call's autograd graph, on the verified micro-batch (whose
+    parameters require gradients) and the next (whose do not); every read gives the recomputation's
+    per-example gradients, and the update is the oracle's. Other calls recompute."""
+    read = attention._read_grads
+    seen = []
+
+    def compared(module, x, dy):
+        grads = read(module, x, dy)
+        for key, want in attention.attention_grads(module, x[:8], dy).items():
+            torch.testing.assert_close(grads[key].instantiate(), want.instantiate(), msg=key)
+        seen.append(key)
+        return grads
+
+    monkeypatch.setattr(attention, "_read_grads", compared)
+    _check_against_oracle(*make_recurrent_case(name), "ghost", "per_layer")
+    assert len(seen) == reads
+
+
+def test_attention_with_a_frozen_projection_is_exact():
+    """A frozen ``in_proj_weight`` beside trainable ones: its matmul keeps the weight all the same, the
+    graph is read, and the frozen weight's per-example gradient is left out."""
+    model, loss_fn, batch = make_recurrent_case("transformer_encoder")
+    model.encoder.self_attn.in_proj_weight.requires_grad_(False)
+    _check_against_oracle(model, loss_fn, batch, "bk", "per_layer")
+
+
+def test_a_wrong_graph_read_is_caught_by_the_parameter_sums(monkeypatch):
+    """Check 2 covers the graph reads: the projection's gradient read batch-major instead of (L * B) rows
+    attributes positions to the wrong examples, and the first micro-batch is refused."""
+
+    def batch_major(module, x, dy):
+        query, reads = x[0], x[-1]
+        reads["grad"] = (
+            reads["grad"]
+            .reshape(query.shape[1], query.shape[0], -1)
+            .transpose(0, 1)
+            .reshape(reads["grad"].shape)
+        )
+        return read(module, x, dy)
+
+    read = attention._read_grads
+    monkeypatch.setattr(attention, "_read_grads", batch_major)
+    model, loss_fn, batch = make_recurrent_case("transformer_encoder")
+    with pytest.raises(VerificationError, match=r"in_proj_weight"):
+        engine_update(model, loss_fn, batch, [[0, 1, 2]], batch_size=6, max_grad_norm=1.0)
 
 
 class WrongLayout(nn.Module):

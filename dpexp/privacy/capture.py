@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpexp.privacy.broadcast import BroadcastExpander
+from dpexp.privacy.containers import tensors_in
 from dpexp.privacy.grouping import ParameterLayout
 from dpexp.privacy.layout import BATCH_FIRST, Layout
 from dpexp.privacy.per_example import PerExampleGrad
@@ -562,11 +563,32 @@ class Capture:
         if self._replayed is not None:
             return None
         floating = [_floating(leaf) for leaf in _leaves(output)]  # not the outputs: no reference kept
+        reads = None
+        if layout.graph is not None:
+            reads = layout.graph(layer.module, inputs, output, tensors_in((args, kwargs)))
+        if reads is None:
 
-        def on_grads(grads: tuple[torch.Tensor, ...]) -> None:
-            self._deliver(use, layout.output_grad(layer.module, _aligned(floating, grads)))
+            def on_grads(grads: tuple[torch.Tensor, ...]) -> None:
+                self._deliver(use, layout.output_grad(layer.module, _aligned(floating, grads)))
 
-        return self._through_outputs(output, on_grads)
+            return self._through_outputs(output, on_grads)
+        use.args = (*inputs, dict(reads.values))
+        waiting: list[torch.Tensor] = []  # the outputs' gradient until the node's arrives, in every pass
+
+        def on_outputs(grads: tuple[torch.Tensor, ...]) -> None:
+            waiting[:] = [layout.output_grad(layer.module, _aligned(floating, grads))]
+
+        def on_node(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            if not waiting or not use.args:
+                raise RuntimeError(
+                    f"layer {layer.name!r} ({type(layer.module).__name__}): a gradient reached a node inside "
+                    "its call without passing its outputs; the rule's graph reads do not hold"
+                )
+            use.args[-1]["grad"] = grad_outputs[0]
+            self._deliver(use, waiting.pop())
+
+        reads.node.register_prehook(on_node)
+        return self._through_outputs(output, on_outputs)
 
     def _called_with_outputs(self, layer: Layer, args: tuple, kwargs: dict[str, Any], output: tuple) -> Any:
         """A call of a rule-less layer that returned several tensors (nested tuples): they are kept for the

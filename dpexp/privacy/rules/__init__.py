@@ -30,6 +30,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import PerExampleGrad
 from dpexp.privacy.rules.copies import configures, is_copy
+from dpexp.privacy.rules.graph import GraphReads
 
 GradFn = Callable[..., dict[str, PerExampleGrad]]  # (module, x, dy) -> grads; ``output=`` if it keeps one
 CheckFn = Callable[[nn.Module], None]
@@ -63,12 +64,21 @@ class CallLayout:
     keeps what they receive or return during the module's training call, and the tuple gains a last entry,
     ``{key: [value of each call of that submodule in this call]}``. A rule that recomputes part of a module
     from them (:mod:`dpexp.privacy.rules.scan_mixers`) then needs no second run of the module.
+
+    ``graph(module, inputs, output, boundary)`` may read what the rule would otherwise recompute off the
+    autograd graph the call built between its input tensors ``boundary`` and its ``output``
+    (:mod:`dpexp.privacy.rules.graph`): values at the call, and one node whose output gradient the rule
+    needs (``nn.MultiheadAttention``'s input projection). The capture then hands the call to the engine when
+    that node's gradient arrives, after the outputs' in the same backward pass, and the tuple gains a last
+    entry ``{**values, "grad": that gradient}``. None: the graph lacks the structure, and the rule gets the
+    tuple as it is.
     """
 
     inputs: Callable[[nn.Module, tuple, dict[str, Any]], tuple]
     output_grad: Callable[[nn.Module, list[torch.Tensor | None]], torch.Tensor]
     rows: tuple[int, ...] = (0,)
     keeps: Callable[[nn.Module], dict[str, tuple[str, str]]] | None = None
+    graph: Callable[[nn.Module, tuple, Any, list[torch.Tensor]], GraphReads | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,10 @@ concatenated positions of query, key and value whose left factor is zero outside
 ``dq, dk, dv, dy`` of every example and position come from one recomputation of the attention from the
 captured inputs (parameters detached, a zero added to each map's output, masks applied as PyTorch's
 ``multi_head_attention_forward`` does) and one autograd backward of ``<outputs, d outputs>`` to those zeros.
+In self-attention without the weights returned (the call ``nn.TransformerEncoderLayer`` and
+``DecoderLayer`` make) nothing is recomputed: the context and ``[dq; dk; dv]`` are read off the autograd
+graph of the call itself (:func:`attention_graph`, :mod:`dpexp.privacy.rules.graph`), where autograd's own
+backward forms them.
 The output projection ``out_proj`` is a submodule that the forward never calls: the rule claims its
 parameters. Opacus replaces the module by its own ``DPMultiheadAttention``; here the user's module runs
 unchanged.
@@ -42,6 +46,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, register_rule
+from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_attention_output, matmul_with
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -110,6 +115,35 @@ def _projections(module: nn.MultiheadAttention) -> list[tuple[torch.Tensor, torc
     return list(zip(weights, biases, strict=True))
 
 
+def attention_graph(
+    module: nn.MultiheadAttention, x: tuple, output: tuple, boundary: list[torch.Tensor]
+) -> GraphReads | None:
+    """The context and the packed projection's output gradient, read off the call's autograd graph
+    (:mod:`dpexp.privacy.rules.graph`) instead of recomputed: in self-attention with one packed
+    ``in_proj_weight``, no ``bias_k``/``bias_v`` or zero attention, and no weights returned,
+    ``multi_head_attention_forward`` projects the (L, B, E) input with one ``F.linear`` (a matrix product
+    keeping ``in_proj_weight.T``) and attends with ``scaled_dot_product_attention``, whose fused kernels
+    keep their output, the context (B, heads, L, E / heads). None otherwise, and where the call built no
+    such graph (an input that needs no gradient with the weights frozen, autocast's weight copies)."""
+    query, _, _, _, _, need_weights, _, self_attention = x
+    if not (self_attention and module._qkv_same_embed_dim) or module.bias_k is not None:
+        return None
+    if module.add_zero_attn or need_weights:
+        return None
+    nodes = call_nodes(output[0], boundary)
+    if nodes is None:
+        return None
+    node, context = matmul_with(nodes, module.in_proj_weight), kept_attention_output(nodes)
+    batch, length, embed = query.shape
+    if (
+        node is None
+        or context is None
+        or context.shape != (batch, module.num_heads, length, embed // module.num_heads)
+    ):
+        return None
+    return GraphReads({"context": context}, node)  # autograd's tensor: no copy held until the backward
+
+
 def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Per-example gradients of every parameter of ``module`` (``out_proj.*`` included), see the docstring.
     Recomputed in the weights' dtype: under autocast from the recorded half-precision inputs in float32 (the
@@ -117,7 +151,11 @@ def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -
 
     The output projection is not run again: ``do`` is the output's gradient itself and the context's is
     ``do W_o``. In self-attention the three projections are one packed matmul, and without the weights
-    returned the attention is ``scaled_dot_product_attention``, whose backward forms no (L, S) gradient."""
+    returned the attention is ``scaled_dot_product_attention``, whose backward forms no (L, S) gradient.
+    Where the call's graph gave the context and the packed projection's output gradient
+    (:func:`attention_graph`: ``x`` has a ninth entry), nothing is recomputed."""
+    if len(x) > 8:
+        return _read_grads(module, x, dy)
     query, key, value, padding, mask, need_weights, average, self_attention = x
     dtype = module.out_proj.weight.dtype
     query, key, value = (t.detach().to(dtype) for t in (query, key, value))
@@ -185,6 +223,31 @@ def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -
     return grads
 
 
+def _read_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """The packed self-attention's per-example gradients from the graph's reads: the context as the
+    attention kernel returned it, (B, heads, L, E / heads), and the gradient of the projection ``[q; k; v]``
+    as ``F.linear`` formed it, (L * B, 3E) with row ``l * B + b`` (the (L, B, E) input flattened)."""
+    query, reads = x[0], x[-1]
+    batch, length, embed = query.shape
+    context = reads["context"].transpose(1, 2).reshape(batch, length, embed)
+    do, _ = _split_output_grad(dy, batch, length, embed, False)
+    if reads["grad"].numel() != length * batch * 3 * embed:
+        raise RuntimeError(
+            f"nn.MultiheadAttention: the packed projection's gradient read off the graph has shape "
+            f"{tuple(reads['grad'].shape)}, not (L * B, 3E) = ({length * batch}, {3 * embed})"
+        )
+    dproj = reads["grad"].reshape(length, batch, 3 * embed).transpose(0, 1).contiguous()
+    grads: dict[str, PerExampleGrad] = {
+        "out_proj.weight": Outer(do, context, (embed, embed), embed),
+        "in_proj_weight": Outer(dproj, query.detach(), (3 * embed, embed), 3 * embed),
+    }
+    if module.out_proj.bias is not None:
+        grads["out_proj.bias"] = Dense(do.sum(1))
+    if module.in_proj_bias is not None:
+        grads["in_proj_bias"] = Dense(dproj.sum(1))
+    return grads
+
+
 def _score_bias(mask: torch.Tensor | None, padding: torch.Tensor | None) -> torch.Tensor | None:
     """The additive attention mask (L, S) or (B, heads, L, S) plus the key padding (B, S) as (B, 1, 1, S)."""
     if padding is None:
@@ -224,6 +287,6 @@ def _stacked(
 
 register_rule(
     nn.MultiheadAttention,
-    call=CallLayout(attention_inputs, attention_output_grad),
+    call=CallLayout(attention_inputs, attention_output_grad, graph=attention_graph),
     claims=("out_proj",),
 )(attention_grads)

@@ -1,0 +1,112 @@
+"""Reading a layer's call off the autograd graph it built, instead of recomputing it.
+
+A rule for a module whose parameters enter inside its forward (``nn.MultiheadAttention``'s input projection,
+applied by ``F.multi_head_attention_forward``, not by a submodule) can recompute the forward from the
+captured inputs and backpropagate the output gradient through it: as costly as the layer's own forward and
+backward. The graph autograd builds for the call already holds both halves: the values its backward keeps
+(the attention kernel's output, the context) and, at every node, the gradient of that node's output when the
+backward pass reaches it. :class:`GraphReads` names what a rule takes from the graph: values read at the
+call, and one node whose output gradient the capture waits for before it hands the call to the engine
+(:class:`~dpexp.privacy.rules.CallLayout`'s ``graph``).
+
+Nodes are found by what they hold, never by sizes: a matrix product is the input projection when the matrix
+it keeps for the backward *is* the weight's transpose (the same storage, offset, shape and strides), and the
+search stays inside the call (it stops at the nodes of the call's inputs). Where the graph lacks that
+structure (no gradient inside the call, autocast's copies of the weights, a kernel that keeps other values,
+a node found twice) the functions return None and the rule recomputes. What the graph gives is checked like
+any rule's output: on a verified micro-batch the per-example gradients must add up to autograd's
+(:mod:`dpexp.privacy.verification`, check 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import Node
+
+_LIMIT = 256  # nodes a call's graph may hold before the search gives up (it left the call)
+
+
+@dataclass(frozen=True)
+class GraphReads:
+    """``values``: tensors read from the graph at the call (detached); ``node``: the node whose output
+    gradient the rule also needs (handed to it under ``"grad"``)."""
+
+    values: dict[str, torch.Tensor]
+    node: Node
+
+
+def call_nodes(output: torch.Tensor, inputs: Iterable[torch.Tensor]) -> list[Node] | None:
+    """The nodes of the graph between a call's ``output`` and its ``inputs`` (their nodes and the
+    parameters' ``AccumulateGrad`` excluded); None when the output has no graph, when saved tensors pass
+    through hooks (:func:`_saved_tensors_hooked`), or when the search passes :data:`_LIMIT` nodes (it left
+    the call through an input it was not given)."""
+    root = output.grad_fn
+    if root is None or _saved_tensors_hooked():
+        return None
+    stops = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    found: dict[int, Node] = {}
+    frontier = [root]
+    while frontier:
+        node = frontier.pop()
+        if id(node) in found or id(node) in stops or _is_leaf(node):
+            continue
+        found[id(node)] = node
+        if len(found) > _LIMIT:
+            return None
+        frontier.extend(n for n, _ in node.next_functions if n is not None)
+    return list(found.values())
+
+
+def _saved_tensors_hooked() -> bool:
+    """Whether tensors saved now pass through hooks (activation checkpointing, offloading): reading them at
+    the call would run the hooks' unpacking (a checkpoint's recomputation) early. Unknown: taken as yes."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def _is_leaf(node: Node) -> bool:
+    return hasattr(node, "variable")  # AccumulateGrad: a leaf tensor's gradient sink
+
+
+def _saved(node: Node, name: str) -> torch.Tensor | None:
+    """``node``'s saved tensor ``name`` (None: the node has none of that name, or autograd did not keep
+    it because the backward does not need it)."""
+    try:
+        value = getattr(node, name, None)
+    except RuntimeError:  # freed after a backward, or not unpackable
+        return None
+    return value if torch.is_tensor(value) else None
+
+
+def matmul_with(nodes: Iterable[Node], weight: torch.Tensor) -> Node | None:
+    """The one matrix product ``a @ weight.T`` among ``nodes``, found by the matrix it keeps for its backward
+    being ``weight.T`` itself (the same storage, offset, shape and strides), or ``weight.T`` broadcast over
+    leading dimensions of stride 0: ``F.linear`` on a 3-D input records ``mm`` / ``addmm`` of the input
+    flattened, or ``bmm`` with the weight expanded where the input is not contiguous. None if there is none
+    or more than one. Its output gradient is that of ``a @ weight.T`` (plus a bias), ``a``'s leading
+    dimensions flattened or not."""
+    transposed = weight.t()
+    matches = []
+    for node in nodes:
+        kept = _saved(node, "_saved_mat2")
+        if (
+            kept is not None
+            and kept.dtype == transposed.dtype
+            and kept.data_ptr() == transposed.data_ptr()
+            and kept.shape[-2:] == transposed.shape
+            and kept.stride()[-2:] == transposed.stride()
+            and all(stride == 0 for stride in kept.stride()[:-2])
+        ):
+            matches.append(node)
+    return matches[0] if len(matches) == 1 else None
+
+
+def kept_attention_output(nodes: Iterable[Node]) -> torch.Tensor | None:
+    """The output of the one fused attention kernel among ``nodes``
+    (``scaled_dot_product_attention``'s flash / efficient / cuDNN kernels keep it for their backward:
+    (N, heads, L, E_v)), detached; None if there is none or more than one."""
+    outputs = [t for t in (_saved(node, "_saved_output") for node in nodes) if t is not None]
+    return outputs[0].detach() if len(outputs) == 1 else None

@@ -1,0 +1,85 @@
+"""What :mod:`dpexp.privacy.rules.graph` finds in a call's autograd graph: ``nn.MultiheadAttention``'s packed
+projection, whatever op ``F.linear`` recorded, the attention kernel's kept output, and nothing where the
+structure is not there (a weight used twice, autocast's copies, a call without a graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpexp.privacy.rules.graph import call_nodes, kept_attention_output, matmul_with
+
+
+def _attention(batch_first: bool, trainable: bool, contiguous: bool = True):
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(8, 2, batch_first=batch_first).requires_grad_(trainable)
+    before = nn.Linear(8, 8)
+    ids = torch.randn(5, 3, 8)
+    x = before(ids if contiguous else ids.transpose(0, 1).contiguous().transpose(0, 1))
+    out, _ = attn(x, x, x, need_weights=False)
+    return attn, before, x, out
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("trainable", [True, False])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_the_packed_projection_is_found_and_its_gradient_is_autograds(batch_first, trainable, contiguous):
+    """``mm``, ``addmm`` or ``bmm`` of an expanded weight, with the weights trainable or not: the one node
+    keeping ``in_proj_weight.T``, whose output gradient is that of ``x @ W.T`` (L * B rows)."""
+    attn, before, x, out = _attention(batch_first, trainable, contiguous)
+    nodes = call_nodes(out, [x])
+    node = matmul_with(nodes, attn.in_proj_weight)
+    assert node is not None
+    assert matmul_with(nodes, before.weight) is None  # the search stays inside the call
+    got = []
+    node.register_prehook(lambda grads: got.append(grads[0]))
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    # the same gradient by brute force: the projection recomputed with a zero added to its output
+    q = (x if not batch_first else x.transpose(0, 1)).detach()
+    zero = torch.zeros(*q.shape[:2], 24, requires_grad=True)
+    proj = F.linear(q, attn.in_proj_weight.detach(), attn.in_proj_bias.detach()) + zero
+    qh, kh, vh = (t.reshape(q.shape[0], q.shape[1] * 2, 4).transpose(0, 1) for t in proj.chunk(3, -1))
+    ctx = F.scaled_dot_product_attention(qh, kh, vh).transpose(0, 1).reshape(q.shape)
+    y = F.linear(ctx, attn.out_proj.weight.detach(), attn.out_proj.bias.detach())
+    y.backward(dout if not batch_first else dout.transpose(0, 1))
+    torch.testing.assert_close(got[0].reshape(zero.shape), zero.grad)
+
+
+def test_the_kept_attention_output_is_the_context():
+    """The attention kernel's output, through the output projection, is the layer's output."""
+    attn, _, x, out = _attention(True, False)
+    context = kept_attention_output(call_nodes(out, [x]))
+    assert context is not None and not context.requires_grad
+    batch, length, embed = x.shape
+    y = attn.out_proj(context.transpose(1, 2).reshape(batch, length, embed))
+    torch.testing.assert_close(y, out.detach())
+
+
+def test_a_weight_used_twice_or_copied_is_not_found():
+    """Two products with the weight: neither is taken. Under CPU autocast the product keeps a bf16 copy."""
+    weight = torch.randn(4, 6, requires_grad=True)
+    a, b = torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True)
+    twice = F.linear(a, weight) + F.linear(b, weight)
+    assert matmul_with(call_nodes(twice, [a, b]), weight) is None
+    assert matmul_with(call_nodes(F.linear(a, weight), [a]), weight) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copied = F.linear(a, weight)
+    assert matmul_with(call_nodes(copied, [a]), weight) is None
+
+
+def test_no_graph_no_nodes():
+    """An output without a graph (nothing requires a gradient) has no nodes; the search stops at the call's
+    inputs, and gives up past its limit (it left the call through an input it was not given)."""
+    assert call_nodes(torch.randn(3), []) is None
+    h = torch.randn(3, requires_grad=True) * 1.0
+    steps = []
+    for _ in range(300):
+        h = h + 1.0
+        steps.append(h)
+    assert len(call_nodes(h, [steps[99]])) == 200
+    assert call_nodes(h, []) is None
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # as under a checkpoint
+        assert call_nodes(h, [steps[99]]) is None
