@@ -685,6 +685,8 @@ NEW_CASES = [
     "hf_convnextv2",  # HF ConvNextV2GRN: statistics over each example's own positions
     "hf_bit",  # HF WeightStandardizedConv2d with its DynamicPad2d, BitGroupNormActivation
     "hf_hiera",  # HF HieraEmbeddings: a position table added to the patch convolution, a tuple returned
+    "tv_convnext",  # torchvision LayerNorm2d, CNBlock's layer_scale (C, 1, 1), its shortcut added in place
+    "tv_vit",  # torchvision ViT: class_token, pos_embedding, nn.MultiheadAttention read off its graph
     "mobilebert",  # HF MobileBERT's NoNorm
     "convbert",  # HF ConvBERT's SeparableConv1D bias
     "esmc",  # HF ESM C's EsmcLayerNorm
@@ -908,7 +910,9 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "hf_convnextv2",
         "hf_bit",
         "hf_hiera",
-    ):  # timm's and Hugging Face's CNNs (and Hiera)
+        "tv_convnext",
+        "tv_vit",
+    ):  # timm's, Hugging Face's and torchvision's CNNs (and Hiera, torchvision's ViT)
         builder = timm_cnn_models.BUILDERS["efficientnet" if name == "efficientnet_gn" else name]
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}
         return builder(), engine_models.classification_loss, batch, float_info

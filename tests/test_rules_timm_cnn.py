@@ -1,8 +1,9 @@
 """timm CNN rules (LayerNorm2d, ConvNeXt layer scale, GroupNormAct, StdConv2d, ScaledStdConv2d) and Hugging
 Face's (ConvNeXt's LayerNorm of either data format and layer scale, ConvNeXt V2's GRN, BiT's standardised
-convolutions and GroupNorm with activation) against the brute-force oracle: every strategy x clipping mode on
-tiny ConvNeXt, EfficientNet, NF-ResNet and BiT models (slow), representatives in the fast suite, and no
-module of these models on the torch.func fallback."""
+convolutions and GroupNorm with activation) and torchvision's (LayerNorm2d, ConvNeXt's layer scale, ViT's
+class token and position embedding) against the brute-force oracle: every strategy x clipping mode on tiny
+ConvNeXt, EfficientNet, NF-ResNet, BiT and ViT models (slow), representatives in the fast suite, and no module
+of these models on the torch.func fallback; torchvision's Swin on it, declared."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
+from tests.engine_models import classification_loss
 from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, per_example_grads
 from tests.timm_cnn_models import BUILDERS, make_timm_case
 
@@ -49,6 +51,11 @@ FAST = {
     ("hf_bit", "bk", "flat"),
     ("hf_bit", "ghost", "per_layer"),
     ("hf_bit", "instantiate", "groups"),
+    ("tv_convnext", "bk", "per_layer"),
+    ("tv_convnext", "ghost", "flat"),
+    ("tv_vit", "bk", "flat"),
+    ("tv_vit", "ghost", "per_layer"),
+    ("tv_vit", "instantiate", "groups"),
 }
 
 
@@ -71,6 +78,37 @@ def _check(name: str, strategy: str, clipping: str, groups: int | None) -> None:
 )
 def test_timm_cnn_matches_oracle(name, strategy, clipping, groups):
     _check(name, strategy, clipping, groups)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("strategy", ["bk", "ghost"])
+def test_torchvision_swin_on_the_fallback_matches_oracle(version, strategy, recwarn):
+    """torchvision's Swin attention passes its ``qkv`` and ``proj`` weights to ``shifted_window_attention``
+    (V2 also calls its ``cpb_mlp`` on a table without the batch): declared as reads, the module takes the
+    exact fallback with those parameters (before: refused by check 2, the weights used outside their
+    modules), shifted windows included."""
+    from torchvision.models import swin_transformer as swin
+
+    torch.manual_seed(0)
+    kwargs = (
+        {"block": swin.SwinTransformerBlockV2, "downsample_layer": swin.PatchMergingV2}
+        if version == 2
+        else {}
+    )
+    model = swin.SwinTransformer(
+        patch_size=[2, 2], embed_dim=8, depths=[2], num_heads=[2], window_size=[2, 2], num_classes=3,
+        stochastic_depth_prob=0.0, **kwargs,
+    ).double()  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "x": torch.randn(6, 3, 8, 8, generator=gen, dtype=torch.float64),
+        "y": torch.randint(0, 3, (6,), generator=gen),
+    }
+    check_clipped_step(
+        model, classification_loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, "per_layer", rel=1e-7
+    )
+    fallbacks = {str(w.message).split("'")[1] for w in recwarn if "fallback" in str(w.message)}
+    assert fallbacks == {"features.1.0.attn", "features.1.1.attn"}
 
 
 @pytest.mark.parametrize("strategy", ["bk", "ghost"])

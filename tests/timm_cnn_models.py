@@ -1,8 +1,10 @@
-"""Tiny float64 timm CNNs (ConvNeXt, ConvNeXt-V2, EfficientNet with GroupNorm, an NF-ResNet, a BiT ResNet-V2)
-and their Hugging Face forms (ConvNeXt, ConvNeXt V2, BiT) for the oracle and sensitivity tests: every module
-they hold has a per-example gradient rule (timm LayerNorm2d and Hugging Face's LayerNorm of either data
-format, ConvNeXt layer scale, Global Response Normalization, GroupNormAct and BiT's GroupNorm with its
-activation, depthwise and squeeze-excite convolutions, scaled and plain weight-standardised convolutions)."""
+"""Tiny float64 timm CNNs (ConvNeXt, ConvNeXt-V2, EfficientNet with GroupNorm, an NF-ResNet, a BiT ResNet-V2),
+their Hugging Face forms (ConvNeXt, ConvNeXt V2, BiT) and torchvision's ConvNeXt and ViT for the oracle and
+sensitivity tests: every module they hold has a per-example gradient rule (timm's and torchvision's
+LayerNorm2d and Hugging Face's LayerNorm of either data format, ConvNeXt layer scale, Global Response
+Normalization, GroupNormAct and BiT's GroupNorm with its activation, depthwise and squeeze-excite
+convolutions, scaled and plain weight-standardised convolutions, torchvision ViT's class token and position
+embedding)."""
 
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def _perturbed(model: nn.Module, seed: int) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() <= 1 or name.endswith("gain") or "head" in name or "fc." in name or ".grn." in name:
+            drawn = ("head", "fc.", ".grn.", "layer_scale", "class_token", "pos_embedding")
+            if p.dim() <= 1 or name.endswith("gain") or any(part in name for part in drawn):
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
     return model.double().eval()
 
@@ -185,6 +188,27 @@ def hf_hiera() -> nn.Module:
     return Logits(_perturbed(HieraForImageClassification(config), 9))
 
 
+def tv_convnext() -> nn.Module:
+    """torchvision's ConvNeXt: two stages of one block (widths 4 and 8), its ``LayerNorm2d`` (stem,
+    downsampling, classifier) and ``CNBlock``'s ``layer_scale`` (C, 1, 1), to which the block adds its
+    shortcut in place."""
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    return _perturbed(ConvNeXt([CNBlockConfig(4, 8, 1), CNBlockConfig(8, None, 1)], num_classes=3), 10)
+
+
+def tv_vit() -> nn.Module:
+    """torchvision's Vision Transformer on 8x8 images (4x4 patches, 2 layers, width 8, 2 heads): its own
+    ``class_token`` and its ``Encoder``'s ``pos_embedding``, ``nn.MultiheadAttention`` in self-attention
+    without weights returned."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    vit = VisionTransformer(
+        image_size=8, patch_size=4, num_layers=2, num_heads=2, hidden_dim=8, mlp_dim=16, num_classes=3
+    )
+    return _perturbed(vit, 11)
+
+
 BUILDERS = {
     "convnext": convnext,
     "convnext_conv_mlp": partial(convnext, conv_mlp=True),
@@ -199,6 +223,8 @@ BUILDERS = {
     "hf_convnextv2": partial(hf_convnext, v2=True),
     "hf_bit": hf_bit,
     "hf_hiera": hf_hiera,
+    "tv_convnext": tv_convnext,
+    "tv_vit": tv_vit,
 }
 
 

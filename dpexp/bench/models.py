@@ -213,6 +213,29 @@ class TimmImage(ImageClassifier):
         return timm.create_model(self.model_name, **kwargs).train()
 
 
+class TorchvisionImage(ImageClassifier):
+    """A torchvision image model by its class or builder under ``torchvision.models``
+    (``vision_transformer.VisionTransformer``, ``convnext_tiny``) and its keyword arguments, random weights;
+    ``image_size`` goes to those that take one (the Vision Transformer)."""
+
+    family = "fallback"
+
+    def __init__(self, model: str, num_classes: int = 10, image_size: int = 32, **model_kwargs) -> None:
+        self.model, self.num_classes, self.image_size = model, num_classes, image_size
+        self.model_kwargs = model_kwargs
+
+    def build(self) -> nn.Module:
+        import importlib
+        import inspect
+
+        path, _, name = f"torchvision.models.{self.model}".rpartition(".")
+        make = getattr(importlib.import_module(path), name)
+        kwargs = {"num_classes": self.num_classes, **self.model_kwargs}
+        if "image_size" in inspect.signature(make).parameters:
+            kwargs["image_size"] = self.image_size
+        return make(**kwargs).train()
+
+
 _SIZE_AS_PAIR = ("hiera",)  # configurations that take the image size as [height, width] only
 
 

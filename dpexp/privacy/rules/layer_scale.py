@@ -6,9 +6,9 @@ over every axis between the batch and the channels (position-wise, as RMSNorm's 
 variant (``inplace=True``: ``x.mul_(gamma)``) overwrites the input the rule reads, and is refused.
 
 *ConvNeXt's block* (timm's ``ConvNeXtBlock``, Liu et al. 2022, sec. 2.6; Hugging Face's ``ConvNextLayer``,
-whose scale is ``layer_scale_parameter``, applied channels-last before the permute back): the block
-owns ``gamma`` (C,) and computes ``v = u * gamma`` (per channel) from its branch output ``u``, then
-``drop_path(v) + shortcut``.
+whose scale is ``layer_scale_parameter``, applied channels-last before the permute back; torchvision's
+``CNBlock``, whose ``layer_scale`` is (C, 1, 1)): the block owns ``gamma`` (C,)
+and computes ``v = u * gamma`` (per channel) from its branch output ``u``, then ``drop_path(v) + shortcut``.
 
 The rule taps ``drop_path``: it receives ``v`` (B, C, H, W) and ``dz = dL/dv`` (drop-path's per-example
 mask included), and ``dgamma_i[c] = sum_hw dz_i[c] u_i[c] = (sum_hw dz_i[c] v_i[c]) / gamma[c]``. Each
@@ -16,7 +16,9 @@ term is exact to the rounding of the product ``u * gamma`` itself (relative 2^-2
 ``|gamma[c]|`` is at least ``sqrt(finfo.tiny)`` (1e-19 in float32; ConvNeXt starts at 1e-6); below that,
 ``u`` cannot be recovered from ``v``, and the rule refuses (naming the fix) rather than guess. That check
 reads ``gamma`` once per block and step (a device synchronisation on GPU). Without the rule, the exact
-``torch.func`` fallback would recompute each whole block per example.
+``torch.func`` fallback would recompute each whole block per example. torchvision's block adds the shortcut
+to ``v`` in place (``result += input``), so ``v`` is gone by the backward; its rule taps the branch's output
+``u`` instead, whose gradient ``gamma dL/dv`` gives the same ``(sum_hw dz_i[c] u_i[c]) / gamma[c]``.
 
 *BEiT's layer* (Hugging Face's ``BeitLayer``, Bao et al. 2022 sec. 2.5, the CaiT layer scale): the layer owns
 ``lambda_1``, ``lambda_2`` (C,) and computes, on both residual branches in turn,
@@ -81,19 +83,20 @@ def channels_last_scale_grads(
     return {_scale_parameter(module): Dense(as_sequence(dy * x).sum(1))}
 
 
-_BLOCK_SCALE = {  # a ConvNeXt block's one layer scale: timm's, Hugging Face's
-    "timm.models.convnext.ConvNeXtBlock": "gamma",
-    f"{_HF}.convnext.modeling_convnext.ConvNextLayer": "layer_scale_parameter",
+_BLOCK_SCALE = {  # a ConvNeXt block's one layer scale and the drop-path module after it
+    "timm.models.convnext.ConvNeXtBlock": ("gamma", "drop_path"),
+    f"{_HF}.convnext.modeling_convnext.ConvNextLayer": ("layer_scale_parameter", "drop_path"),
+    "torchvision.models.convnext.CNBlock": ("layer_scale", "block"),  # (C, 1, 1); its branch, tapped
 }
 
 
 def _check(module: nn.Module) -> None:
-    scale = _BLOCK_SCALE[qualified_name(type(module))]
+    scale, drop = _BLOCK_SCALE[qualified_name(type(module))]
     own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    if own != {scale} or not isinstance(getattr(module, "drop_path", None), nn.Module):
+    if own != {scale} or not isinstance(getattr(module, drop, None), nn.Module):
         raise ValueError(
             f"{type(module).__name__}: the privacy engine's layer-scale rule expects the block's own "
-            f"trainable parameters to be just `{scale}` and a drop_path module after it; got {sorted(own)}. "
+            f"trainable parameters to be just `{scale}` and a {drop} module beside it; got {sorted(own)}. "
             "Freeze these parameters or register a rule for the block."
         )
 
@@ -101,7 +104,7 @@ def _check(module: nn.Module) -> None:
 def _unscale(module: nn.Module, name: str, scaled: torch.Tensor) -> torch.Tensor:
     """``scaled`` (B, C) ``= sum dz * (scale * u)`` over positions, divided by the module's scale ``name``
     (C,): ``sum dz * u``; refuses a scale too small for ``u`` to be recovered from ``scale * u``."""
-    scale = getattr(module, name).detach()
+    scale = getattr(module, name).detach().reshape(-1)
     floor = torch.finfo(scaled.dtype).tiny ** 0.5
     if not bool((scale.abs() >= floor).all()):
         raise ValueError(
@@ -112,11 +115,16 @@ def _unscale(module: nn.Module, name: str, scaled: torch.Tensor) -> torch.Tensor
     return scaled / scale.to(scaled.dtype)
 
 
-@register_rule(*_BLOCK_SCALE, check=_check, tap="drop_path")
+@register_rule("torchvision.models.convnext.CNBlock", check=_check, tap="block", tap_output=True)
+@register_rule(*list(_BLOCK_SCALE)[:2], check=_check, tap="drop_path")
 def layer_scale_grads(module: nn.Module, v: torch.Tensor, dz: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """``v``, ``dz``: (B, C, H, W) at the input of ``module.drop_path``; returns ``dgamma`` (B, C)."""
-    scale = _BLOCK_SCALE[qualified_name(type(module))]
-    return {scale: Dense(_unscale(module, scale, (dz * v).sum((2, 3))))}
+    """``v``, ``dz``: (B, C, H, W) at the input of the block's drop-path module, or for torchvision's block
+    ``u`` and ``dL/du = gamma dL/dv`` at its branch's output (its ``v`` is added to in place, ``result +=
+    input``): ``sum dz u = gamma sum dL/dv u`` there too. Returns ``dgamma`` (B, C), or (B, C, 1, 1) for
+    torchvision's (C, 1, 1) scale."""
+    scale, _ = _BLOCK_SCALE[qualified_name(type(module))]
+    grads = _unscale(module, scale, (dz * v).sum((2, 3)))
+    return {scale: Dense(grads.reshape(grads.shape[0], *getattr(module, scale).shape))}
 
 
 _BEIT = "transformers.models.beit.modeling_beit.BeitLayer"

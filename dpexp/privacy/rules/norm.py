@@ -49,11 +49,16 @@ def layer_norm_grads(module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) ->
 _HF = "transformers.models"
 
 
-@register_rule("timm.layers.norm.LayerNorm2d", f"{_HF}.squeezebert.modeling_squeezebert.SqueezeBertLayerNorm")
+@register_rule(
+    "timm.layers.norm.LayerNorm2d",
+    "torchvision.models.convnext.LayerNorm2d",
+    f"{_HF}.squeezebert.modeling_squeezebert.SqueezeBertLayerNorm",
+)
 def channels_first_layer_norm_grads(
     module: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, PerExampleGrad]:
-    """timm's ``LayerNorm2d`` (ConvNeXt, Liu et al. 2022: ``x`` (B, C, H, W)) and SqueezeBERT's LayerNorm
+    """timm's and torchvision's ``LayerNorm2d`` (ConvNeXt, Liu et al. 2022: ``x`` (B, C, H, W)) and
+    SqueezeBERT's LayerNorm
     (Iandola et al. 2020, its NCW layout: ``x`` (B, C, T)): normalised over C at every position
     (``F.layer_norm`` on the channels-last view), so ``dw_i = sum_positions dy_i * x_hat_i``."""
     x_hat = F.layer_norm(x.movedim(1, -1), module.normalized_shape, eps=module.eps).movedim(-1, 1)

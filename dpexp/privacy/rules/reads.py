@@ -1,4 +1,4 @@
-"""Hugging Face modules whose forward reads a submodule's parameters instead of calling it
+"""Modules whose forward reads a submodule's parameters instead of calling it
 (:func:`~dpexp.privacy.rules.register_reads`): Inkling 2's short convolutions pass their causal depthwise
 convolution's weight to a kernel, ``causal_conv1d_fn(x, self.conv1d.weight.squeeze(1), self.conv1d.bias)``
 (its reference implementation: ``F.conv1d`` with ``groups = channels``), never calling ``self.conv1d``. Their
@@ -22,3 +22,10 @@ _READS = {  # model family -> {its module class: the submodules its forward read
 for _family, _classes in _READS.items():
     for _name, _submodules in _classes.items():
         register_reads(f"transformers.models.{_family}.modeling_{_family}.{_name}", *_submodules)
+
+# torchvision's Swin attention passes its qkv and proj weights to shifted_window_attention (Liu et al. 2021,
+# sec. 3.2); V2's also calls its cpb_mlp (Linear, ReLU, Linear) on the relative coordinates, a table without
+# the batch (Liu et al. 2022, sec. 3.3), whose output meets the batch in the scores
+_SWIN = "torchvision.models.swin_transformer"
+register_reads(f"{_SWIN}.ShiftedWindowAttention", "qkv", "proj")
+register_reads(f"{_SWIN}.ShiftedWindowAttentionV2", "qkv", "proj", "cpb_mlp.0", "cpb_mlp.2")

@@ -1,8 +1,9 @@
 """Vision Transformers' own parameters: class, distillation, register and mask tokens and absolute position
 embedding (timm's ``VisionTransformer``, DeiT's ``VisionTransformerDistilled`` and ``Beit``, Hugging Face's
 ``ViTEmbeddings``, CLIP's ``CLIPVisionEmbeddings``, DINOv2's ``Dinov2Embeddings`` (and, with register
-tokens, ``Dinov2WithRegistersEmbeddings``), BEiT's (and data2vec-vision's) ``BeitEmbeddings`` and Hiera's
-``HieraEmbeddings``; and SigLIP's attention-pooling probe, a learned query token.
+tokens, ``Dinov2WithRegistersEmbeddings``), BEiT's (and data2vec-vision's) ``BeitEmbeddings``, Hiera's
+``HieraEmbeddings`` and torchvision's ``VisionTransformer`` and its ``Encoder``; and SigLIP's
+attention-pooling probe, a learned query token.
 
 timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
 (or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``; a ``Beit``
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,6 +127,47 @@ def hf_vit_token_grads(module: nn.Module, x: torch.Tensor, dz: torch.Tensor) -> 
     if getattr(module, "cls_token", None) is not None:
         grads["cls_token"] = Dense(dz[:, :1].reshape(batch, *module.cls_token.shape))
     return grads
+
+
+_TORCHVISION_VIT = "torchvision.models.vision_transformer"
+
+
+def _check_own(parameter: str, submodule: str) -> Callable[[nn.Module], None]:
+    """A check that ``parameter`` is the module's one trainable parameter and ``submodule`` (the tap) is
+    a module."""
+
+    def check(module: nn.Module) -> None:
+        own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if own - {parameter} or not isinstance(getattr(module, submodule, None), nn.Module):
+            raise ValueError(
+                f"{type(module).__name__}: the privacy engine's {parameter} rule expects the module's own "
+                f"trainable parameters to be just {parameter}, added before its {submodule} module; got "
+                f"{sorted(own)}. Freeze them or register a rule for it."
+            )
+
+    return check
+
+
+@register_rule(
+    f"{_TORCHVISION_VIT}.VisionTransformer", check=_check_own("class_token", "encoder"), tap="encoder"
+)
+def torchvision_class_token_grads(
+    module: nn.Module, x: torch.Tensor, dz: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """torchvision's ``VisionTransformer`` (Dosovitskiy et al. 2021, eq. 1) passes ``cat(class_token,
+    patches)`` to its ``encoder``: with ``dz`` (B, T, d) the gradient at the encoder's input,
+    ``d class_token_i = dz_i[0]``. Without the rule the exact fallback recomputed the whole model per
+    example (the class token is the root module's own parameter)."""
+    return {"class_token": Dense(dz[:, :1].reshape(dz.shape[0], *module.class_token.shape))}
+
+
+@register_rule(f"{_TORCHVISION_VIT}.Encoder", check=_check_own("pos_embedding", "dropout"), tap="dropout")
+def torchvision_position_grads(
+    module: nn.Module, x: torch.Tensor, dz: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """torchvision's ViT ``Encoder`` adds ``pos_embedding`` (1, T, d) to its input and passes the sum to its
+    ``dropout``: with ``dz`` (B, T, d) the gradient there, ``d pos_embedding_i = dz_i``."""
+    return {"pos_embedding": Dense(dz.reshape(dz.shape[0], *module.pos_embedding.shape))}
 
 
 def _check_clip(module: nn.Module) -> None:
