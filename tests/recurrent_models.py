@@ -64,12 +64,17 @@ class AttentionNet(nn.Module):
     """Embedding -> ``nn.MultiheadAttention`` -> mean over the unpadded positions -> head.
 
     ``cross``: the keys and values come from a second embedding of the reversed sequence of 2 more
-    positions (kdim = vdim = 6 unless ``packed``), with a banded boolean mask (L, S); otherwise
-    self-attention with the padding mask, and the attention weights also enter the loss."""
+    positions (kdim = vdim = 6 unless ``packed``), with a banded boolean mask (L, S), the values the keys
+    themselves unless ``distinct`` (then 1.5 times them, another tensor); otherwise self-attention with the
+    padding mask, and the attention weights also enter the loss unless ``weights`` is off (then the call
+    asks for none)."""
 
-    def __init__(self, batch_first: bool, cross: bool = False, packed: bool = False, **kwargs) -> None:
+    def __init__(
+        self, batch_first: bool, cross: bool = False, packed: bool = False, weights: bool = True,
+        distinct: bool = False, **kwargs,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.batch_first, self.cross = batch_first, cross
+        self.batch_first, self.cross, self.weights, self.distinct = batch_first, cross, weights, distinct
         self.embed = nn.Embedding(VOCAB, 8, padding_idx=0)
         dim = 8 if packed or not cross else 6
         if cross:
@@ -87,17 +92,20 @@ class AttentionNet(nn.Module):
             memory = self.memory(memory_ids)
             length, source = ids.shape[1], memory_ids.shape[1]
             mask = torch.ones(length, source, dtype=torch.bool).triu(3)  # True: not attended
+            key = layout(memory)
             out, _ = self.attn(
                 layout(x),
-                layout(memory),
-                layout(memory),
+                key,
+                layout(1.5 * memory) if self.distinct else key,
                 attn_mask=mask,
                 key_padding_mask=_padding_mask(memory_ids),
+                need_weights=self.weights,
             )
             weights_term = 0.0
         else:
-            out, weights = self.attn(layout(x), layout(x), layout(x), key_padding_mask=pad)
-            weights_term = weights.square().sum((1, 2))[:, None]
+            h = layout(x)
+            out, weights = self.attn(h, h, h, key_padding_mask=pad, need_weights=self.weights)
+            weights_term = weights.square().sum((1, 2))[:, None] if self.weights else 0.0
         pooled = (layout(out) * keep).sum(1) / keep.sum(1).clamp_min(1)
         return self.head(torch.tanh(pooled)) + weights_term
 
@@ -214,6 +222,16 @@ MODELS = {
         False, cross=True, add_bias_kv=True, add_zero_attn=True
     ),
     "mha_cross_packed_no_bias": lambda: AttentionNet(True, cross=True, packed=True, bias=False),
+    # no weights returned: read off the call's graph (the key is the value; three tensors, packed or not)
+    "mha_cross_packed_no_weights_time_major": lambda: AttentionNet(
+        False, cross=True, packed=True, weights=False
+    ),
+    "mha_cross_distinct_no_weights": lambda: AttentionNet(
+        True, cross=True, packed=True, weights=False, distinct=True
+    ),
+    "mha_cross_kdim_distinct_no_weights": lambda: AttentionNet(
+        True, cross=True, weights=False, distinct=True
+    ),
     "transformer_encoder": lambda: EncoderNet(True),
     "transformer_encoder_norm_first_causal": lambda: EncoderNet(True, norm_first=True, causal=True),
     # PyTorch's default layout: the linear and norm layers see (T, B, d), read time-major once probed

@@ -101,30 +101,36 @@ def test_multihead_attention_covers_its_out_proj():
 @pytest.mark.parametrize(
     "name,reads",
     [
-        ("transformer_encoder", 4),  # one self-attention, 2 micro-batches x 2 passes (ghost)
+        ("transformer_encoder", 4),  # one attention, 2 micro-batches x 2 passes (ghost)
         ("transformer_encoder_time_major", 4),
         ("transformer_encoder_norm_first_causal", 4),
-        ("transformer_seq2seq_time_major", 8),  # the two self-attentions, not the cross-attention
+        ("transformer_seq2seq_time_major", 12),  # two self-attentions and the decoder's cross-attention
+        ("mha_cross_packed_no_weights_time_major", 4),  # the key is the value: q and kv projections
+        ("mha_cross_distinct_no_weights", 4),  # three tensors: in_proj_weight in three
+        ("mha_cross_kdim_distinct_no_weights", 4),  # kdim = vdim = 6: three weights
         ("mha_self_weights", 0),  # the weights returned: recomputed
-        ("mha_cross_packed_no_bias", 0),
+        ("mha_cross_kdim_bias_kv_zero_attn", 0),
     ],
 )
-def test_self_attention_is_read_off_the_graph_and_equals_the_recomputation(name, reads, monkeypatch):
-    """``nn.TransformerEncoderLayer``'s call (self-attention, no weights returned) takes the context and the
-    packed projection's output gradient from the call's autograd graph, on the verified micro-batch (whose
-    parameters require gradients) and the next (whose do not); every read gives the recomputation's
-    per-example gradients, and the update is the oracle's. Other calls recompute."""
-    read = attention._read_grads
+def test_attention_is_read_off_the_graph_and_equals_the_recomputation(name, reads, monkeypatch):
+    """Without the weights returned (``nn.TransformerEncoderLayer``'s and ``DecoderLayer``'s calls) the
+    context and the projections' output gradients come from the call's autograd graph, on the verified
+    micro-batch (whose parameters require gradients) and the next (whose do not), in every form of the
+    projections; every read gives the recomputation's per-example gradients, and the update is the
+    oracle's. Other calls recompute."""
+    rule = rules.rule_for(nn.MultiheadAttention(4, 2))
     seen = []
 
     def compared(module, x, dy):
-        grads = read(module, x, dy)
-        for key, want in attention.attention_grads(module, x[:8], dy).items():
-            torch.testing.assert_close(grads[key].instantiate(), want.instantiate(), msg=key)
-        seen.append(key)
+        grads = rule.per_example_grads(module, x, dy)
+        if len(x) > 8:
+            for key, want in rule.per_example_grads(module, x[:8], dy).items():
+                torch.testing.assert_close(grads[key].instantiate(), want.instantiate(), msg=key)
+            seen.append(module)
         return grads
 
-    monkeypatch.setattr(attention, "_read_grads", compared)
+    key = f"{nn.MultiheadAttention.__module__}.{nn.MultiheadAttention.__qualname__}"
+    monkeypatch.setitem(rules._RULES, key, dataclasses.replace(rule, per_example_grads=compared))
     _check_against_oracle(*make_recurrent_case(name), "ghost", "per_layer")
     assert len(seen) == reads
 
@@ -137,24 +143,19 @@ def test_attention_with_a_frozen_projection_is_exact():
     _check_against_oracle(model, loss_fn, batch, "bk", "per_layer")
 
 
-def test_a_wrong_graph_read_is_caught_by_the_parameter_sums(monkeypatch):
-    """Check 2 covers the graph reads: the projection's gradient read batch-major instead of (L * B) rows
-    attributes positions to the wrong examples, and the first micro-batch is refused."""
+@pytest.mark.parametrize("name", ["transformer_encoder", "mha_cross_kdim_distinct_no_weights"])
+def test_a_wrong_graph_read_is_caught_by_the_parameter_sums(name, monkeypatch):
+    """Check 2 covers the graph reads: projection gradients handed to the next example (a read in the
+    wrong row order would do the same) are refused on the first micro-batch, naming a projection."""
+    read = attention._read
 
-    def batch_major(module, x, dy):
-        query, reads = x[0], x[-1]
-        reads["grad"] = (
-            reads["grad"]
-            .reshape(query.shape[1], query.shape[0], -1)
-            .transpose(0, 1)
-            .reshape(reads["grad"].shape)
-        )
-        return read(module, x, dy)
+    def shifted(*args):
+        context, dproj = read(*args)
+        return context, [d.roll(1, 0) for d in dproj]
 
-    read = attention._read_grads
-    monkeypatch.setattr(attention, "_read_grads", batch_major)
-    model, loss_fn, batch = make_recurrent_case("transformer_encoder")
-    with pytest.raises(VerificationError, match=r"in_proj_weight"):
+    monkeypatch.setattr(attention, "_read", shifted)
+    model, loss_fn, batch = make_recurrent_case(name)
+    with pytest.raises(VerificationError, match=r"(in|q)_proj_weight"):
         engine_update(model, loss_fn, batch, [[0, 1, 2]], batch_size=6, max_grad_norm=1.0)
 
 

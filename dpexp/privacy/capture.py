@@ -573,21 +573,26 @@ class Capture:
 
             return self._through_outputs(output, on_grads)
         use.args = (*inputs, dict(reads.values))
-        waiting: list[torch.Tensor] = []  # the outputs' gradient until the node's arrives, in every pass
+        waiting: list[torch.Tensor] = []  # the outputs' gradient until the nodes' arrive, in every pass
+        arrived: set[str] = set()
 
         def on_outputs(grads: tuple[torch.Tensor, ...]) -> None:
             waiting[:] = [layout.output_grad(layer.module, _aligned(floating, grads))]
+            arrived.clear()
 
-        def on_node(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            if not waiting or not use.args:
+        def on_node(key: str, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            if not waiting or not use.args or key in arrived:
                 raise RuntimeError(
                     f"layer {layer.name!r} ({type(layer.module).__name__}): a gradient reached a node inside "
                     "its call without passing its outputs; the rule's graph reads do not hold"
                 )
-            use.args[-1]["grad"] = grad_outputs[0]
-            self._deliver(use, waiting.pop())
+            use.args[-1][key] = grad_outputs[0]
+            arrived.add(key)
+            if len(arrived) == len(reads.nodes):
+                self._deliver(use, waiting.pop())
 
-        reads.node.register_prehook(on_node)
+        for key, node in reads.nodes.items():
+            node.register_prehook(partial(on_node, key))
         return self._through_outputs(output, on_outputs)
 
     def _called_with_outputs(self, layer: Layer, args: tuple, kwargs: dict[str, Any], output: tuple) -> Any:

@@ -67,11 +67,11 @@ class CallLayout:
 
     ``graph(module, inputs, output, boundary)`` may read what the rule would otherwise recompute off the
     autograd graph the call built between its input tensors ``boundary`` and its ``output``
-    (:mod:`dpexp.privacy.rules.graph`): values at the call, and one node whose output gradient the rule
-    needs (``nn.MultiheadAttention``'s input projection). The capture then hands the call to the engine when
-    that node's gradient arrives, after the outputs' in the same backward pass, and the tuple gains a last
-    entry ``{**values, "grad": that gradient}``. None: the graph lacks the structure, and the rule gets the
-    tuple as it is.
+    (:mod:`dpexp.privacy.rules.graph`): values at the call, and the nodes whose output gradients the rule
+    needs (``nn.MultiheadAttention``'s input projections). The capture then hands the call to the engine
+    when the last of those gradients arrives, after the outputs' in the same backward pass, and the tuple
+    gains a last entry ``{**values, key: each node's gradient}``. None: the graph lacks the structure, and
+    the rule gets the tuple as it is.
     """
 
     inputs: Callable[[nn.Module, tuple, dict[str, Any]], tuple]

@@ -17,10 +17,10 @@ concatenated positions of query, key and value whose left factor is zero outside
 ``dq, dk, dv, dy`` of every example and position come from one recomputation of the attention from the
 captured inputs (parameters detached, a zero added to each map's output, masks applied as PyTorch's
 ``multi_head_attention_forward`` does) and one autograd backward of ``<outputs, d outputs>`` to those zeros.
-In self-attention without the weights returned (the call ``nn.TransformerEncoderLayer`` and
-``DecoderLayer`` make) nothing is recomputed: the context and ``[dq; dk; dv]`` are read off the autograd
-graph of the call itself (:func:`attention_graph`, :mod:`dpexp.privacy.rules.graph`), where autograd's own
-backward forms them.
+Without the weights returned (the calls ``nn.TransformerEncoderLayer`` and ``DecoderLayer`` make), and
+without ``bias_k``/``bias_v`` or zero attention, nothing is recomputed: the context and ``dq, dk, dv`` are
+read off the autograd graph of the call itself (:func:`attention_graph`, :mod:`dpexp.privacy.rules.graph`),
+where autograd's own backward forms them.
 The output projection ``out_proj`` is a submodule that the forward never calls: the rule claims its
 parameters. Opacus replaces the module by its own ``DPMultiheadAttention``; here the user's module runs
 unchanged.
@@ -52,9 +52,11 @@ _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
 
 def attention_inputs(module: nn.MultiheadAttention, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(query, key, value, key_padding_mask, attn_mask, need_weights, average_attn_weights,
-    self_attention)`` with query (B, L, E), key and value (B, S, kdim / vdim), attn_mask (L, S) or
-    (B, heads, L, S)."""
+    """``(query, key, value, key_padding_mask, attn_mask, need_weights, average_attn_weights, sources)``
+    with query (B, L, E), key and value (B, S, kdim / vdim), attn_mask (L, S) or (B, heads, L, S), and
+    ``sources`` the number of distinct tensors among query, key and value (1: self-attention; 2: the key is
+    the value, as the decoder's attention to its memory; 3), which decides the projections'
+    form in ``multi_head_attention_forward``."""
     call = _SIGNATURE.bind(module, *args, **kwargs)
     call.apply_defaults()
     q, k, v = call.arguments["query"], call.arguments["key"], call.arguments["value"]
@@ -68,7 +70,7 @@ def attention_inputs(module: nn.MultiheadAttention, args: tuple, kwargs: dict[st
             f"applies attention dropout (p={module.dropout}) in training, whose mask the per-example "
             "gradient rule cannot replay; set dropout=0 (e.g. nn.TransformerEncoderLayer(dropout=0))"
         )
-    self_attention = q is k and k is v
+    sources = 1 if q is k and k is v else 2 if k is v else 3
     if not module.batch_first:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     mask = call.arguments["attn_mask"]
@@ -82,7 +84,7 @@ def attention_inputs(module: nn.MultiheadAttention, args: tuple, kwargs: dict[st
         mask,
         bool(call.arguments["need_weights"]),
         bool(call.arguments["average_attn_weights"]),
-        self_attention,
+        sources,
     )
 
 
@@ -102,68 +104,135 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 
 
 def _projections(module: nn.MultiheadAttention) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(weight, bias) of the q, k and v maps, detached."""
+    """(weight, bias) of the q, k and v maps, as views of the module's parameters."""
     if module._qkv_same_embed_dim:
-        weights = module.in_proj_weight.detach().chunk(3)
+        weights = module.in_proj_weight.chunk(3)
     else:
-        weights = [
-            module.q_proj_weight.detach(),
-            module.k_proj_weight.detach(),
-            module.v_proj_weight.detach(),
-        ]
-    biases = module.in_proj_bias.detach().chunk(3) if module.in_proj_bias is not None else [None] * 3
+        weights = [module.q_proj_weight, module.k_proj_weight, module.v_proj_weight]
+    biases = module.in_proj_bias.chunk(3) if module.in_proj_bias is not None else [None] * 3
     return list(zip(weights, biases, strict=True))
+
+
+def _projection_weights(module: nn.MultiheadAttention, sources: int) -> dict[str, torch.Tensor]:
+    """The weights ``multi_head_attention_forward`` multiplies the inputs by, each in one ``F.linear``: the
+    packed ``in_proj_weight`` whole in self-attention, split ``[:E]``, ``[E:]`` when the key is the value,
+    in three otherwise; the three separate weights of a module with ``kdim``/``vdim``."""
+    if not module._qkv_same_embed_dim:
+        return {"q": module.q_proj_weight, "k": module.k_proj_weight, "v": module.v_proj_weight}
+    weight, embed = module.in_proj_weight, module.embed_dim
+    if sources == 1:
+        return {"qkv": weight}
+    if sources == 2:
+        return {"q": weight[:embed], "kv": weight[embed:]}
+    return dict(zip("qkv", weight.chunk(3), strict=True))
 
 
 def attention_graph(
     module: nn.MultiheadAttention, x: tuple, output: tuple, boundary: list[torch.Tensor]
 ) -> GraphReads | None:
-    """The context and the packed projection's output gradient, read off the call's autograd graph
-    (:mod:`dpexp.privacy.rules.graph`) instead of recomputed: in self-attention with one packed
-    ``in_proj_weight``, no ``bias_k``/``bias_v`` or zero attention, and no weights returned,
-    ``multi_head_attention_forward`` projects the (L, B, E) input with one ``F.linear`` (a matrix product
-    keeping ``in_proj_weight.T``) and attends with ``scaled_dot_product_attention``, whose fused kernels
-    keep their output, the context (B, heads, L, E / heads). None otherwise, and where the call built no
-    such graph (an input that needs no gradient with the weights frozen, autocast's weight copies)."""
-    query, _, _, _, _, need_weights, _, self_attention = x
-    if not (self_attention and module._qkv_same_embed_dim) or module.bias_k is not None:
-        return None
-    if module.add_zero_attn or need_weights:
+    """The context and the projections' output gradients, read off the call's autograd graph
+    (:mod:`dpexp.privacy.rules.graph`) instead of recomputed: without ``bias_k``/``bias_v``, zero attention
+    or weights returned, ``multi_head_attention_forward`` projects its (L, B, E) and (S, B, kdim) inputs
+    with one ``F.linear`` per weight of :func:`_projection_weights` (a matrix product keeping that weight's
+    transpose) and attends with ``scaled_dot_product_attention``, whose fused kernels keep their output, the
+    context (B, heads, L, E / heads). None otherwise, and where the call built no such graph (inputs that
+    need no gradient with the weights frozen, autocast's weight copies)."""
+    query, need_weights, sources = x[0], x[5], x[7]
+    if module.bias_k is not None or module.add_zero_attn or need_weights:
         return None
     nodes = call_nodes(output[0], boundary)
     if nodes is None:
         return None
-    node, context = matmul_with(nodes, module.in_proj_weight), kept_attention_output(nodes)
+    found = {
+        name: matmul_with(nodes, weight) for name, weight in _projection_weights(module, sources).items()
+    }
+    context = kept_attention_output(nodes)
     batch, length, embed = query.shape
     if (
-        node is None
+        any(node is None for node in found.values())
         or context is None
         or context.shape != (batch, module.num_heads, length, embed // module.num_heads)
     ):
         return None
-    return GraphReads({"context": context}, node)  # autograd's tensor: no copy held until the backward
+    return GraphReads({"context": context}, found)  # autograd's tensor: no copy held until the backward
 
 
 def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """Per-example gradients of every parameter of ``module`` (``out_proj.*`` included), see the docstring.
-    Recomputed in the weights' dtype: under autocast from the recorded half-precision inputs in float32 (the
-    norms and clipped sums are those of these gradients, which differ from autograd's by its rounding).
-
-    The output projection is not run again: ``do`` is the output's gradient itself and the context's is
-    ``do W_o``. In self-attention the three projections are one packed matmul, and without the weights
-    returned the attention is ``scaled_dot_product_attention``, whose backward forms no (L, S) gradient.
-    Where the call's graph gave the context and the packed projection's output gradient
-    (:func:`attention_graph`: ``x`` has a ninth entry), nothing is recomputed."""
+    Where the call's graph gave the context and the projections' output gradients (:func:`attention_graph`:
+    ``x`` has a ninth entry) nothing is recomputed; otherwise :func:`_recomputed`."""
+    query, key, value, padding, mask, need_weights, average, sources = x[:8]
+    batch, length, embed = query.shape
     if len(x) > 8:
-        return _read_grads(module, x, dy)
-    query, key, value, padding, mask, need_weights, average, self_attention = x
-    dtype = module.out_proj.weight.dtype
-    query, key, value = (t.detach().to(dtype) for t in (query, key, value))
+        context, dproj = _read(module, x[-1], query, key, sources)
+        do, _ = _split_output_grad(dy, batch, length, embed, False)
+        extra = {}
+    else:
+        dtype = module.out_proj.weight.dtype
+        query, key, value = (t.detach().to(dtype) for t in (query, key, value))
+        do, dweights = _split_output_grad(dy, batch, length, embed, need_weights)
+        do = do.to(dtype)
+        call = (padding, mask, need_weights, average, sources)
+        context, dproj, extra = _recomputed(module, query, key, value, call, do, dweights)
+    grads: dict[str, PerExampleGrad] = {"out_proj.weight": Outer(do, context, (embed, embed), embed)}
+    if module.out_proj.bias is not None:
+        grads["out_proj.bias"] = Dense(do.sum(1))
+    query, key, value = query.detach(), key.detach(), value.detach()
+    if len(dproj) == 1:  # self-attention, packed: [dq, dk, dv] at every position of the one input
+        grads["in_proj_weight"] = Outer(dproj[0], query, (3 * embed, embed), 3 * embed)
+    elif module._qkv_same_embed_dim:
+        grads["in_proj_weight"] = _stacked(*dproj, query, key, value)
+    else:
+        for name, d, a in zip("qkv", dproj, (query, key, value), strict=True):
+            grads[f"{name}_proj_weight"] = Outer(d, a, (embed, a.shape[-1]), embed)
+    if module.in_proj_bias is not None:
+        grads["in_proj_bias"] = Dense(torch.cat([d.sum(1) for d in dproj], -1))
+    for name, g in extra.items():
+        grads[name] = Dense(g.view(batch, 1, 1, embed))
+    return grads
+
+
+def _read(
+    module: nn.MultiheadAttention, reads: dict[str, torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+    sources: int,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    """The context (B, L, E) and the projections' output gradients batch-first, from the graph's reads:
+    the context as the attention kernel returned it, (B, heads, L, E / heads), and each projection's
+    gradient as ``F.linear`` formed it on the time-major input, (L * B, width) with row ``l * B + b``
+    (or (L, B, width)). Returns ``[d qkv]`` in packed self-attention, else ``[dq, dk, dv]``."""
+    batch, length, embed = query.shape
+    context = reads["context"].transpose(1, 2).reshape(batch, length, embed)
+    positions = {"qkv": length, "q": length, "kv": key.shape[1], "k": key.shape[1], "v": key.shape[1]}
+    grads = {}
+    for name, weight in _projection_weights(module, sources).items():
+        grad, rows = reads[name], positions[name]
+        if grad.numel() != rows * batch * weight.shape[0]:
+            raise RuntimeError(
+                f"nn.MultiheadAttention: the {name} projection's gradient read off the graph has shape "
+                f"{tuple(grad.shape)}, not ({rows} * {batch}, {weight.shape[0]})"
+            )
+        grads[name] = grad.reshape(rows, batch, weight.shape[0]).transpose(0, 1).contiguous()
+    if "kv" in grads:
+        grads["k"], grads["v"] = grads.pop("kv").chunk(2, -1)
+    return context, [grads["qkv"]] if "qkv" in grads else [grads[name] for name in "qkv"]
+
+
+def _recomputed(
+    module: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: tuple,
+    do: torch.Tensor, dweights: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:  # fmt: skip
+    """The context, the projections' output gradients (as :func:`_read`) and those of ``bias_k``,
+    ``bias_v``, from one recomputation of the call in the weights' dtype (under autocast from the recorded
+    half-precision inputs in float32: the norms and clipped sums are those of these gradients, which differ
+    from autograd's by its rounding). The output projection is not run again: ``do`` is the output's
+    gradient itself and the context's is ``do W_o``. In self-attention the three projections are one packed
+    matmul, and without the weights returned the attention is ``scaled_dot_product_attention``, whose
+    backward forms no (L, S) gradient."""
+    padding, mask, need_weights, average, sources = call
     batch, length, embed = query.shape
     heads = module.num_heads
-    do, dweights = _split_output_grad(dy, batch, length, embed, need_weights)
-    do = do.to(dtype)
-    packed = self_attention and module._qkv_same_embed_dim
+    packed = sources == 1 and module._qkv_same_embed_dim
+    projections = [(w.detach(), None if b is None else b.detach()) for w, b in _projections(module)]
     with torch.enable_grad():
         if packed:
             zqkv = query.new_zeros(batch, length, 3 * embed, requires_grad=True)
@@ -174,9 +243,7 @@ def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -
             leaves = [t.new_zeros(*t.shape[:2], embed, requires_grad=True) for t in (query, key, value)]
             q, k, v = (
                 F.linear(t, weight, bias) + z
-                for t, (weight, bias), z in zip(
-                    (query, key, value), _projections(module), leaves, strict=True
-                )
+                for t, (weight, bias), z in zip((query, key, value), projections, leaves, strict=True)
             )
         padding, mask = _additive(padding, q.dtype), _additive(mask, q.dtype)
         extra = {}
@@ -198,54 +265,13 @@ def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -
             results = [F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias_scores)]
         context = results[0].transpose(1, 2).reshape(batch, length, embed)
         dcontext = (do @ module.out_proj.weight.detach()).view(batch, length, heads, -1).transpose(1, 2)
-        grads_out = [dcontext] + ([] if dweights is None else [dweights.view_as(results[1]).to(dtype)])
+        grads_out = [dcontext] + ([] if dweights is None else [dweights.view_as(results[1]).to(do.dtype)])
         found = torch.autograd.grad(results, [*leaves, *extra.values()], grads_out, allow_unused=True)
     found = [
         torch.zeros_like(z) if g is None else g
         for g, z in zip(found, [*leaves, *extra.values()], strict=True)
     ]
-    dproj, dextra = found[: len(leaves)], found[len(leaves) :]
-    grads: dict[str, PerExampleGrad] = {"out_proj.weight": Outer(do, context.detach(), (embed, embed), embed)}
-    if module.out_proj.bias is not None:
-        grads["out_proj.bias"] = Dense(do.sum(1))
-    if packed:  # [dq, dk, dv] at every position of the one input
-        grads["in_proj_weight"] = Outer(dproj[0], query, (3 * embed, embed), 3 * embed)
-    elif module._qkv_same_embed_dim:
-        grads["in_proj_weight"] = _stacked(*dproj, query, key, value)
-    else:
-        dq, dk, dv = dproj
-        for name, d, a in (("q", dq, query), ("k", dk, key), ("v", dv, value)):
-            grads[f"{name}_proj_weight"] = Outer(d, a, (embed, a.shape[-1]), embed)
-    if module.in_proj_bias is not None:
-        grads["in_proj_bias"] = Dense(dproj[0].sum(1) if packed else torch.cat([d.sum(1) for d in dproj], -1))
-    for name, g in zip(extra, dextra, strict=True):
-        grads[name] = Dense(g.view(batch, 1, 1, embed))
-    return grads
-
-
-def _read_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """The packed self-attention's per-example gradients from the graph's reads: the context as the
-    attention kernel returned it, (B, heads, L, E / heads), and the gradient of the projection ``[q; k; v]``
-    as ``F.linear`` formed it, (L * B, 3E) with row ``l * B + b`` (the (L, B, E) input flattened)."""
-    query, reads = x[0], x[-1]
-    batch, length, embed = query.shape
-    context = reads["context"].transpose(1, 2).reshape(batch, length, embed)
-    do, _ = _split_output_grad(dy, batch, length, embed, False)
-    if reads["grad"].numel() != length * batch * 3 * embed:
-        raise RuntimeError(
-            f"nn.MultiheadAttention: the packed projection's gradient read off the graph has shape "
-            f"{tuple(reads['grad'].shape)}, not (L * B, 3E) = ({length * batch}, {3 * embed})"
-        )
-    dproj = reads["grad"].reshape(length, batch, 3 * embed).transpose(0, 1).contiguous()
-    grads: dict[str, PerExampleGrad] = {
-        "out_proj.weight": Outer(do, context, (embed, embed), embed),
-        "in_proj_weight": Outer(dproj, query.detach(), (3 * embed, embed), 3 * embed),
-    }
-    if module.out_proj.bias is not None:
-        grads["out_proj.bias"] = Dense(do.sum(1))
-    if module.in_proj_bias is not None:
-        grads["in_proj_bias"] = Dense(dproj.sum(1))
-    return grads
+    return context.detach(), found[: len(leaves)], dict(zip(extra, found[len(leaves) :], strict=True))
 
 
 def _score_bias(mask: torch.Tensor | None, padding: torch.Tensor | None) -> torch.Tensor | None:
@@ -263,10 +289,6 @@ def _split_output_grad(
     (flat, or None when no weights are returned)."""
     out = dy[:, : length * embed].reshape(batch, length, embed)
     return out, (dy[:, length * embed :] if need_weights else None)
-
-
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
 
 
 def _stacked(

@@ -6,7 +6,7 @@ captured inputs and backpropagate the output gradient through it: as costly as t
 backward. The graph autograd builds for the call already holds both halves: the values its backward keeps
 (the attention kernel's output, the context) and, at every node, the gradient of that node's output when the
 backward pass reaches it. :class:`GraphReads` names what a rule takes from the graph: values read at the
-call, and one node whose output gradient the capture waits for before it hands the call to the engine
+call, and the nodes whose output gradients the capture waits for before it hands the call to the engine
 (:class:`~dpexp.privacy.rules.CallLayout`'s ``graph``).
 
 Nodes are found by what they hold, never by sizes: a matrix product is the input projection when the matrix
@@ -31,11 +31,11 @@ _LIMIT = 256  # nodes a call's graph may hold before the search gives up (it lef
 
 @dataclass(frozen=True)
 class GraphReads:
-    """``values``: tensors read from the graph at the call (detached); ``node``: the node whose output
-    gradient the rule also needs (handed to it under ``"grad"``)."""
+    """``values``: tensors read from the graph at the call (detached); ``nodes``: the nodes whose output
+    gradients the rule also needs, by the key under which it gets each."""
 
     values: dict[str, torch.Tensor]
-    node: Node
+    nodes: dict[str, Node]
 
 
 def call_nodes(output: torch.Tensor, inputs: Iterable[torch.Tensor]) -> list[Node] | None:
