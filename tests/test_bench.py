@@ -22,7 +22,18 @@ from dpexp.bench.models import GPT2LM, MLP
 from dpexp.privacy.capture import unsupported_modules
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-FAMILIES = {"gpt2", "llama", "llama_lora", "roberta", "wrn", "vit", "mlp", "fallback", "transformer"}
+FAMILIES = {
+    "gpt2",
+    "llama",
+    "llama_lora",
+    "roberta",
+    "wrn",
+    "vit",
+    "mlp",
+    "fallback",
+    "transformer",
+    "recurrent",
+}
 REPORT = Path(__file__).resolve().parents[1] / "scripts" / "bench_report.py"
 
 

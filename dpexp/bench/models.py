@@ -424,3 +424,54 @@ class _TorchEncoder(nn.Module):
         if self.batch_first:
             return self.head(self.encoder(h).mean(1))
         return self.head(self.encoder(h.transpose(0, 1)).mean(0))
+
+
+class TorchRecurrentClassifier(BenchModel):
+    """``nn.Embedding -> nn.LSTM / nn.GRU / nn.RNN (batch-first) -> mean over steps -> nn.Linear``: Opacus'
+    char-LSTM classifier (its ``DPLSTM`` tutorial) with PyTorch's own layers, kept as they are."""
+
+    family = "recurrent"
+    sequence = True
+
+    def __init__(
+        self,
+        kind: str = "LSTM",
+        vocab_size: int = 256,
+        hidden_size: int = 256,
+        num_layers: int = 2,
+        bidirectional: bool = False,
+        num_labels: int = 2,
+    ) -> None:
+        self.kind, self.vocab_size, self.hidden_size = kind, vocab_size, hidden_size
+        self.num_layers, self.bidirectional, self.num_labels = num_layers, bidirectional, num_labels
+
+    def build(self) -> nn.Module:
+        rnn = getattr(nn, self.kind)(
+            self.hidden_size,
+            self.hidden_size,
+            self.num_layers,
+            batch_first=True,
+            bidirectional=self.bidirectional,
+        )
+        width = self.hidden_size * (2 if self.bidirectional else 1)
+        return _Recurrent(
+            nn.Embedding(self.vocab_size, self.hidden_size), rnn, nn.Linear(width, self.num_labels)
+        )
+
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        return {
+            "input_ids": torch.randint(0, self.vocab_size, (batch_size, _need(seq_len)), generator=generator),
+            "labels": torch.randint(0, self.num_labels, (batch_size,), generator=generator),
+        }
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return _classification_loss(model(batch["input_ids"]), batch["labels"])
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, embed: nn.Module, rnn: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.embed, self.rnn, self.head = embed, rnn, head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(ids))[0].mean(1))

@@ -130,15 +130,17 @@ def _direction(
     projection = getattr(module, "weight_hr" + suffix, None)
     if projection is not None:
         z_h = zeros["weight_hr" + suffix] = inp.new_zeros(batch, steps, h.shape[-1], requires_grad=True)
-    a = F.linear(inp, w["weight_ih"], w["bias_ih"]) + z_a
+        z_h_steps = z_h.unbind(1)
+    # one unbind per sequence, not a select per step: each select's backward fills a (B, T, width) zero
+    a, z_c_steps = (F.linear(inp, w["weight_ih"], w["bias_ih"]) + z_a).unbind(1), z_c.unbind(1)
     hs, previous, ms = [None] * steps, [None] * steps, [None] * steps
     for t in reversed(range(steps)) if suffix.endswith("_reverse") else range(steps):
         previous[t] = h
-        c = F.linear(h, w["weight_hh"], w["bias_hh"]) + z_c[:, t]
-        h, cell = _step(module, a[:, t], c, h, cell)
+        c = F.linear(h, w["weight_hh"], w["bias_hh"]) + z_c_steps[t]
+        h, cell = _step(module, a[t], c, h, cell)
         if projection is not None:
             ms[t] = h
-            h = F.linear(h, projection.detach()) + z_h[:, t]
+            h = F.linear(h, projection.detach()) + z_h_steps[t]
         hs[t] = h
     factors["weight_hh" + suffix] = torch.stack(previous, 1).detach()
     if projection is not None:
