@@ -136,6 +136,18 @@ class EncoderNet(nn.Module):
         return self.head((h * keep).sum(1) / keep.sum(1).clamp_min(1))
 
 
+class SharedEncoderNet(EncoderNet):
+    """:class:`EncoderNet` whose one ``nn.TransformerEncoderLayer`` is applied twice (weights shared across
+    depth, as a Universal Transformer's): two uses of every parameter in each forward, each attention call
+    read off its own graph."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, pad = self.embed(ids), _padding_mask(ids)
+        keep = (ids != 0).unsqueeze(-1).to(torch.float64)
+        h = self.encoder(self.encoder(x, src_key_padding_mask=pad), src_key_padding_mask=pad)
+        return self.head((h * keep).sum(1) / keep.sum(1).clamp_min(1))
+
+
 class Seq2SeqNet(nn.Module):
     """Embedding -> ``nn.Transformer`` (one encoder and one decoder layer, dropout 0; PyTorch's default
     time-major layout unless ``batch_first``): the decoder reads the sequence reversed, with a causal mask,
@@ -234,6 +246,7 @@ MODELS = {
     ),
     "transformer_encoder": lambda: EncoderNet(True),
     "transformer_encoder_norm_first_causal": lambda: EncoderNet(True, norm_first=True, causal=True),
+    "transformer_encoder_shared_twice": lambda: SharedEncoderNet(True),
     # PyTorch's default layout: the linear and norm layers see (T, B, d), read time-major once probed
     "transformer_encoder_time_major": lambda: EncoderNet(False),
     "transformer_seq2seq_time_major": lambda: Seq2SeqNet(False),

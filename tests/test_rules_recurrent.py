@@ -105,6 +105,7 @@ def test_multihead_attention_covers_its_out_proj():
         ("transformer_encoder_time_major", 4),
         ("transformer_encoder_norm_first_causal", 4),
         ("transformer_seq2seq_time_major", 12),  # two self-attentions and the decoder's cross-attention
+        ("transformer_encoder_shared_twice", 8),  # one layer called twice: two uses, each its own graph
         ("mha_cross_packed_no_weights_time_major", 4),  # the key is the value: q and kv projections
         ("mha_cross_distinct_no_weights", 4),  # three tensors: in_proj_weight in three
         ("mha_cross_kdim_distinct_no_weights", 4),  # kdim = vdim = 6: three weights
