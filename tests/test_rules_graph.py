@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpexp.privacy.rules.graph import call_nodes, kept_attention_output, matmul_with
+from dpexp.privacy.rules.graph import call_nodes, kept_attention_output, kept_product_below, matmul_with
 
 
 def _attention(batch_first: bool, trainable: bool, contiguous: bool = True):
@@ -56,6 +56,33 @@ def test_the_kept_attention_output_is_the_context():
     batch, length, embed = x.shape
     y = attn.out_proj(context.transpose(1, 2).reshape(batch, length, embed))
     torch.testing.assert_close(y, out.detach())
+
+
+@pytest.mark.parametrize("trainable", [True, False])
+def test_the_kept_product_below_the_output_projection_is_the_context(trainable):
+    """With the weights returned, the context is ``bmm(weights, v)``, reached from the output projection
+    through views and a copy: the kept matrices multiply to it."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(8, 2, batch_first=True).requires_grad_(trainable)
+    x = nn.Linear(8, 8)(torch.randn(3, 5, 8))
+    out, _ = attn(x, x, x)
+    nodes = call_nodes(out, [x])
+    weights, values = kept_product_below(matmul_with(nodes, attn.out_proj.weight), nodes)
+    context = torch.bmm(weights, values).view(3, 2, 5, 4).transpose(1, 2).reshape(3, 5, 8)
+    torch.testing.assert_close(attn.out_proj(context), out.detach())
+
+
+def test_a_product_reached_through_another_operation_is_not_taken():
+    """A scale between the product and the projection: the chain meets another operation, None."""
+    a, b = torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 4, 5, requires_grad=True)
+    weight = torch.randn(6, 5, requires_grad=True)
+    y = F.linear((2.0 * torch.bmm(a, b)).reshape(6, 5), weight)
+    nodes = call_nodes(y, [a, b])
+    assert kept_product_below(matmul_with(nodes, weight), nodes) is None
+    y = F.linear(torch.bmm(a, b).transpose(0, 1).reshape(6, 5), weight)
+    nodes = call_nodes(y, [a, b])
+    kept = kept_product_below(matmul_with(nodes, weight), nodes)
+    assert kept is not None and kept[0] is not a and torch.equal(kept[0], a.detach())
 
 
 def test_a_weight_used_twice_or_copied_is_not_found():

@@ -109,16 +109,17 @@ def test_multihead_attention_covers_its_out_proj():
         ("mha_cross_packed_no_weights_time_major", 4),  # the key is the value: q and kv projections
         ("mha_cross_distinct_no_weights", 4),  # three tensors: in_proj_weight in three
         ("mha_cross_kdim_distinct_no_weights", 4),  # kdim = vdim = 6: three weights
-        ("mha_self_weights", 0),  # the weights returned: recomputed
-        ("mha_cross_kdim_bias_kv_zero_attn", 0),
+        ("mha_self_weights", 4),  # the weights returned (and in the loss): the context from their bmm
+        ("mha_cross_packed_no_bias", 4),  # weights returned by default, an attention mask
+        ("mha_time_major_self", 4),
+        ("mha_cross_kdim_bias_kv_zero_attn", 0),  # bias_k and zero attention: recomputed
     ],
 )
 def test_attention_is_read_off_the_graph_and_equals_the_recomputation(name, reads, monkeypatch):
-    """Without the weights returned (``nn.TransformerEncoderLayer``'s and ``DecoderLayer``'s calls) the
-    context and the projections' output gradients come from the call's autograd graph, on the verified
-    micro-batch (whose parameters require gradients) and the next (whose do not), in every form of the
-    projections; every read gives the recomputation's per-example gradients, and the update is the
-    oracle's. Other calls recompute."""
+    """The context and the projections' output gradients come from the call's autograd graph, on the
+    verified micro-batch (whose parameters require gradients) and the next (whose do not), in every form
+    of the projections, with the weights returned or not; every read gives the recomputation's
+    per-example gradients, and the update is the oracle's. ``bias_k`` and zero attention recompute."""
     rule = rules.rule_for(nn.MultiheadAttention(4, 2))
     seen = []
 

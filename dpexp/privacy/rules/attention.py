@@ -17,8 +17,7 @@ concatenated positions of query, key and value whose left factor is zero outside
 ``dq, dk, dv, dy`` of every example and position come from one recomputation of the attention from the
 captured inputs (parameters detached, a zero added to each map's output, masks applied as PyTorch's
 ``multi_head_attention_forward`` does) and one autograd backward of ``<outputs, d outputs>`` to those zeros.
-Without the weights returned (the calls ``nn.TransformerEncoderLayer`` and ``DecoderLayer`` make), and
-without ``bias_k``/``bias_v`` or zero attention, nothing is recomputed: the context and ``dq, dk, dv`` are
+Without ``bias_k``/``bias_v`` or zero attention nothing is recomputed: the context and ``dq, dk, dv`` are
 read off the autograd graph of the call itself (:func:`attention_graph`, :mod:`dpexp.privacy.rules.graph`),
 where autograd's own backward forms them.
 The output projection ``out_proj`` is a submodule that the forward never calls: the rule claims its
@@ -46,7 +45,13 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, register_rule
-from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_attention_output, matmul_with
+from dpexp.privacy.rules.graph import (
+    GraphReads,
+    call_nodes,
+    kept_attention_output,
+    kept_product_below,
+    matmul_with,
+)
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -131,14 +136,16 @@ def attention_graph(
     module: nn.MultiheadAttention, x: tuple, output: tuple, boundary: list[torch.Tensor]
 ) -> GraphReads | None:
     """The context and the projections' output gradients, read off the call's autograd graph
-    (:mod:`dpexp.privacy.rules.graph`) instead of recomputed: without ``bias_k``/``bias_v``, zero attention
-    or weights returned, ``multi_head_attention_forward`` projects its (L, B, E) and (S, B, kdim) inputs
-    with one ``F.linear`` per weight of :func:`_projection_weights` (a matrix product keeping that weight's
-    transpose) and attends with ``scaled_dot_product_attention``, whose fused kernels keep their output, the
-    context (B, heads, L, E / heads). None otherwise, and where the call built no such graph (inputs that
-    need no gradient with the weights frozen, autocast's weight copies)."""
+    (:mod:`dpexp.privacy.rules.graph`) instead of recomputed: without ``bias_k``/``bias_v`` or zero attention,
+    ``multi_head_attention_forward`` projects its (L, B, E) and (S, B, kdim) inputs with one ``F.linear``
+    per weight of :func:`_projection_weights` (a matrix product keeping that weight's transpose). Without
+    the weights returned it attends with ``scaled_dot_product_attention``, whose fused kernels keep their
+    output, the context (B, heads, L, E / heads); with them, it forms the context as ``bmm(weights, v)``
+    ((B * heads, L, S) by (B * heads, S, E / heads)), which keeps both for its backward, and passes it
+    through views and a copy to the output projection. None otherwise, and where the call built no such
+    graph (inputs that need no gradient with the weights frozen, autocast's weight copies)."""
     query, need_weights, sources = x[0], x[5], x[7]
-    if module.bias_k is not None or module.add_zero_attn or need_weights:
+    if module.bias_k is not None or module.add_zero_attn:
         return None
     nodes = call_nodes(output[0], boundary)
     if nodes is None:
@@ -146,15 +153,23 @@ def attention_graph(
     found = {
         name: matmul_with(nodes, weight) for name, weight in _projection_weights(module, sources).items()
     }
-    context = kept_attention_output(nodes)
-    batch, length, embed = query.shape
-    if (
-        any(node is None for node in found.values())
-        or context is None
-        or context.shape != (batch, module.num_heads, length, embed // module.num_heads)
-    ):
+    if any(node is None for node in found.values()):
         return None
-    return GraphReads({"context": context}, found)  # autograd's tensor: no copy held until the backward
+    batch, length, embed = query.shape
+    heads = module.num_heads
+    if not need_weights:
+        context = kept_attention_output(nodes)
+        if context is None or context.shape != (batch, heads, length, embed // heads):
+            return None
+        return GraphReads({"context": context}, found)  # autograd's tensor: no copy held until the backward
+    out_node = matmul_with(nodes, module.out_proj.weight)
+    kept = None if out_node is None else kept_product_below(out_node, nodes)
+    if kept is None:
+        return None
+    weights, values = kept
+    if weights.shape[:2] != (batch * heads, length) or values.shape[1:] != (weights.shape[2], embed // heads):
+        return None
+    return GraphReads({"weights": weights, "values": values}, found)
 
 
 def attention_grads(module: nn.MultiheadAttention, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
@@ -197,11 +212,15 @@ def _read(
     sources: int,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
     """The context (B, L, E) and the projections' output gradients batch-first, from the graph's reads:
-    the context as the attention kernel returned it, (B, heads, L, E / heads), and each projection's
+    the context as the attention kernel returned it, (B, heads, L, E / heads), or as the product of the
+    weights and values its ``bmm`` kept, and each projection's
     gradient as ``F.linear`` formed it on the time-major input, (L * B, width) with row ``l * B + b``
     (or (L, B, width)). Returns ``[d qkv]`` in packed self-attention, else ``[dq, dk, dv]``."""
     batch, length, embed = query.shape
-    context = reads["context"].transpose(1, 2).reshape(batch, length, embed)
+    context = reads.get("context")
+    if context is None:  # the weights and values the context's bmm kept, (B * heads, ...)
+        context = torch.bmm(reads["weights"], reads["values"]).view(batch, module.num_heads, length, -1)
+    context = context.transpose(1, 2).reshape(batch, length, embed)
     positions = {"qkv": length, "q": length, "kv": key.shape[1], "k": key.shape[1], "v": key.shape[1]}
     grads = {}
     for name, weight in _projection_weights(module, sources).items():

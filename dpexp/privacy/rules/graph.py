@@ -104,6 +104,37 @@ def matmul_with(nodes: Iterable[Node], weight: torch.Tensor) -> Node | None:
     return matches[0] if len(matches) == 1 else None
 
 
+_COPIES = {  # nodes whose output is their one input's values, moved or copied
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "ReshapeAliasBackward0",
+    "CloneBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+}
+
+
+_INPUT_EDGE = {"MmBackward0": 0, "AddmmBackward0": 1}  # mm(input, mat2), addmm(bias, input, mat2)
+
+
+def kept_product_below(node: Node, nodes: list[Node]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two matrices ``(a, b)`` that the ``bmm`` feeding the input of the matrix product ``node`` (of
+    :func:`matmul_with`) through views and copies only keeps for its backward, detached: ``a @ b`` is that
+    input, up to the moves. None if the chain meets another operation, or ``node`` is not a 2-D product."""
+    edge = _INPUT_EDGE.get(type(node).__name__)
+    current = None if edge is None else node.next_functions[edge][0]
+    for _ in range(len(nodes)):
+        if current is None:
+            return None
+        a, b = _saved(current, "_saved_self"), _saved(current, "_saved_mat2")
+        if type(current).__name__ == "BmmBackward0" and a is not None and b is not None:
+            return a.detach(), b.detach()
+        if type(current).__name__ not in _COPIES or len(current.next_functions) != 1:
+            return None
+        current = current.next_functions[0][0]
+    return None
+
+
 def kept_attention_output(nodes: Iterable[Node]) -> torch.Tensor | None:
     """The output of the one fused attention kernel among ``nodes``
     (``scaled_dot_product_attention``'s flash / efficient / cuDNN kernels keep it for their backward:
