@@ -371,13 +371,30 @@ def _need(seq_len: int | None) -> int:
     return seq_len
 
 
-class TorchEncoderClassifier(BenchModel):
+class _TokenClassifier(BenchModel):
+    """A model of PyTorch's own layers called on token ids (B, T) alone, returning logits: random ids of
+    ``vocab_size`` and labels of ``num_labels``."""
+
+    sequence = True
+    vocab_size: int
+    num_labels: int
+
+    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
+        return {
+            "input_ids": torch.randint(0, self.vocab_size, (batch_size, _need(seq_len)), generator=generator),
+            "labels": torch.randint(0, self.num_labels, (batch_size,), generator=generator),
+        }
+
+    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return _classification_loss(model(batch["input_ids"]), batch["labels"])
+
+
+class TorchEncoderClassifier(_TokenClassifier):
     """``nn.Embedding -> nn.TransformerEncoder -> mean over tokens -> nn.Linear``, PyTorch's own layers
     (dropout 0); ``batch_first=False``, PyTorch's default, runs every layer on (T, B, d) tensors, which the
     engine reads time-major (``dpexp/privacy/layout.py``)."""
 
     family = "transformer"
-    sequence = True
 
     def __init__(
         self,
@@ -404,15 +421,6 @@ class TorchEncoderClassifier(BenchModel):
             self.batch_first,
         ).train()
 
-    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
-        return {
-            "input_ids": torch.randint(0, self.vocab_size, (batch_size, _need(seq_len)), generator=generator),
-            "labels": torch.randint(0, self.num_labels, (batch_size,), generator=generator),
-        }
-
-    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return _classification_loss(model(batch["input_ids"]), batch["labels"])
-
 
 class _TorchEncoder(nn.Module):
     def __init__(self, embed: nn.Module, encoder: nn.Module, head: nn.Module, batch_first: bool) -> None:
@@ -426,12 +434,11 @@ class _TorchEncoder(nn.Module):
         return self.head(self.encoder(h.transpose(0, 1)).mean(0))
 
 
-class TorchRecurrentClassifier(BenchModel):
+class TorchRecurrentClassifier(_TokenClassifier):
     """``nn.Embedding -> nn.LSTM / nn.GRU / nn.RNN (batch-first) -> mean over steps -> nn.Linear``: Opacus'
     char-LSTM classifier (its ``DPLSTM`` tutorial) with PyTorch's own layers, kept as they are."""
 
     family = "recurrent"
-    sequence = True
 
     def __init__(
         self,
@@ -457,15 +464,6 @@ class TorchRecurrentClassifier(BenchModel):
         return _Recurrent(
             nn.Embedding(self.vocab_size, self.hidden_size), rnn, nn.Linear(width, self.num_labels)
         )
-
-    def make_batch(self, batch_size: int, seq_len: int | None, generator: torch.Generator) -> Batch:
-        return {
-            "input_ids": torch.randint(0, self.vocab_size, (batch_size, _need(seq_len)), generator=generator),
-            "labels": torch.randint(0, self.num_labels, (batch_size,), generator=generator),
-        }
-
-    def per_example_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return _classification_loss(model(batch["input_ids"]), batch["labels"])
 
 
 class _Recurrent(nn.Module):

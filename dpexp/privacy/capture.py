@@ -590,6 +590,9 @@ class Capture:
             arrived.add(key)
             if len(arrived) == len(reads.nodes):
                 self._deliver(use, waiting.pop())
+                if use.args:  # kept for a second pass: its gradients come again, not held meanwhile
+                    for name in reads.nodes:
+                        del use.args[-1][name]
 
         for key, node in reads.nodes.items():
             node.register_prehook(partial(on_node, key))
