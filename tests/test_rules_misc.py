@@ -1,5 +1,5 @@
 """Rules for InstanceNorm (affine), PReLU, xIELU, nn.Bilinear (called on positions and on pooled pairs),
-Hugging Face ViT's class and position tokens (and ViT-MSN's, I-JEPA's), CLIP's class embedding,
+Hugging Face ViT's class and position tokens (and ViT-MSN's, I-JEPA's, LayoutLMv3's), CLIP's class embedding,
 PoolFormer's layer scales and GroupNorm subclass, MobileBERT's NoNorm, ConvBERT's separable convolution
 bias, ESM C's LayerNorm and SigLIP's (and SigLIP 2's) attention-pooling probe against the brute-force
 oracle, for every strategy x flat/per-layer clipping; no fallback left on these models."""
@@ -36,6 +36,31 @@ def _xielu() -> nn.Module:
     act = XIELUActivation(alpha_p_init=0.6, alpha_n_init=0.9, dtype=torch.float64)
     assert act._xielu_cuda_obj is None  # the Python form, which the rule reproduces
     return act
+
+
+class LayoutNet(nn.Module):
+    """A tiny LayoutLMv3 classifier on 8x8 documents: 4x4 image patches after a class token, with position
+    embeddings (the model's own ``cls_token`` and ``pos_embed``), and five words whose ids come from the
+    image and whose boxes are fixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LayoutLMv3Config, LayoutLMv3ForSequenceClassification
+
+        config = LayoutLMv3Config(
+            vocab_size=32, hidden_size=12, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+            input_size=8, patch_size=4, num_channels=3, coordinate_size=2, shape_size=2,
+            max_position_embeddings=40, max_2d_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, rel_pos_bins=8, max_rel_pos=16, rel_2d_pos_bins=8,
+            max_rel_2d_pos=32,
+        )  # fmt: skip
+        self.model = LayoutLMv3ForSequenceClassification(config)
+        self.register_buffer("bbox", torch.tensor([[0, 0, 8, 8], [1, 1, 4, 4], [2, 2, 6, 6], [0, 4, 4, 8]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x[:, 0, 0, :4].abs() * 10).long() % 30 + 2
+        bbox = self.bbox.expand(x.shape[0], -1, -1)
+        return self.model(input_ids=ids, bbox=bbox, pixel_values=x).logits
 
 
 def _cases() -> dict:
@@ -118,6 +143,10 @@ def _cases() -> dict:
         ),
         "hf_vit": hf_vit,
         "hf_clip": hf_clip,
+        "hf_layoutlmv3": lambda: (
+            LayoutNet(),
+            {"x": torch.randn(6, 3, 8, 8, dtype=torch.float64), "y": torch.randint(0, 3, (6,))},
+        ),
     }
 
 

@@ -2,11 +2,12 @@
 embedding (timm's ``VisionTransformer``, DeiT's ``VisionTransformerDistilled`` and ``Beit``, Hugging Face's
 ``ViTEmbeddings``, CLIP's ``CLIPVisionEmbeddings``, DINOv2's ``Dinov2Embeddings`` (and, with register
 tokens, ``Dinov2WithRegistersEmbeddings``), BEiT's (and data2vec-vision's) ``BeitEmbeddings``, Hiera's
-``HieraEmbeddings`` and torchvision's ``VisionTransformer`` and its ``Encoder``; and SigLIP's
-attention-pooling probe, a learned query token.
+``HieraEmbeddings``, LayoutLMv3's image tokens (``LayoutLMv3Model``, Huang et al. 2022) and torchvision's
+``VisionTransformer`` and its ``Encoder``; and SigLIP's attention-pooling probe, a learned query token.
 
-timm's ``VisionTransformer`` (and ``Beit``) builds its token sequence as ``x = cat(cls, reg, patches) + pos``
-(or ``cat(cls, reg, patches + pos)`` with ``no_embed_class``; DeiT: ``cat(cls, dist, patches)``; a ``Beit``
+timm's ``VisionTransformer`` (and ``Beit``, and LayoutLMv3's model for its image patches) builds its token
+sequence as ``x = cat(cls, reg, patches) + pos`` (or ``cat(cls, reg, patches + pos)`` with
+``no_embed_class``; DeiT: ``cat(cls, dist, patches)``; a ``Beit``
 without absolute positions, as BEiT-large: ``cat(cls, patches)``) and passes it to ``pos_drop``. With
 ``dz_i = dL_i/dx_i`` of shape (T, d) at that point (the rule's tap), every one of these parameters is added
 to some positions, so its per-example gradient is a slice of ``dz_i``:
@@ -73,6 +74,7 @@ def _check(module: nn.Module) -> None:
     "timm.models.vision_transformer.VisionTransformer",
     "timm.models.deit.VisionTransformerDistilled",
     "timm.models.beit.Beit",
+    "transformers.models.layoutlmv3.modeling_layoutlmv3.LayoutLMv3Model",  # its image tokens, timm's form
     check=_check,
     tap="pos_drop",
 )
