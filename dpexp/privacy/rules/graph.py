@@ -15,7 +15,9 @@ search stays inside the call (it stops at the nodes of the call's inputs). Where
 structure (no gradient inside the call, autocast's copies of the weights, a kernel that keeps other values,
 a node found twice) the functions return None and the rule recomputes. What the graph gives is checked like
 any rule's output: on a verified micro-batch the per-example gradients must add up to autograd's
-(:mod:`dpexp.privacy.verification`, check 2).
+(:mod:`dpexp.privacy.verification`, check 2). The saved tensors are read by the names autograd gives them
+(``_saved_mat2``, ``_saved_self``, ``_saved_output``) and the nodes known by their class names: a torch
+release that renamed them would leave nothing found, and the rules recomputing, never a wrong read.
 """
 
 from __future__ import annotations
