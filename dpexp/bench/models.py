@@ -9,6 +9,8 @@ the sum of the token cross-entropies of a sequence for language modelling, cross
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -225,9 +227,6 @@ class TorchvisionImage(ImageClassifier):
         self.model_kwargs = model_kwargs
 
     def build(self) -> nn.Module:
-        import importlib
-        import inspect
-
         path, _, name = f"torchvision.models.{self.model}".rpartition(".")
         make = getattr(importlib.import_module(path), name)
         kwargs = {"num_classes": self.num_classes, **self.model_kwargs}
@@ -436,7 +435,9 @@ class _TorchEncoder(nn.Module):
 
 class TorchRecurrentClassifier(_TokenClassifier):
     """``nn.Embedding -> nn.LSTM / nn.GRU / nn.RNN (batch-first) -> mean over steps -> nn.Linear``: Opacus'
-    char-LSTM classifier (its ``DPLSTM`` tutorial) with PyTorch's own layers, kept as they are."""
+    char-LSTM classifier (its ``DPLSTM`` tutorial) with PyTorch's own layers, kept as they are; ``kind``
+    ``DPLSTM`` / ``DPGRU`` / ``DPRNN`` builds it with Opacus' re-implementations instead (the layers its
+    hooks support), for the Opacus baseline."""
 
     family = "recurrent"
 
@@ -453,7 +454,8 @@ class TorchRecurrentClassifier(_TokenClassifier):
         self.num_layers, self.bidirectional, self.num_labels = num_layers, bidirectional, num_labels
 
     def build(self) -> nn.Module:
-        rnn = getattr(nn, self.kind)(
+        layers = importlib.import_module("opacus.layers") if self.kind.startswith("DP") else nn
+        rnn = getattr(layers, self.kind)(
             self.hidden_size,
             self.hidden_size,
             self.num_layers,
