@@ -213,9 +213,9 @@ def _read(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
     """The context (B, L, E) and the projections' output gradients batch-first, from the graph's reads:
     the context as the attention kernel returned it, (B, heads, L, E / heads), or as the product of the
-    weights and values its ``bmm`` kept, and each projection's
-    gradient as ``F.linear`` formed it on the time-major input, (L * B, width) with row ``l * B + b``
-    (or (L, B, width)). Returns ``[d qkv]`` in packed self-attention, else ``[dq, dk, dv]``."""
+    weights and values its ``bmm`` kept, and each projection's gradient as ``F.linear`` formed it on the
+    time-major input, (L * B, width) with row ``l * B + b`` (or (L, B, width)). Returns ``[d qkv]`` in packed
+    self-attention, else ``[dq, dk, dv]``."""
     batch, length, embed = query.shape
     context = reads.get("context")
     if context is None:  # the weights and values the context's bmm kept, (B * heads, ...)

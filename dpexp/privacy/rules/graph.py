@@ -48,7 +48,9 @@ def call_nodes(output: torch.Tensor, inputs: Iterable[torch.Tensor]) -> list[Nod
     root = output.grad_fn
     if root is None or _saved_tensors_hooked():
         return None
-    stops = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    # the nodes themselves are held (Python wraps a node only while referenced: a freed wrapper's id could
+    # come back as another node's)
+    stops = {id(node): node for node in (t.grad_fn for t in inputs) if node is not None}
     found: dict[int, Node] = {}
     frontier = [root]
     while frontier:
