@@ -1,9 +1,14 @@
 """The oracle tests on another device (a GPU): run where one is lent, ``python scripts/device_oracle.py``.
 
-1. Exactness: every model of ``tests.engine_models.CASES`` x every strategy and clipping mode of
-   ``tests.oracle.SETTINGS``, in float64 on the device, against the brute-force oracle (per-example gradients
-   by a Python loop, on the same device): the relative error of every parameter's update, as in
-   ``tests/test_engine_oracle.py``.
+1. Exactness: every model of ``tests.engine_models.CASES``, ``tests.recurrent_models.MODELS`` (PyTorch's
+   recurrent layers and ``nn.MultiheadAttention``, stop 59) and ``tests.timm_cnn_models.BUILDERS`` (the
+   convolution rules' batched patch products, which only run off the CPU) x every strategy and clipping
+   mode of ``tests.oracle.SETTINGS`` (three of them for the CNNs), in float64 on the device, against the
+   brute-force oracle (per-example gradients by a Python loop, on the same device): the relative error of
+   every parameter's update, as in ``tests/test_engine_oracle.py``. The recurrent family again in float32
+   against the float64 oracle of the same weights, where cuDNN's recurrent kernels (TF32 by default) and the
+   fused attention kernels run (float64 takes the math paths), with the attention calls read off their
+   autograd graph counted against those recomputed.
 2. Sensitivity in low precision: for a few models in float32 (TF32 off, then on) and under bf16 autocast,
    each example alone through the engine with every example clipped; ``||released sum|| / C`` (per group) is
    how far one example can move the released sum relative to the bound the accountant assumes
@@ -30,12 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.engine_models import CASES, make_case
 from tests.oracle import SETTINGS, clipped_mean, engine_update, group_norms, per_example_grads
+from tests.recurrent_models import MODELS, make_recurrent_case
+from tests.timm_cnn_models import BUILDERS, make_timm_case
+
+THREE_SETTINGS = [("bk", "flat", None), ("ghost", "per_layer", None), ("instantiate", "groups", 2)]
+FAMILIES = {  # name: (models, maker, settings in float64)
+    "engine": (CASES, make_case, SETTINGS),
+    "recurrent": (list(MODELS), make_recurrent_case, SETTINGS),
+    "timm_cnn": (list(BUILDERS), make_timm_case, THREE_SETTINGS),
+}
 
 LOW_PRECISION_CASES = ["gpt2", "wrn_block", "vit", "roberta", "opt"]
 
 
-def _on(device: torch.device, case: str, dtype: torch.dtype, batch_size: int = 6):
-    model, loss_fn, batch = make_case(case, batch_size=batch_size)
+def _on(device: torch.device, case: str, dtype: torch.dtype, batch_size: int = 6, family: str = "engine"):
+    model, loss_fn, batch = FAMILIES[family][1](case, batch_size=batch_size)
     batch = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
     return model.to(device, dtype), loss_fn, batch
 
@@ -49,30 +63,75 @@ def _partition(model, clipping: str, groups: int | None) -> list[list[str]]:
     ).groups  # fmt: skip
 
 
-def exactness(device: torch.device) -> list[dict]:
-    """Worst relative error of the update per (case, strategy, clipping) in float64 on ``device``."""
+class _AttentionPaths:
+    """Counts the ``nn.MultiheadAttention`` calls whose context came off the graph (``_read``) and those
+    recomputed (``_recomputed``), by wrapping the two functions of ``rules/attention.py``."""
+
+    def __init__(self) -> None:
+        from dpexp.privacy.rules import attention
+
+        self.module, self.counts = attention, {"read": 0, "recomputed": 0}
+        self.saved = attention._read, attention._recomputed
+
+    def __enter__(self) -> dict[str, int]:
+        def counted(fn, key):
+            def wrapper(*args, **kwargs):
+                self.counts[key] += 1
+                return fn(*args, **kwargs)
+
+            return wrapper
+
+        self.module._read = counted(self.saved[0], "read")
+        self.module._recomputed = counted(self.saved[1], "recomputed")
+        return self.counts
+
+    def __exit__(self, *exc) -> None:
+        self.module._read, self.module._recomputed = self.saved
+
+
+def _check(device, family, case, dtype, settings) -> list[dict]:
+    """Worst relative error of the update per setting for one model, the engine in ``dtype`` against the
+    float64 oracle on the same weights and inputs."""
+    reference, loss_fn, batch64 = _on(device, case, torch.float64, family=family)
+    grads = per_example_grads(reference, loss_fn, batch64)
+    model = copy.deepcopy(reference).to(dtype)
+    batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch64.items()}
+    size = next(iter(batch.values())).shape[0]
+    micro = [[0, 1, 2], [3, 4, 5]] if size == 6 else [list(range(size))]
     rows = []
-    for case in CASES:
-        model, loss_fn, batch = _on(device, case, torch.float64)
-        grads = per_example_grads(model, loss_fn, batch)
-        size = next(iter(batch.values())).shape[0]
-        micro = [[0, 1, 2], [3, 4, 5]] if size == 6 else [list(range(size))]
-        for strategy, clipping, groups in SETTINGS:
-            row = {"case": case, "strategy": strategy, "clipping": clipping, "groups": groups}
-            try:
-                partition = _partition(model, clipping, groups)
-                thresholds = group_norms(grads, partition).median(0).values.tolist()
-                expected = clipped_mean(grads, partition, thresholds, batch_size=size)
+    for strategy, clipping, groups in settings:
+        row = {"family": family, "case": case, "dtype": str(dtype)[6:], "strategy": strategy,
+               "clipping": clipping, "groups": groups}  # fmt: skip
+        try:
+            partition = _partition(reference, clipping, groups)
+            thresholds = group_norms(grads, partition).median(0).values.tolist()
+            expected = clipped_mean(grads, partition, thresholds, batch_size=size)
+            with _AttentionPaths() as paths:
                 delta, _ = engine_update(
                     model, loss_fn, batch, micro, batch_size=size, clipping=clipping, groups=groups,
                     strategy=strategy, thresholds=thresholds, max_grad_norm=1.0,
                 )  # fmt: skip
-                errors = [(delta[n] - w).norm() / w.norm().clamp_min(1e-12) for n, w in expected.items()]
-                row["max_rel_error"] = float(max(errors))
-            except Exception as err:  # recorded, and the script fails
-                row["error"] = f"{type(err).__name__}: {err}"[:500]
-                row["where"] = traceback.format_exc(limit=-3)[-800:]
-            rows.append(row)
+            errors = [(delta[n].double() - w).norm() / w.norm().clamp_min(1e-12) for n, w in expected.items()]
+            row["max_rel_error"] = float(max(errors))
+            if any(paths.values()):
+                row["attention"] = dict(paths)
+        except Exception as err:  # recorded, and the script fails
+            row["error"] = f"{type(err).__name__}: {err}"[:500]
+            row["where"] = traceback.format_exc(limit=-3)[-800:]
+        rows.append(row)
+    return rows
+
+
+def exactness(device: torch.device, families: list[str]) -> list[dict]:
+    """Every model of ``families`` x its family's settings in float64 on ``device``, then the recurrent
+    family in float32 (:data:`THREE_SETTINGS`)."""
+    rows = []
+    for family in families:
+        for case in FAMILIES[family][0]:
+            rows += _check(device, family, case, torch.float64, FAMILIES[family][2])
+    if "recurrent" in families:
+        for case in FAMILIES["recurrent"][0]:
+            rows += _check(device, "recurrent", case, torch.float32, THREE_SETTINGS)
     return rows
 
 
@@ -147,25 +206,49 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="device_oracle.json")
-    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="float64 updates' relative error")
+    parser.add_argument("--tolerance32", type=float, default=1e-3, help="float32 updates' relative error")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated names")
+    parser.add_argument(
+        "--exact-tf32",
+        choices=["on", "off", "default"],
+        default="default",
+        help="cuBLAS' and cuDNN's TF32 flags for the exactness checks (default: PyTorch's)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     started = time.perf_counter()
-    exact = exactness(device)
+    flags = contextlib.nullcontext() if args.exact_tf32 == "default" else _tf32(args.exact_tf32 == "on")
+    with flags:
+        exact = exactness(device, args.families.split(","))
     sens = sensitivity(device)
-    failed = [r for r in exact if "error" in r or r["max_rel_error"] > args.tolerance]
+    limit = {"float64": args.tolerance, "float32": args.tolerance32}
+    failed = [r for r in exact if "error" in r or r["max_rel_error"] > limit[r["dtype"]]]
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "exact_tf32": args.exact_tf32,
         "torch": torch.__version__,
         "wall_s": time.perf_counter() - started,
         "exactness": exact,
-        "worst_rel_error": max((r.get("max_rel_error", float("inf")) for r in exact), default=None),
+        "worst_rel_error": max(
+            (r.get("max_rel_error", float("inf")) for r in exact if r["dtype"] == "float64"), default=None
+        ),
+        "worst_rel_error_float32": max(
+            (r.get("max_rel_error", float("inf")) for r in exact if r["dtype"] == "float32"), default=None
+        ),
+        "attention_calls": {
+            key: sum(r.get("attention", {}).get(key, 0) for r in exact) for key in ("read", "recomputed")
+        },
         "failed": failed,
         "sensitivity": sens,
     }
     Path(args.out).write_text(json.dumps(summary, indent=1))
-    print(f"{len(exact)} exactness checks, worst relative error {summary['worst_rel_error']:.2e}, "
-          f"{len(failed)} failed; {summary['wall_s']:.0f} s")  # fmt: skip
+    print(f"{len(exact)} exactness checks, worst relative error {summary['worst_rel_error']:.2e} (float64), "
+          f"{summary['worst_rel_error_float32'] or 0:.2e} (float32), {len(failed)} failed; "
+          f"attention calls {summary['attention_calls']}; {summary['wall_s']:.0f} s")  # fmt: skip
+    for row in exact:
+        if "attention" in row and row["dtype"] == "float32":
+            print("attention", row["case"], row["strategy"], row["attention"], f"{row['max_rel_error']:.1e}")
     for row in failed:
         print("FAILED", json.dumps(row)[:600])
     for row in sens:

@@ -13,16 +13,19 @@
 # (the machine's own torch and transformers are used: 2.11 and 5.17 in stops 45 and 51). The working tree
 # travels within 64 MiB as the disk counts it: results/runs (~53 MiB of small files) must be moved out of the
 # checkout for the call and back after (stop 51). Parts:
-#   1. scripts/device_oracle.py: the oracle tests' models on CUDA in float64, and one example's clipped sum
-#      against its bound in float32, TF32 and bf16 autocast;
+#   1. scripts/device_oracle.py: the oracle tests' models on CUDA in float64 (the recurrent ones in float32
+#      too), and one example's clipped sum against its bound in float32, TF32 and bf16 autocast (stop 60:
+#      about 90 s);
 #   2. the gpu suite (bk, per-layer, ghost, Opacus against non-private) without the largest-batch search;
 #   3. the gpu_bf16 suite on GPT-2 and Llama;
 #   4. the convolution norm methods per WRN shape, and the engine's calls timed on WRN-16-4;
 #   5. the host syncs of one GPT-2 step (bk, per-layer);
-#   6. He et al. Figure 1's and Bu et al. Table 1's suites without their largest-batch searches.
+#   6. He et al. Figure 1's and Bu et al. Table 1's suites without their largest-batch searches;
+#   7. the gpu_layers suite (torchvision's ViT-B/16, ConvNeXt-T, Swin-T; nn.TransformerEncoder; nn.LSTM,
+#      nn.GRU, Opacus' DPLSTM; stop 60: about 50 s).
 set -u
 out=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [PARTS]}
-parts=${2:-123456}
+parts=${2:-1234567}
 part() { [[ $parts == *$1* ]]; }
 mkdir -p "$out"
 start=$(date +%s)
@@ -78,4 +81,10 @@ if part 6; then
     timeout 120 $bench bench_suite=bu2023_table1 "output=$out/bu2023_table1.json" "hydra.run.dir=$out/hydra_bu" \
         >>"$out/bench.log" 2>&1
     mark bu2023_table1 $?
+fi
+
+if part 7; then
+    timeout 120 $bench bench_suite=gpu_layers "output=$out/gpu_layers.json" "hydra.run.dir=$out/hydra_layers" \
+        >>"$out/bench.log" 2>&1
+    mark gpu_layers $?
 fi

@@ -42,12 +42,14 @@ class RecurrentNet(nn.Module):
         self.state_head = nn.Linear(width, CLASSES, bias=False)
 
     def _state(self, layer: nn.Linear, pooled: torch.Tensor) -> torch.Tensor:
-        """(B, d) -> (layers * directions, B, width), the layout of ``hx``."""
+        """(B, d) -> (layers * directions, B, width), the layout of ``hx`` (contiguous: cuDNN's LSTM requires
+        it)."""
         states = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
-        return torch.tanh(layer(pooled)).view(pooled.shape[0], states, -1).transpose(0, 1)
+        return torch.tanh(layer(pooled)).view(pooled.shape[0], states, -1).transpose(0, 1).contiguous()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x, keep = self.embed(ids), (ids != 0).unsqueeze(-1).to(torch.float64)
+        x = self.embed(ids)
+        keep = (ids != 0).unsqueeze(-1).to(x.dtype)
         hx = None
         if self.initial_state:
             pooled = x.mean(1)
@@ -85,13 +87,14 @@ class AttentionNet(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x, pad = self.embed(ids), _padding_mask(ids)
-        keep = (ids != 0).unsqueeze(-1).to(torch.float64)
+        keep = (ids != 0).unsqueeze(-1).to(x.dtype)
         layout = (lambda t: t) if self.batch_first else (lambda t: t.transpose(0, 1))
         if self.cross:
             memory_ids = torch.cat([ids[:, :2], ids.flip(1)], 1)  # 2 real keys first: no empty row
             memory = self.memory(memory_ids)
             length, source = ids.shape[1], memory_ids.shape[1]
-            mask = torch.ones(length, source, dtype=torch.bool).triu(3)  # True: not attended
+            # True: not attended
+            mask = torch.ones(length, source, dtype=torch.bool, device=ids.device).triu(3)
             key = layout(memory)
             out, _ = self.attn(
                 layout(x),
@@ -125,9 +128,9 @@ class EncoderNet(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x, pad = self.embed(ids), _padding_mask(ids)
-        keep = (ids != 0).unsqueeze(-1).to(torch.float64)
+        keep = (ids != 0).unsqueeze(-1).to(x.dtype)
         mask = (
-            nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=x.dtype)
+            nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=x.device, dtype=x.dtype)
             if self.causal
             else None
         )
@@ -143,7 +146,7 @@ class SharedEncoderNet(EncoderNet):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x, pad = self.embed(ids), _padding_mask(ids)
-        keep = (ids != 0).unsqueeze(-1).to(torch.float64)
+        keep = (ids != 0).unsqueeze(-1).to(x.dtype)
         h = self.encoder(self.encoder(x, src_key_padding_mask=pad), src_key_padding_mask=pad)
         return self.head((h * keep).sum(1) / keep.sum(1).clamp_min(1))
 
@@ -165,9 +168,9 @@ class Seq2SeqNet(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x, pad = self.embed(ids), _padding_mask(ids)
-        keep = (ids != 0).unsqueeze(-1).to(torch.float64)
+        keep = (ids != 0).unsqueeze(-1).to(x.dtype)
         target = x.flip(1)
-        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=x.dtype)
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=x.device, dtype=x.dtype)
         layout = (lambda t: t) if self.batch_first else (lambda t: t.transpose(0, 1))
         h = self.transformer(
             layout(x), layout(target), tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad
@@ -191,7 +194,8 @@ class CellNet(nn.Module):
         self.state_head = nn.Linear(6, CLASSES, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x, keep = self.embed(ids), (ids != 0).unsqueeze(-1).to(torch.float64)
+        x = self.embed(ids)
+        keep = (ids != 0).unsqueeze(-1).to(x.dtype)
         lstm = isinstance(self.cell, nn.LSTMCell)
         state = None  # h, or (h, c) for an LSTM cell, as (B, 6) tensors
         if self.initial_state:

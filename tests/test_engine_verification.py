@@ -400,6 +400,18 @@ def test_weights_read_outside_their_module_are_refused():
         _step(ReadOnlyWeights(), _cross_entropy, batch)
 
 
+@pytest.mark.parametrize("tf32", [False, True])
+def test_under_tf32_a_use_outside_the_module_is_still_refused_and_the_flags_are_named(tf32, monkeypatch):
+    """On CUDA with TF32 (precision.runs_tf32) check 2 compares at TF32's tolerance, 1e-2: a parameter read
+    outside its module still differs by whole terms, and the refusal names the TF32 flags as a possible
+    cause (a ReLU flipped by TF32's rounding); without TF32 it does not."""
+    monkeypatch.setattr("dpexp.privacy.verification.runs_tf32", lambda model, device: tf32)
+    batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(VerificationError, match=r"parameter 'fc.(weight|bias)'") as refused:
+        _step(ReadOnlyWeights(), _cross_entropy, batch)
+    assert ("torch.backends.cudnn.allow_tf32" in str(refused.value)) == tf32
+
+
 def test_parameter_used_in_the_loss_is_refused():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}

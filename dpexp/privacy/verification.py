@@ -68,7 +68,7 @@ from dpexp.privacy.capture import Forward, Layer, Use
 from dpexp.privacy.containers import map_tensors, tensors_in
 from dpexp.privacy.layout import BATCH_FIRST, TIME_MAJOR, Layout
 from dpexp.privacy.per_example import PerExampleGrad
-from dpexp.privacy.precision import tolerance
+from dpexp.privacy.precision import runs_tf32, tolerance
 from dpexp.privacy.rules.functional import batch_outputs, pack_output_grads
 from dpexp.privacy.state import StateWatch
 
@@ -486,6 +486,7 @@ class _Probe:
     structure: tuple
     leaves: list[torch.Tensor]  # the model's floating-point inputs, as probed tensors that require gradients
     dtypes: set[torch.dtype]  # precisions seen (compute, output gradients, rule results): the tolerance
+    tf32: bool  # float32 products may run in TF32 (precision.runs_tf32): the float32 tolerance is TF32's
     weights: torch.Tensor | None = None  # v, shape (b,)
     leaf_grads: list[torch.Tensor | None] = field(default_factory=list)  # of sum_i v_i l_i
     fingerprints: dict[int, RowFingerprint] = field(default_factory=dict)  # id(use) -> probe output gradient
@@ -500,6 +501,14 @@ class _Probe:
     calls: list[ModelCall] = field(default_factory=list)  # the forwards of the model being verified
     independent: bool = False  # check 4 ran with a changed example and passed
     mixed: VerificationError | None = None  # check 4's refusal, raised after checks 1 and 2 (more specific)
+
+
+_TF32_HINT = (
+    " The model's float32 products may run in TF32 on CUDA (torch.backends.cudnn.allow_tf32, PyTorch's "
+    "default for convolutions and recurrent layers, or torch.backends.cuda.matmul.allow_tf32), which the "
+    "per-example gradients do not reproduce: where a ReLU's input lies within that rounding of 0 the two "
+    "differ by whole terms (an nn.RNN with nonlinearity='relu'). If so, set both flags to False."
+)
 
 
 class Verifier:
@@ -521,6 +530,7 @@ class Verifier:
         self._path: tuple = ()  # the path of the current backward
         self._index: dict[int, int] = {}  # id(use) -> its position in the current path
         self._state = StateWatch(model)
+        self._model = model
         self._next: _Probe | None = None  # set by a verified forward, taken by its backward
         self.probe: _Probe | None = None  # the backward being verified
 
@@ -550,7 +560,7 @@ class Verifier:
         for p in self._params.values():
             p.requires_grad_(True)
         args, kwargs, leaves = differentiable_inputs(args, kwargs)
-        self._next = _Probe(structure, leaves, {dtype}, calls=[call])
+        self._next = _Probe(structure, leaves, {dtype}, runs_tf32(self._model, param.device), calls=[call])
         return args, kwargs
 
     def end_forward(self, output: Any) -> None:
@@ -604,7 +614,7 @@ class Verifier:
     ) -> bool:
         """Check 4's replay and comparisons; False if every example is the same (nothing to replace)."""
         probe = self.probe
-        tol = max(tolerance(dtype) for dtype in probe.dtypes)
+        tol = max(tolerance(dtype, probe.tf32) for dtype in probe.dtypes)
         inputs = [tensors_in((c.args, c.kwargs)) for c in probe.calls]
         if not any(t.dim() and t.shape[0] == batch_size for ts in inputs for t in ts):
             raise VerificationError(
@@ -836,7 +846,7 @@ class Verifier:
         self._time_major[probe.path] = probe.time_major
 
     def _check_parameter_uses(self, probe: _Probe) -> None:
-        tol = max(tolerance(dtype) for dtype in probe.dtypes)
+        tol = max(tolerance(dtype, probe.tf32) for dtype in probe.dtypes)
         mismatched = mismatched_parameters(probe.engine_sums, probe.autograd_sums, tol)
         if not mismatched:
             return
@@ -859,6 +869,7 @@ class Verifier:
             "whose weight is the tied parameter is exact), declare the module whose forward reads it "
             "(dpexp.privacy.register_reads, for a module without a rule), or freeze it."
             + (f" Also: {[n for n, _ in mismatched[1:5]]}." if len(mismatched) > 1 else "")
+            + (_TF32_HINT if probe.tf32 else "")
         )
 
     @staticmethod
