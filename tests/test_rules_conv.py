@@ -371,3 +371,23 @@ def test_convolution_norm_method_by_cost():
     assert [method(128, 16, fused) for fused in (False, True)] == ["pixels", "pixels"]
     assert [method(64, 32, fused) for fused in (False, True)] == ["instantiate", "instantiate"]
     assert [method(256, 8, fused) for fused in (False, True)] == ["pixels", "pixels"]
+
+
+def test_depthwise_convolutions_on_small_maps_are_instantiated_and_kept():
+    """ConvNeXt-T's 7 x 7 depthwise layers at 32 x 32 inputs (B = 16): over 8 x 8, 4 x 4 and 2 x 2 maps the
+    per-example gradients (C x 49 values) are instantiated for the norm, the grouped ghost form's small
+    products costing more (``GROUP_PRODUCT_COST``), and kept for the clipped sum, which then needs no second
+    weight-gradient convolution; over 1 x 1 maps (its 49 C values against one Gram entry per channel) the
+    ghost form, not kept. An ungrouped WRN stage-2 layer (its norm by pixel Grams) is still not kept."""
+
+    def choice(channels: int, size: int, groups: int, kernel: int = 7) -> tuple[str, bool]:
+        conv = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, groups=groups)
+        x = torch.zeros(16 if groups > 1 else 64, channels, size, size)
+        grads = ConvWeightGrads(conv, x, torch.zeros_like(x))
+        return grads.norm_method("auto"), grads.held_extra_values() is not None
+
+    assert choice(96, 8, 96) == ("instantiate", True)
+    assert choice(192, 4, 192) == ("instantiate", True)
+    assert choice(384, 2, 384) == ("instantiate", True)
+    assert choice(768, 1, 768) == ("unfold", False)
+    assert choice(128, 16, 1, kernel=3) == ("pixels", False)

@@ -280,6 +280,12 @@ them, against 201-203 ms for instantiating and keeping their gradients."""
 ELEMENT_COST = 15
 """Multiply-adds that one elementwise pass over one value costs (memory-bound: a shifted block's add, an
 unfolded patch's copy)."""
+GROUP_PRODUCT_COST = 30_000
+"""Multiply-adds that the grouped ghost norm pays per example and group beyond its arithmetic: the patches
+copied again group-major and one small Gram product each (on CPU at one thread, ConvNeXt-T's 7 x 7
+depthwise layers at B = 16 over 2 x 2 and 4 x 4 maps took 11-13 ms by this form against 3-6 ms by the
+batch-grouped instantiation, which its multiply-adds alone ranked the other way; stop 60)."""
+
 INSTANTIATE_MIN_POSITIONS = 300
 """The batch-grouped convolution takes as long per per-example gradient value as if the map had at least this
 many output positions: on CPU at batch 64 it ran at 25-32 G multiply-adds/s for T = 1024, but as if at
@@ -343,8 +349,8 @@ class ConvWeightGrads(PerExampleGrad):
         out, size, groups = self._out_size(), tuple(x.shape[2:]), self.module.groups
         costs = norm_costs(geo, self.shape[1], self.shape[0], out, size)
         if groups > 1:  # the ghost norm group by group over its patches; the pixel Grams are not grouped
-            per_group = norm_costs(geo, self.shape[1], self.shape[0] // groups, out, size)
-            costs = {"instantiate": costs["instantiate"], "unfold": groups * per_group["unfold"]}
+            per_group = norm_costs(geo, self.shape[1], self.shape[0] // groups, out, size)["unfold"]
+            costs = {"instantiate": costs["instantiate"], "unfold": groups * (per_group + GROUP_PRODUCT_COST)}
         if self._retain and not self._release:
             total = WEIGHT_GRAD_RATE * self.dy[0, 0].numel() * self.shape.numel()
             costs = {m: c + (total if m != "instantiate" else 0) for m, c in costs.items()}
@@ -359,7 +365,7 @@ class ConvWeightGrads(PerExampleGrad):
         form when forced) the cheapest of :meth:`norm_costs`, with ``ghost_extra`` multiply-adds per example
         on the ghost forms (the weight-standardised rule's responses). As for linear layers
         (:func:`~dpexp.privacy.per_example.ghost_is_cheaper`), instantiation is ruled out where its
-        ``K C_in C_out`` values per example exceed ``8 T^2``.
+        ``K C_in C_out / G`` values per example exceed ``8 G T^2`` (the ghost form's G Grams of ``T^2``).
 
         The costs are CPU measurements. On a GPU the pixel Grams (many small blocks) were the slowest way on
         every WRN-16-4 shape, 2-60x the others (H200, B = 256: ``results/bench/gpu_h200_stop45/
@@ -370,7 +376,7 @@ class ConvWeightGrads(PerExampleGrad):
         costs = {m: c + (ghost_extra if m != "instantiate" else 0) for m, c in self.norm_costs().items()}
         if self.dy.device.type != "cpu":
             costs.pop("pixels", None)
-        if mode == "ghost" or self.shape.numel() > 8 * self.dy[0, 0].numel() ** 2:
+        if mode == "ghost" or self.shape.numel() > 8 * self.module.groups * self.dy[0, 0].numel() ** 2:
             del costs["instantiate"]
         return min(costs, key=costs.__getitem__)
 
@@ -429,10 +435,12 @@ class ConvWeightGrads(PerExampleGrad):
         return ConvWeightGrads(self.module, zeroed(self.x, keep), zeroed(self.dy, keep))
 
     def held_extra_values(self) -> int | None:
-        """Kept only where smaller than the feature maps: a batch-grouped per-example convolution is slower on
-        CPU than the second weight-gradient pass it would save."""
+        """Kept where smaller than the feature maps, or where the norm instantiates them anyway (a depthwise
+        7 x 7 convolution over a small map: keeping them saves the clipped sum's second weight-gradient
+        pass). Elsewhere not: a batch-grouped per-example convolution is slower on CPU than the second pass
+        it would save."""
         extra = self.batch_size * (self.shape.numel() - self.x[0].numel() - self.dy[0].numel())
-        return extra if extra <= 0 else None
+        return extra if extra <= 0 or self.norm_method("auto") == "instantiate" else None
 
     def _release_factors(self) -> None:
         self.x = self.dy = None  # type: ignore[assignment]
