@@ -73,6 +73,20 @@ def test_rule_matches_oracle_everywhere(name, strategy, clipping, groups):
     _check_against_oracle(*make_recurrent_case(name), strategy, clipping, groups)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's fused cell kernels are CUDA-only")
+@pytest.mark.parametrize(
+    "name",
+    ["lstm_time_major_bidirectional_2_layers", "lstm_projected_initial_state", "gru_bidirectional_2_layers"],
+)
+def test_fused_cells_on_cuda_match_oracle(name):
+    """On CUDA the rule's gate arithmetic is PyTorch's fused LSTM / GRU cell kernels (``rules/recurrent.py``
+    ``_step``), exact like the composite form (on the GPU machine, also ``scripts/device_oracle.py``: stop
+    60's 264 recurrent checks there)."""
+    model, loss_fn, batch = make_recurrent_case(name)
+    batch = {k: v.cuda() for k, v in batch.items()}
+    _check_against_oracle(model.cuda(), loss_fn, batch, "ghost", "per_layer")
+
+
 @pytest.mark.parametrize(
     "name",
     [
