@@ -687,6 +687,8 @@ NEW_CASES = [
     "hf_hiera",  # HF HieraEmbeddings: a position table added to the patch convolution, a tuple returned
     "tv_convnext",  # torchvision LayerNorm2d, CNBlock's layer_scale (C, 1, 1), its shortcut added in place
     "tv_vit",  # torchvision ViT: class_token, pos_embedding, nn.MultiheadAttention read off its graph
+    "tv_swin",  # torchvision ShiftedWindowAttention: qkv/proj weights read by the function, padded, shifted
+    "tv_swinv2",  # torchvision ShiftedWindowAttentionV2: temperature (one head clamped), cpb_mlp on a table
     "mobilebert",  # HF MobileBERT's NoNorm
     "convbert",  # HF ConvBERT's SeparableConv1D bias
     "esmc",  # HF ESM C's EsmcLayerNorm
@@ -912,6 +914,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "hf_hiera",
         "tv_convnext",
         "tv_vit",
+        "tv_swin",
+        "tv_swinv2",
     ):  # timm's, Hugging Face's and torchvision's CNNs (and Hiera, torchvision's ViT)
         builder = timm_cnn_models.BUILDERS["efficientnet" if name == "efficientnet_gn" else name]
         batch = {"x": _floats(gen, size, 3, 8, 8), "y": _labels(gen, size, 3)}

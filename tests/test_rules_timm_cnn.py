@@ -1,9 +1,9 @@
 """timm CNN rules (LayerNorm2d, ConvNeXt layer scale, GroupNormAct, StdConv2d, ScaledStdConv2d) and Hugging
 Face's (ConvNeXt's LayerNorm of either data format and layer scale, ConvNeXt V2's GRN, BiT's standardised
 convolutions and GroupNorm with activation) and torchvision's (LayerNorm2d, ConvNeXt's layer scale, ViT's
-class token and position embedding) against the brute-force oracle: every strategy x clipping mode on tiny
-ConvNeXt, EfficientNet, NF-ResNet, BiT and ViT models (slow), representatives in the fast suite, and no module
-of these models on the torch.func fallback; torchvision's Swin on it, declared."""
+class token and position embedding, Swin's shifted window attention) against the brute-force oracle: every
+strategy x clipping mode on tiny ConvNeXt, EfficientNet, NF-ResNet, BiT, ViT and Swin models (slow),
+representatives in the fast suite, and no module of these models on the torch.func fallback."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import classification_loss
 from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, per_example_grads
 from tests.timm_cnn_models import BUILDERS, make_timm_case
 
@@ -56,6 +55,12 @@ FAST = {
     ("tv_vit", "bk", "flat"),
     ("tv_vit", "ghost", "per_layer"),
     ("tv_vit", "instantiate", "groups"),
+    ("tv_swin", "bk", "per_layer"),
+    ("tv_swin", "ghost", "flat"),
+    ("tv_swin", "instantiate", "groups"),
+    ("tv_swinv2", "bk", "flat"),
+    ("tv_swinv2", "ghost", "per_layer"),
+    ("tv_swinv2", "instantiate", "groups"),
 }
 
 
@@ -80,35 +85,57 @@ def test_timm_cnn_matches_oracle(name, strategy, clipping, groups):
     _check(name, strategy, clipping, groups)
 
 
-@pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("strategy", ["bk", "ghost"])
-def test_torchvision_swin_on_the_fallback_matches_oracle(version, strategy, recwarn):
-    """torchvision's Swin attention passes its ``qkv`` and ``proj`` weights to ``shifted_window_attention``
-    (V2 also calls its ``cpb_mlp`` on a table without the batch): declared as reads, the module takes the
-    exact fallback with those parameters (before: refused by check 2, the weights used outside their
-    modules), shifted windows included."""
-    from torchvision.models import swin_transformer as swin
+@pytest.mark.parametrize("name", ["tv_swin", "tv_swinv2"])
+@pytest.mark.parametrize("read", [True, False], ids=["graph", "recomputed"])
+def test_torchvision_swin_reads_its_graph_or_recomputes_exactly(name, read, monkeypatch):
+    """In training mode the attention's probabilities, values and the gradients at ``qkv``'s output and the
+    softmax's are read off the call's autograd graph, nothing of the attention computed again; where the
+    graph lacks that structure (here: its search made to find nothing) the rule computes the attention
+    again from the captured input. Both agree with the oracle, padded and shifted windows included."""
+    from dpexp.privacy.rules import shifted_window
 
-    torch.manual_seed(0)
-    kwargs = (
-        {"block": swin.SwinTransformerBlockV2, "downsample_layer": swin.PatchMergingV2}
-        if version == 2
-        else {}
-    )
-    model = swin.SwinTransformer(
-        patch_size=[2, 2], embed_dim=8, depths=[2], num_heads=[2], window_size=[2, 2], num_classes=3,
-        stochastic_depth_prob=0.0, **kwargs,
-    ).double()  # fmt: skip
-    gen = torch.Generator().manual_seed(0)
-    batch = {
-        "x": torch.randn(6, 3, 8, 8, generator=gen, dtype=torch.float64),
-        "y": torch.randint(0, 3, (6,), generator=gen),
-    }
-    check_clipped_step(
-        model, classification_loss, batch, [[0, 1, 2], [3, 4, 5]], strategy, "per_layer", rel=1e-7
-    )
-    fallbacks = {str(w.message).split("'")[1] for w in recwarn if "fallback" in str(w.message)}
-    assert fallbacks == {"features.1.0.attn", "features.1.1.attn"}
+    calls = {"_read": 0, "_recomputed": 0}
+
+    def counting(name: str):
+        original = getattr(shifted_window, name)
+
+        def counted(*args):
+            calls[name] += 1
+            return original(*args)
+
+        return counted
+
+    for name_ in calls:
+        monkeypatch.setattr(shifted_window, name_, counting(name_))
+    if not read:
+        monkeypatch.setattr(shifted_window, "call_nodes", lambda *args: None)
+    model, loss_fn, batch = make_timm_case(name)
+    check_clipped_step(model.train(), loss_fn, batch, [[0, 1, 2], [3, 4, 5]], "bk", "flat", rel=1e-7)
+    taken, other = ("_read", "_recomputed") if read else ("_recomputed", "_read")
+    assert calls[taken] > 0 and calls[other] == 0
+
+
+@pytest.mark.parametrize("name", ["tv_swin", "tv_swinv2"])
+def test_torchvision_swin_dropout_in_training_is_refused(name):
+    """``shifted_window_attention`` draws its dropout masks inside the function, where the rule cannot
+    replay them: refused at the call in training, with the fix; allowed in evaluation mode."""
+    model, loss_fn, batch = make_timm_case(name)
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.0 and dropout=0\.0"):
+        engine_update(model, loss_fn, batch, [[0, 1, 2, 3, 4, 5]], batch_size=6, max_grad_norm=1.0)
+
+
+def test_torchvision_swin_qkv_wrapped_is_refused():
+    """The function reads ``qkv.weight`` itself: an adapter around ``qkv`` would never be called, so a
+    wrapped ``qkv`` is refused when the engine is built."""
+    model, _, _ = make_timm_case("tv_swin")
+    attn = model.features[1][0].attn
+    attn.qkv = nn.Sequential(attn.qkv)
+    with pytest.raises(ValueError, match=r"qkv and proj are not both nn\.Linear"):
+        PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=1.0)
 
 
 @pytest.mark.parametrize("strategy", ["bk", "ghost"])

@@ -1,10 +1,10 @@
 """Tiny float64 timm CNNs (ConvNeXt, ConvNeXt-V2, EfficientNet with GroupNorm, an NF-ResNet, a BiT ResNet-V2),
-their Hugging Face forms (ConvNeXt, ConvNeXt V2, BiT) and torchvision's ConvNeXt and ViT for the oracle and
-sensitivity tests: every module they hold has a per-example gradient rule (timm's and torchvision's
+their Hugging Face forms (ConvNeXt, ConvNeXt V2, BiT) and torchvision's ConvNeXt, ViT and Swin for the oracle
+and sensitivity tests: every module they hold has a per-example gradient rule (timm's and torchvision's
 LayerNorm2d and Hugging Face's LayerNorm of either data format, ConvNeXt layer scale, Global Response
 Normalization, GroupNormAct and BiT's GroupNorm with its activation, depthwise and squeeze-excite
 convolutions, scaled and plain weight-standardised convolutions, torchvision ViT's class token and position
-embedding)."""
+embedding, and (stop 61) Swin's shifted window attention of either version)."""
 
 from __future__ import annotations
 
@@ -209,6 +209,29 @@ def tv_vit() -> nn.Module:
     return _perturbed(vit, 11)
 
 
+def tv_swin(v2: bool = False) -> nn.Module:
+    """torchvision's Swin (``ShiftedWindowAttention``; ``v2``: ``ShiftedWindowAttentionV2`` with
+    ``PatchMergingV2``) on 8x8 images: 2x2 patches, two stages of two blocks (widths 8 and 16, 2 heads),
+    windows of 3. The first stage's 4x4 map is padded to 6x6 and its second block's windows shifted; the
+    second stage's 2x2 map is padded to one window, unshifted. Position tables drawn away from their small
+    start; in V2 one head's temperature above the clamp at log 100, where its gradient is zero."""
+    from torchvision.models import swin_transformer as swin
+
+    kwargs = {"block": swin.SwinTransformerBlockV2, "downsample_layer": swin.PatchMergingV2} if v2 else {}
+    model = swin.SwinTransformer(
+        patch_size=[2, 2], embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=[3, 3], num_classes=3,
+        stochastic_depth_prob=0.0, **kwargs,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "relative_position_bias_table" in name or "logit_scale" in name or "cpb_mlp" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+        if v2:
+            model.features[1][0].attn.logit_scale[0] = 5.0
+    return _perturbed(model, 13)
+
+
 BUILDERS = {
     "convnext": convnext,
     "convnext_conv_mlp": partial(convnext, conv_mlp=True),
@@ -225,6 +248,8 @@ BUILDERS = {
     "hf_hiera": hf_hiera,
     "tv_convnext": tv_convnext,
     "tv_vit": tv_vit,
+    "tv_swin": tv_swin,
+    "tv_swinv2": partial(tv_swin, v2=True),
 }
 
 

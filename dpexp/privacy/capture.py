@@ -575,6 +575,9 @@ class Capture:
         use.args = (*inputs, dict(reads.values))
         waiting: list[torch.Tensor] = []  # the outputs' gradient until the nodes' arrive, in every pass
         arrived: set[str] = set()
+        keys = tuple(reads.nodes)  # the hooks must not hold the nodes: a node -> hook -> node cycle runs
+        # through autograd's C++ graph, which Python's collector cannot see, and would keep every step's
+        # graph alive
 
         def on_outputs(grads: tuple[torch.Tensor, ...]) -> None:
             waiting[:] = [layout.output_grad(layer.module, _aligned(floating, grads))]
@@ -588,10 +591,10 @@ class Capture:
                 )
             use.args[-1][key] = grad_outputs[0]
             arrived.add(key)
-            if len(arrived) == len(reads.nodes):
+            if len(arrived) == len(keys):
                 self._deliver(use, waiting.pop())
                 if use.args:  # kept for a second pass: its gradients come again, not held meanwhile
-                    for name in reads.nodes:
+                    for name in keys:
                         del use.args[-1][name]
 
         for key, node in reads.nodes.items():

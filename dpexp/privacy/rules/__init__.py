@@ -318,6 +318,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     rms_norm,
     scaled_linear,
     scan_mixers,
+    shifted_window,
     short_conv,
     sinks,
     vision_tokens,

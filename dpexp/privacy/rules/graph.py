@@ -145,3 +145,32 @@ def kept_attention_output(nodes: Iterable[Node]) -> torch.Tensor | None:
     (N, heads, L, E_v)), detached; None if there is none or more than one."""
     outputs = [t for t in (_saved(node, "_saved_output") for node in nodes) if t is not None]
     return outputs[0].detach() if len(outputs) == 1 else None
+
+
+def kept_by(nodes: Iterable[Node], node_class: str, name: str) -> tuple[Node, torch.Tensor] | None:
+    """The one node of class ``node_class`` among ``nodes`` and its saved tensor ``name``, detached
+    (``SoftmaxBackward0``, ``_saved_result``: the probabilities); None if there is none, more than one, or
+    it kept no such tensor."""
+    found = [node for node in nodes if type(node).__name__ == node_class]
+    kept = _saved(found[0], name) if len(found) == 1 else None
+    return None if kept is None else (found[0], kept.detach())
+
+
+_FIRST_OPERANDS = _COPIES | {"ExpandBackward0", "AddBackward0", "MulBackward0"}
+
+
+def product_below(node: Node, nodes: list[Node]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two matrices ``(a, b)`` kept by the ``bmm`` that ``node``'s input comes from, through views and
+    copies and as the first operand of additions and products (``softmax(a @ b * s + bias + mask)``: the
+    scores' product below their softmax), detached; None if the chain meets another operation."""
+    current = node.next_functions[0][0] if node.next_functions else None
+    for _ in range(len(nodes)):
+        if current is None:
+            return None
+        a, b = _saved(current, "_saved_self"), _saved(current, "_saved_mat2")
+        if type(current).__name__ == "BmmBackward0" and a is not None and b is not None:
+            return a.detach(), b.detach()
+        if type(current).__name__ not in _FIRST_OPERANDS:
+            return None
+        current = current.next_functions[0][0]
+    return None

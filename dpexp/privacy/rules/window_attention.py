@@ -328,14 +328,8 @@ def hf_swinv2_grads(
     probabilities P and Q, K, V from the module's training call (:func:`kept_probabilities`: how it adds
     the mask is its own, and nothing runs again) and takes the scores' gradient by the softmax's backward,
     ``dS = P * (dP - rowsum(P * dP))``, ``dP = dO V^T`` (+ the gradient of the returned probabilities);
-    then, summed over example i's windows,
-
-        d logit_scale_i[h] = sum dS_i[h] * cos[h] * exp(logit_scale_h)   (0 where the clamp is active),
-        dT_i[r, h] = sum_{(s, t): index[s, t] = r} dS_i[h, s, t] * 16 sigmoid'(T[r, h]),
-
-    and the MLP's per-example gradients by its backward with ``dT_i`` (dense: (B, heads, 512) and
-    (B, 512, 2) values), the first layer's as ``dW1_i[k] = sum_h W2[h, k] sum_r dT_i[r, h] 1[pre_rk > 0]
-    [c_r | 1]``: a product over r per head, never the (B, r, 512) hidden gradient. ``call[0]`` is
+    then the temperature's and the MLP's per-example gradients by :func:`cosine_bias_grads` (dense:
+    (B, heads, 512) and (B, 512, 2) values). ``call[0]`` is
     (B, nW, N, C) once the probe has established the windows per example (position-wise, as
     :func:`hf_swin_bias_grads`), or (B, N, C); computed in float64 for a float64 model, else in float32,
     exact to that rounding."""
@@ -357,33 +351,62 @@ def hf_swinv2_grads(
         cos = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).transpose(-2, -1)
         d_out = dy[:, : n * channels].reshape(rows, n, channels).to(dtype)
         d_scores = scores_grad(probs, v, split(d_out), dy[:, n * channels :])
-        d_scores = d_scores.reshape(batch, windows, heads, n, n)
-        log_scale = module.logit_scale.to(dtype).reshape(heads)
-        scale = log_scale.clamp(max=_V2_MAX_LOGIT_SCALE).exp() * (log_scale <= _V2_MAX_LOGIT_SCALE)
         cos = cos.reshape(batch, windows, heads, n, n)
-        d_log_scale = (d_scores * cos).sum((1, 3, 4)) * scale  # (B, heads)
-
-        coords = module.relative_coords_table.reshape(-1, first.in_features).to(dtype)  # (r, 2)
-        pre = nn.functional.linear(coords, first.weight.to(dtype), _cast(first.bias, dtype))  # (r, 512)
-        hid = pre.relu()
-        sig = nn.functional.linear(hid, second.weight.to(dtype), _cast(second.bias, dtype)).sigmoid()
-        d_table = table_grads(d_scores, module.relative_position_index, sig)  # (B, r, heads)
-        d_table = d_table * (16 * sig * (1 - sig))
-        # the first layer's [weight | bias] gradient, sum_r dhid_i[r, k] [c_r | 1]_j with dhid_i = (dT_i W2) *
-        # 1[pre > 0], summed over r before the heads: never the (B, r, 512) per-example hidden gradient
-        inputs = torch.cat([coords, coords.new_ones(coords.shape[0], 1)], 1)  # (r, 3)
-        gated = ((pre > 0).to(dtype).unsqueeze(-1) * inputs.unsqueeze(1)).flatten(1)  # (r, 512 * 3)
-        per_head = (d_table.transpose(1, 2) @ gated).unflatten(-1, (pre.shape[1], -1))  # (B, heads, 512, 3)
-        d_first = torch.einsum("bhkj,hk->bkj", per_head, second.weight.to(dtype))  # (B, 512, 3)
-    grads = {
-        "logit_scale": d_log_scale.reshape(batch, *module.logit_scale.shape),
-        f"{_V2_MLP}.2.weight": torch.einsum("brh,rk->bhk", d_table, hid),
-        f"{_V2_MLP}.0.weight": d_first[..., :-1],
-        f"{_V2_MLP}.0.bias": d_first[..., -1],
-        f"{_V2_MLP}.2.bias": d_table.sum(1),
-    }
+        d_scores = d_scores.reshape(batch, windows, heads, n, n)
+        grads = {
+            name if name == "logit_scale" else f"{_V2_MLP}.{name}": grad
+            for name, grad in cosine_bias_grads(
+                d_scores, cos, module.logit_scale, first, second, module.relative_coords_table,
+                module.relative_position_index,
+            ).items()
+        }  # fmt: skip
     params = dict(module.named_parameters())
     return {name: Dense(g.to(params[name].dtype)) for name, g in grads.items() if name in params}
+
+
+def cosine_bias_grads(
+    d_scores: torch.Tensor,
+    cos: torch.Tensor,
+    logit_scale: torch.Tensor,
+    first: nn.Linear,
+    second: nn.Linear,
+    coords: torch.Tensor,
+    index: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Swin V2's temperature and continuous position bias (Liu et al. 2022, sec. 3.2-3.3, eqs. 2-4): with
+    the scores ``S = cos * exp(min(logit_scale, log 100)) + 16 sigmoid(T)[index] + M`` and ``T = W2 relu(W1 c
+    + b1)`` (``first``, ``second``) on the relative coordinates ``coords`` (one row of 2 per relative
+    position r), and ``d_scores``, ``cos`` (B, nW, heads, N, N) the scores' gradient and the cosines of every
+    window of every example, the per-example gradients summed over example i's windows:
+
+        d logit_scale_i[h] = sum dS_i[h] * cos[h] * exp(logit_scale_h)   (0 where the clamp is active),
+        dT_i[r, h] = sum_{(s, t): index[s, t] = r} dS_i[h, s, t] * 16 sigmoid'(T[r, h]),
+
+    and the MLP's by its backward with ``dT_i``, the first layer's as ``dW1_i[k] = sum_h W2[h, k] sum_r
+    dT_i[r, h] 1[pre_rk > 0] [c_r | 1]``: a product over r per head, never the (B, r, 512) hidden gradient.
+    Keys ``logit_scale`` (B, *logit_scale.shape), ``0.weight``, ``0.bias``, ``2.weight``, ``2.bias`` (the
+    MLP's layers), computed in ``d_scores``' dtype."""
+    batch, heads, dtype = d_scores.shape[0], d_scores.shape[2], d_scores.dtype
+    log_scale = logit_scale.to(dtype).reshape(heads)
+    scale = log_scale.clamp(max=_V2_MAX_LOGIT_SCALE).exp() * (log_scale <= _V2_MAX_LOGIT_SCALE)
+    d_log_scale = (d_scores * cos).sum((1, 3, 4)) * scale  # (B, heads)
+    coords = coords.reshape(-1, first.in_features).to(dtype)  # (r, 2)
+    pre = nn.functional.linear(coords, first.weight.to(dtype), _cast(first.bias, dtype))  # (r, 512)
+    hid = pre.relu()
+    sig = nn.functional.linear(hid, second.weight.to(dtype), _cast(second.bias, dtype)).sigmoid()
+    d_table = table_grads(d_scores, index, sig)  # (B, r, heads)
+    d_table = d_table * (16 * sig * (1 - sig))
+    inputs = torch.cat([coords, coords.new_ones(coords.shape[0], 1)], 1)  # (r, 3): [c_r | 1]
+    gated = ((pre > 0).to(dtype).unsqueeze(-1) * inputs.unsqueeze(1)).flatten(1)  # (r, 512 * 3)
+    per_head = (d_table.transpose(1, 2) @ gated).unflatten(-1, (pre.shape[1], -1))  # (B, heads, 512, 3)
+    d_first = torch.einsum("bhkj,hk->bkj", per_head, second.weight.to(dtype))  # (B, 512, 3)
+    return {
+        "logit_scale": d_log_scale.reshape(batch, *logit_scale.shape),
+        "2.weight": torch.einsum("brh,rk->bhk", d_table, hid),
+        "0.weight": d_first[..., :-1],
+        "0.bias": d_first[..., -1],
+        "2.bias": d_table.sum(1),
+    }
 
 
 def kept_probabilities(
