@@ -15,7 +15,8 @@ gradients are sums over its steps (Bu et al. 2023, eq. 2, once per map):
 in the factored :class:`~dpexp.privacy.per_example.Outer` / ``Dense`` forms (ghost or instantiated norms,
 cross terms and clipped sums follow). The gradients ``da_t, dc_t, dh_t`` of every example at every step come
 from one recomputation of the layer from its captured input, with its parameters detached and a zero
-tensor added to each map's output, and one autograd backward of ``<outputs, dy>`` to those zeros; ``dy``
+tensor added to each map's output (one for both maps of an LSTM or RNN, whose step sees only ``a_t + c_t``,
+so ``dc_t = da_t``), and one autograd backward of ``<outputs, dy>`` to those zeros; ``dy``
 holds the gradients of every output the engine captured (output, ``h_n``, ``c_n``; zeros for an unused
 one). Opacus obtains the same sums by replacing the layer with its own re-implementation (``DPLSTM``, built
 from ``nn.Linear`` cells); here the user's module runs unchanged (cuDNN kernels included), only the rule
@@ -134,19 +135,25 @@ def _direction(
     dtype = w["weight_ih"].dtype
     inp, h, cell = inp.to(dtype), h.to(dtype), None if cell is None else cell.to(dtype)
     batch, steps = inp.shape[:2]
-    z_a, z_c = (inp.new_zeros(batch, steps, w["weight_ih"].shape[0], requires_grad=True) for _ in "ac")
-    zeros["weight_ih" + suffix], zeros["weight_hh" + suffix] = z_a, z_c
+    z_a = inp.new_zeros(batch, steps, w["weight_ih"].shape[0], requires_grad=True)
+    # an LSTM's and an RNN's step sees only a_t + c_t, so dc_t = da_t: one zero serves both maps (a GRU's
+    # reset gate multiplies part of c_t, so it needs its own)
+    z_c = inp.new_zeros(z_a.shape, requires_grad=True) if isinstance(module, nn.GRU | nn.GRUCell) else None
+    zeros["weight_ih" + suffix], zeros["weight_hh" + suffix] = z_a, z_a if z_c is None else z_c
     factors["weight_ih" + suffix] = inp.detach()
     projection = getattr(module, "weight_hr" + suffix, None)
     if projection is not None:
         z_h = zeros["weight_hr" + suffix] = inp.new_zeros(batch, steps, h.shape[-1], requires_grad=True)
         z_h_steps = z_h.unbind(1)
     # one unbind per sequence, not a select per step: each select's backward fills a (B, T, width) zero
-    a, z_c_steps = (F.linear(inp, w["weight_ih"], w["bias_ih"]) + z_a).unbind(1), z_c.unbind(1)
+    a = (F.linear(inp, w["weight_ih"], w["bias_ih"]) + z_a).unbind(1)
+    z_c_steps = None if z_c is None else z_c.unbind(1)
     hs, previous, ms = [None] * steps, [None] * steps, [None] * steps
     for t in reversed(range(steps)) if suffix.endswith("_reverse") else range(steps):
         previous[t] = h
-        c = F.linear(h, w["weight_hh"], w["bias_hh"]) + z_c_steps[t]
+        c = F.linear(h, w["weight_hh"], w["bias_hh"])
+        if z_c_steps is not None:
+            c = c + z_c_steps[t]
         h, cell = _step(module, a[t], c, h, cell)
         if projection is not None:
             ms[t] = h
@@ -195,12 +202,13 @@ def _map_grads(
 ) -> dict[str, PerExampleGrad]:
     """``da_t``, ``dc_t`` (``dh_t``) by one backward of ``<results, dys>`` to the zeros added to the maps'
     outputs, and every weight's per-example gradient from them and the maps' inputs ``factors``."""
-    names = list(zeros)
+    distinct = list({id(z): z for z in zeros.values()}.values())  # an LSTM's two maps share one zero
     with torch.enable_grad():
-        dzs = torch.autograd.grad(results, [zeros[n] for n in names], dys, allow_unused=True)
+        dzs = torch.autograd.grad(results, distinct, dys, allow_unused=True)
+    found = {id(z): torch.zeros_like(z) if dz is None else dz for z, dz in zip(distinct, dzs, strict=True)}
     grads: dict[str, PerExampleGrad] = {}
-    for name, dz in zip(names, dzs, strict=True):
-        dz = torch.zeros_like(zeros[name]) if dz is None else dz
+    for name, zero in zeros.items():
+        dz = found[id(zero)]
         grads[name] = Outer(dz, factors[name], getattr(module, name).shape, dz.shape[-1])
         bias = name.replace("weight", "bias")
         if bias != name and getattr(module, bias, None) is not None:
