@@ -8,7 +8,7 @@
    every parameter's update, as in ``tests/test_engine_oracle.py``. The recurrent family again in float32
    against the float64 oracle of the same weights, where cuDNN's recurrent kernels (TF32 by default) and the
    fused attention kernels run (float64 takes the math paths), with the attention calls read off their
-   autograd graph counted against those recomputed.
+   autograd graph (``nn.MultiheadAttention``'s, torchvision Swin's) counted against those recomputed.
 2. Sensitivity in low precision: for a few models in float32 (TF32 off, then on) and under bf16 autocast,
    each example alone through the engine with every example clipped; ``||released sum|| / C`` (per group) is
    how far one example can move the released sum relative to the bound the accountant assumes
@@ -64,14 +64,15 @@ def _partition(model, clipping: str, groups: int | None) -> list[list[str]]:
 
 
 class _AttentionPaths:
-    """Counts the ``nn.MultiheadAttention`` calls whose context came off the graph (``_read``) and those
-    recomputed (``_recomputed``), by wrapping the two functions of ``rules/attention.py``."""
+    """Counts the attention calls whose values came off the graph (``_read``) and those recomputed
+    (``_recomputed``): ``nn.MultiheadAttention``'s (``rules/attention.py``) and torchvision Swin's
+    (``rules/shifted_window.py``), by wrapping the two functions of each rule's module."""
 
     def __init__(self) -> None:
-        from dpexp.privacy.rules import attention
+        from dpexp.privacy.rules import attention, shifted_window
 
-        self.module, self.counts = attention, {"read": 0, "recomputed": 0}
-        self.saved = attention._read, attention._recomputed
+        self.modules, self.counts = (attention, shifted_window), {"read": 0, "recomputed": 0}
+        self.saved = [(m._read, m._recomputed) for m in self.modules]
 
     def __enter__(self) -> dict[str, int]:
         def counted(fn, key):
@@ -81,12 +82,13 @@ class _AttentionPaths:
 
             return wrapper
 
-        self.module._read = counted(self.saved[0], "read")
-        self.module._recomputed = counted(self.saved[1], "recomputed")
+        for module, (read, recomputed) in zip(self.modules, self.saved, strict=True):
+            module._read, module._recomputed = counted(read, "read"), counted(recomputed, "recomputed")
         return self.counts
 
     def __exit__(self, *exc) -> None:
-        self.module._read, self.module._recomputed = self.saved
+        for module, (read, recomputed) in zip(self.modules, self.saved, strict=True):
+            module._read, module._recomputed = read, recomputed
 
 
 def _check(device, family, case, dtype, settings) -> list[dict]:

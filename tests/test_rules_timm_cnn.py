@@ -16,6 +16,7 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
+from tests.engine_models import classification_loss as _loss
 from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, per_example_grads
 from tests.timm_cnn_models import BUILDERS, make_timm_case
 
@@ -113,6 +114,29 @@ def test_torchvision_swin_reads_its_graph_or_recomputes_exactly(name, read, monk
     check_clipped_step(model.train(), loss_fn, batch, [[0, 1, 2], [3, 4, 5]], "bk", "flat", rel=1e-7)
     taken, other = ("_read", "_recomputed") if read else ("_recomputed", "_read")
     assert calls[taken] > 0 and calls[other] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder", ["swin_t", "swin_v2_t"])
+def test_torchvision_swin_at_its_real_width_matches_oracle(builder):
+    """torchvision's own ``swin_t`` / ``swin_v2_t`` (28M parameters, windows of 7 / 8) on 64x64 images: the
+    stages' 16x16 to 2x2 maps padded to whole windows, the last ones smaller than a window (no shift), against
+    the float64 oracle (stochastic depth off: the oracle cannot replay its masks)."""
+    import torchvision.models
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, builder)(num_classes=5)
+    for module in model.modules():
+        if hasattr(module, "stochastic_depth"):
+            module.stochastic_depth.p = 0.0
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "x": torch.randn(4, 3, 64, 64, generator=gen, dtype=torch.float64),
+        "y": torch.randint(0, 5, (4,), generator=gen),
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*torch.func fallback")
+        check_clipped_step(model.double(), _loss, batch, [[0, 1], [2, 3]], "bk", "per_layer", rel=1e-6)
 
 
 @pytest.mark.parametrize("name", ["tv_swin", "tv_swinv2"])
