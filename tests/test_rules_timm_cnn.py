@@ -16,7 +16,7 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import classification_loss as _loss
+from tests.engine_models import classification_loss
 from tests.oracle import check_clipped_step, clipped_mean, engine_update, group_norms, per_example_grads
 from tests.timm_cnn_models import BUILDERS, make_timm_case
 
@@ -136,7 +136,9 @@ def test_torchvision_swin_at_its_real_width_matches_oracle(builder):
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")
-        check_clipped_step(model.double(), _loss, batch, [[0, 1], [2, 3]], "bk", "per_layer", rel=1e-6)
+        check_clipped_step(
+            model.double(), classification_loss, batch, [[0, 1], [2, 3]], "bk", "per_layer", rel=1e-6
+        )
 
 
 @pytest.mark.parametrize("name", ["tv_swin", "tv_swinv2"])
