@@ -126,14 +126,23 @@ def kept_product_below(node: Node, nodes: list[Node]) -> tuple[torch.Tensor, tor
     :func:`matmul_with`) through views and copies only keeps for its backward, detached: ``a @ b`` is that
     input, up to the moves. None if the chain meets another operation, or ``node`` is not a 2-D product."""
     edge = _INPUT_EDGE.get(type(node).__name__)
-    current = None if edge is None else node.next_functions[edge][0]
-    for _ in range(len(nodes)):
+    return None if edge is None else _bmm_below(node.next_functions[edge][0], len(nodes), _COPIES)
+
+
+def _bmm_below(
+    current: Node | None, limit: int, passed: set[str]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two matrices kept by the first ``bmm`` reached from ``current`` along first inputs through nodes
+    of the classes ``passed`` (views and copies of their one input; an operation's first operand), at most
+    ``limit`` steps; detached. None if the chain meets another node first."""
+    for _ in range(limit):
         if current is None:
             return None
         a, b = _saved(current, "_saved_self"), _saved(current, "_saved_mat2")
         if type(current).__name__ == "BmmBackward0" and a is not None and b is not None:
             return a.detach(), b.detach()
-        if type(current).__name__ not in _COPIES or len(current.next_functions) != 1:
+        name = type(current).__name__
+        if name not in passed or (name in _COPIES and len(current.next_functions) != 1):
             return None
         current = current.next_functions[0][0]
     return None
@@ -163,14 +172,5 @@ def product_below(node: Node, nodes: list[Node]) -> tuple[torch.Tensor, torch.Te
     """The two matrices ``(a, b)`` kept by the ``bmm`` that ``node``'s input comes from, through views and
     copies and as the first operand of additions and products (``softmax(a @ b * s + bias + mask)``: the
     scores' product below their softmax), detached; None if the chain meets another operation."""
-    current = node.next_functions[0][0] if node.next_functions else None
-    for _ in range(len(nodes)):
-        if current is None:
-            return None
-        a, b = _saved(current, "_saved_self"), _saved(current, "_saved_mat2")
-        if type(current).__name__ == "BmmBackward0" and a is not None and b is not None:
-            return a.detach(), b.detach()
-        if type(current).__name__ not in _FIRST_OPERANDS:
-            return None
-        current = current.next_functions[0][0]
-    return None
+    first = node.next_functions[0][0] if node.next_functions else None
+    return _bmm_below(first, len(nodes), _FIRST_OPERANDS)
