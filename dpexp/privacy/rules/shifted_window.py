@@ -39,7 +39,6 @@ in training, with the fix.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -56,12 +55,18 @@ from dpexp.privacy.rules.graph import (
     matmul_with,
     product_below,
 )
-from dpexp.privacy.rules.window_attention import cosine_bias_grads, table_grads
+from dpexp.privacy.rules.window_attention import (
+    V2_MAX_LOGIT_SCALE,
+    cosine_bias_grads,
+    cpb_table,
+    detached,
+    softmax_grad,
+    table_grads,
+)
 
 _SWIN = "torchvision.models.swin_transformer"
 _V1, _V2 = f"{_SWIN}.ShiftedWindowAttention", f"{_SWIN}.ShiftedWindowAttentionV2"
 _MASKED = -100.0  # the score shifted_window_attention adds between tokens of different regions
-_MAX_LOG_SCALE = math.log(100.0)  # V2's clamp of logit_scale (sec. 3.2: tau > 0.01)
 
 
 def _is_v2(module: nn.Module) -> bool:
@@ -141,16 +146,9 @@ def _bias(module: nn.Module, n: int, dtype: torch.dtype) -> torch.Tensor:
     if not _is_v2(module):
         table = module.relative_position_bias_table.detach().to(dtype)
     else:
-        first, second = module.cpb_mlp[0], module.cpb_mlp[2]
-        coords = module.relative_coords_table.reshape(-1, first.in_features).to(dtype)
-        table = F.linear(coords, _cast(first.weight, dtype), _cast(first.bias, dtype)).relu()
-        table = F.linear(table, _cast(second.weight, dtype), _cast(second.bias, dtype))
+        table = cpb_table(module.cpb_mlp[0], module.cpb_mlp[2], module.relative_coords_table, dtype)[-1]
     bias = table[module.relative_position_index].view(n, n, -1).permute(2, 0, 1)
     return 16 * bias.sigmoid() if _is_v2(module) else bias
-
-
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.detach().to(dtype)
 
 
 def _claims(module: nn.Module) -> tuple[str, ...]:
@@ -196,7 +194,7 @@ def _read(
     values = reads["values"].to(dtype).view(rows, heads, n, -1)
     o = (probs @ values).transpose(1, 2).reshape(rows, n, channels)
     d_probs = reads["d_probs"].to(dtype).view(probs.shape)
-    d_scores = probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))
+    d_scores = softmax_grad(probs, d_probs)
     cos = None
     if "queries" in reads:
         cos = (reads["queries"].to(dtype) @ reads["keys"].to(dtype)).view(probs.shape)
@@ -210,25 +208,25 @@ def _recomputed(
     and one autograd backward of ``<o, d_y W_proj>`` to ``[q|k|v]`` and to a zero added to the scores."""
     rows, n, channels = tokens.shape
     heads, dtype, v2 = module.num_heads, tokens.dtype, _is_v2(module)
-    b_qkv = _cast(module.qkv.bias, dtype)
+    b_qkv = detached(module.qkv.bias, dtype)
     if v2 and b_qkv is not None:
         b_qkv = b_qkv.clone()
         b_qkv[channels : 2 * channels] = 0  # as the function does: the keys have no bias in V2
     cos = None
     with torch.enable_grad():
-        mixed = F.linear(tokens, _cast(module.qkv.weight, dtype), b_qkv).requires_grad_()  # a leaf
+        mixed = F.linear(tokens, detached(module.qkv.weight, dtype), b_qkv).requires_grad_()  # a leaf
         zero = torch.zeros((rows, heads, n, n), dtype=dtype, device=tokens.device, requires_grad=True)
         q, k, v = mixed.view(rows, n, 3, heads, -1).permute(2, 0, 3, 1, 4)
         if v2:
             cos = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
-            scores = cos * _cast(module.logit_scale, dtype).clamp(max=_MAX_LOG_SCALE).exp()
+            scores = cos * detached(module.logit_scale, dtype).clamp(max=V2_MAX_LOGIT_SCALE).exp()
         else:
             scores = (q * (channels // heads) ** -0.5) @ k.transpose(-2, -1)
         scores = scores + _bias(module, n, dtype) + zero
         if mask is not None:
             scores = (scores.view(batch, -1, heads, n, n) + mask[None, :, None]).view(rows, heads, n, n)
         o = (scores.softmax(-1) @ v).transpose(1, 2).reshape(rows, n, channels)
-        d_mixed, d_scores = torch.autograd.grad(o, (mixed, zero), d_y @ _cast(module.proj.weight, dtype))
+        d_mixed, d_scores = torch.autograd.grad(o, (mixed, zero), d_y @ detached(module.proj.weight, dtype))
     return o.detach(), d_mixed, d_scores, None if cos is None else cos.detach()
 
 
@@ -273,13 +271,9 @@ def shifted_window_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
     if not v2:
         table = module.relative_position_bias_table
         return {**grads, "relative_position_bias_table": Dense(table_grads(d_scores, index, table))}
-    first, second = module.cpb_mlp[0], module.cpb_mlp[2]
-    params = dict(module.named_parameters())
     for name, grad in cosine_bias_grads(
-        d_scores, cos.reshape(d_scores.shape), module.logit_scale, first, second,
+        d_scores, cos.reshape(d_scores.shape), module.logit_scale, module.cpb_mlp[0], module.cpb_mlp[2],
         module.relative_coords_table, index,
     ).items():  # fmt: skip
-        name = name if name == "logit_scale" else f"cpb_mlp.{name}"
-        if name in params:  # cpb_mlp.2 has no bias
-            grads[name] = Dense(grad)
+        grads[name if name == "logit_scale" else f"cpb_mlp.{name}"] = Dense(grad)
     return grads

@@ -112,6 +112,11 @@ def scores_grad(
     d_probs = d_heads @ v.transpose(-2, -1)
     if d_returned.shape[1]:
         d_probs = d_probs + d_returned.reshape(d_probs.shape).to(d_probs.dtype)
+    return softmax_grad(probs, d_probs)
+
+
+def softmax_grad(probs: torch.Tensor, d_probs: torch.Tensor) -> torch.Tensor:
+    """The softmax's backward over the last dimension: ``dS = P * (dP - rowsum(P * dP))``, any shape."""
     return probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))
 
 
@@ -264,7 +269,7 @@ def hf_swin_bias_grads(
 # ``relative_coords_table``, and query/key/value ``nn.Linear`` submodules (with their own rules).
 _HF_SWINV2 = "transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttention"
 _V2_MLP = "continuous_position_bias_mlp"
-_V2_MAX_LOGIT_SCALE = math.log(1.0 / 0.01)  # the clamp of the temperature (Swin V2, sec. 3.2: tau > 0.01)
+V2_MAX_LOGIT_SCALE = math.log(1.0 / 0.01)  # the clamp of the temperature (Swin V2, sec. 3.2: tau > 0.01)
 
 
 def _check_hf_v2(module: nn.Module) -> None:
@@ -360,8 +365,7 @@ def hf_swinv2_grads(
                 module.relative_position_index,
             ).items()
         }  # fmt: skip
-    params = dict(module.named_parameters())
-    return {name: Dense(g.to(params[name].dtype)) for name, g in grads.items() if name in params}
+    return {name: Dense(g.to(module.get_parameter(name).dtype)) for name, g in grads.items()}
 
 
 def cosine_bias_grads(
@@ -385,28 +389,42 @@ def cosine_bias_grads(
     and the MLP's by its backward with ``dT_i``, the first layer's as ``dW1_i[k] = sum_h W2[h, k] sum_r
     dT_i[r, h] 1[pre_rk > 0] [c_r | 1]``: a product over r per head, never the (B, r, 512) hidden gradient.
     Keys ``logit_scale`` (B, *logit_scale.shape), ``0.weight``, ``0.bias``, ``2.weight``, ``2.bias`` (the
-    MLP's layers), computed in ``d_scores``' dtype."""
+    MLP's layers; a bias only where its layer has one), computed in ``d_scores``' dtype."""
     batch, heads, dtype = d_scores.shape[0], d_scores.shape[2], d_scores.dtype
     log_scale = logit_scale.to(dtype).reshape(heads)
-    scale = log_scale.clamp(max=_V2_MAX_LOGIT_SCALE).exp() * (log_scale <= _V2_MAX_LOGIT_SCALE)
+    scale = log_scale.clamp(max=V2_MAX_LOGIT_SCALE).exp() * (log_scale <= V2_MAX_LOGIT_SCALE)
     d_log_scale = (d_scores * cos).sum((1, 3, 4)) * scale  # (B, heads)
-    coords = coords.reshape(-1, first.in_features).to(dtype)  # (r, 2)
-    pre = nn.functional.linear(coords, first.weight.to(dtype), _cast(first.bias, dtype))  # (r, 512)
-    hid = pre.relu()
-    sig = nn.functional.linear(hid, second.weight.to(dtype), _cast(second.bias, dtype)).sigmoid()
+    coords, pre, hid, table = cpb_table(first, second, coords, dtype)
+    sig = table.sigmoid()
     d_table = table_grads(d_scores, index, sig)  # (B, r, heads)
     d_table = d_table * (16 * sig * (1 - sig))
     inputs = torch.cat([coords, coords.new_ones(coords.shape[0], 1)], 1)  # (r, 3): [c_r | 1]
     gated = ((pre > 0).to(dtype).unsqueeze(-1) * inputs.unsqueeze(1)).flatten(1)  # (r, 512 * 3)
     per_head = (d_table.transpose(1, 2) @ gated).unflatten(-1, (pre.shape[1], -1))  # (B, heads, 512, 3)
     d_first = torch.einsum("bhkj,hk->bkj", per_head, second.weight.to(dtype))  # (B, 512, 3)
-    return {
+    grads = {
         "logit_scale": d_log_scale.reshape(batch, *logit_scale.shape),
         "2.weight": torch.einsum("brh,rk->bhk", d_table, hid),
         "0.weight": d_first[..., :-1],
-        "0.bias": d_first[..., -1],
-        "2.bias": d_table.sum(1),
     }
+    if first.bias is not None:
+        grads["0.bias"] = d_first[..., -1]
+    if second.bias is not None:
+        grads["2.bias"] = d_table.sum(1)
+    return grads
+
+
+def cpb_table(
+    first: nn.Linear, second: nn.Linear, coords: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Swin V2's continuous position bias network on the relative coordinates (sec. 3.3): ``(c, pre, hid,
+    T)`` with ``c`` (r, 2) the coordinates, ``pre = W1 c + b1`` and ``hid = relu(pre)`` (r, hidden), and
+    ``T = W2 hid + b2`` (r, heads), parameters detached, in ``dtype``."""
+    coords = coords.reshape(-1, first.in_features).to(dtype)
+    pre = nn.functional.linear(coords, detached(first.weight, dtype), detached(first.bias, dtype))
+    hid = pre.relu()
+    table = nn.functional.linear(hid, detached(second.weight, dtype), detached(second.bias, dtype))
+    return coords, pre, hid, table
 
 
 def kept_probabilities(
@@ -509,5 +527,6 @@ def swin_self_attention_grads(
     return {_TABLE: Dense(grad.to(table.dtype))}
 
 
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
+def detached(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A parameter as a constant of the rule's computation, in ``dtype`` (None stays None)."""
+    return None if t is None else t.detach().to(dtype)
