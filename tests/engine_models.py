@@ -683,6 +683,28 @@ def sinks_decoder(architecture: str) -> nn.Module:
     return model
 
 
+def diffllama(implementation: str = "eager") -> nn.Module:
+    """Tiny random DiffLlama: differential attention (``rules/differential.py``), two softmax attentions over
+    the same queries and keys whose outputs are combined by one learnt lambda per layer (four vectors of the
+    head's width, drawn at scale 0.5 so that lambda is far from its initial value), then a parameter-free
+    RMSNorm over each head pair; four heads, two key/value heads (the values are split in halves); the cache
+    off, as in training;
+    ``implementation``: the attention function."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+
+    config = DiffLlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=16, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    config._attn_implementation = implementation
+    model = DiffLlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                getattr(layer.self_attn, name).normal_(0.0, 0.5)
+    return model
+
+
 def beam_attention(implementation: str = "eager") -> nn.Module:
     """Tiny random Beam with dense MLPs only (its experts are ``NEW_MOE``'s): attention whose output is
     gated per head by ``sigmoid(gate_proj(x) + gate_bias)`` (``rules/attention_gate.py``), the bias drawn

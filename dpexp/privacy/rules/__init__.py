@@ -301,6 +301,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     bilinear,
     conv,
     dbrx_moe,
+    differential,
     embedding,
     embedding_bag,
     expert_modules,

@@ -60,13 +60,23 @@ def _check(module: nn.Module) -> None:
     refuse(module, "attention-sinks", "module", reason, _FIX)
 
 
-def sinks_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(hidden_states (B, T, d), args, kwargs)``: the main input and the call as given, which the rule runs
-    again. Refuses a call it cannot run again to the same output: another attention implementation than
-    eager (a kernel may have no forward-mode derivative, or not apply the sinks at all), attention dropout in
-    training (its mask is drawn inside the attention function), and a key/value cache (a second run would
-    extend it)."""
+def rerun_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any], fix: str) -> tuple:
+    """``(hidden_states (B, T, d), args, kwargs)``: the main input and the call as given, for a rule that runs
+    the module again (:func:`directional_grads`). Refuses a key/value cache, which a second run would
+    extend; ``fix`` is the alternative the message offers."""
     call = inspect.signature(module.forward).bind(*args, **kwargs)
+    if any(call.arguments.get(name) is not None for name in ("cache", "past_key_values")):
+        raise ValueError(
+            "was given a key/value cache, which the rule's second run of the attention would extend; call "
+            f"the model with use_cache=False in training, or {fix}"
+        )
+    return call.arguments["hidden_states"], args, kwargs
+
+
+def sinks_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """:func:`rerun_inputs`, also refusing a call the rule cannot run again to the same output: another
+    attention implementation than eager (a kernel may have no forward-mode derivative, or not apply the sinks
+    at all) and attention dropout in training (its mask is drawn inside the attention function)."""
     implementation = getattr(module.config, "_attn_implementation", None)
     if implementation != "eager":
         raise ValueError(
@@ -79,33 +89,27 @@ def sinks_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
             f"applies attention dropout (p={module.attention_dropout}) inside the attention function in "
             "training, whose mask the rule cannot see; set attention_dropout=0, or freeze the sinks"
         )
-    if any(call.arguments.get(name) is not None for name in ("cache", "past_key_values")):
-        raise ValueError(
-            "was given a key/value cache, which the rule's second run of the attention would extend; call "
-            "the model with use_cache=False in training, or freeze the sinks"
-        )
-    return call.arguments["hidden_states"], args, kwargs
+    return rerun_inputs(module, args, kwargs, "freeze the sinks")
 
 
-@register_rule(*_ATTENTIONS, check=_check, call=CallLayout(sinks_inputs, attention_output_grad))
-def sinks_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """``d sinks`` (B, heads) by the formula of the module docstring; ``dy`` (B, T*d [+ heads*T*S]): the
-    gradients of the output and of the returned probabilities. The tangents are those of the module's
-    dtype (float32 where it casts); the sums over positions run in float64 for float64 sinks, else in
-    float32."""
+def directional_grads(
+    module: nn.Module,
+    call: tuple,
+    dy: torch.Tensor,
+    directions: dict[str, torch.Tensor],
+    heads: int,
+    fix: str,
+) -> torch.Tensor:
+    """(B, heads): example i's derivative of the loss along ``directions`` (name -> tangent of the module's
+    own parameter), split by head: ``sum_t <do[i, t, h], dy[i, t, h]/dθ> + sum_{t, j} dP[i, h, t, j]
+    dP[i, h, t, j]/dθ``, with ``do`` the gradient at ``o_proj``'s input and the tangents read in one more run
+    of the module's forward in forward mode (:func:`~dpexp.privacy.rules.submodule_values.tangents`).
+    ``call``: :func:`rerun_inputs`' triple; ``dy`` (B, T*d [+ heads*T*S]) the gradients of the output and of
+    the returned probabilities. Summed in float64 for float64 parameters, else in float32."""
     hidden, args, kwargs = call
     batch, length = hidden.shape[:2]
-    sinks = module.sinks
-    heads = sinks.shape[0]
-    dtype = torch.float64 if sinks.dtype == torch.float64 else torch.float32
-    output, seen = tangents(
-        module,
-        args,
-        kwargs,
-        {"sinks": torch.ones_like(sinks)},
-        {"out": ("o_proj", "input")},
-        "register a rule for this attention, or freeze the sinks",
-    )
+    dtype = torch.float64 if next(iter(directions.values())).dtype == torch.float64 else torch.float32
+    output, seen = tangents(module, args, kwargs, directions, {"out": ("o_proj", "input")}, fix)
     moved, moved_probs = seen["out"][0], output[1] if isinstance(output, tuple) else None
     grad = torch.zeros(batch, heads, dtype=dtype, device=dy.device)
     with torch.no_grad():
@@ -114,5 +118,18 @@ def sinks_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
             grad += (d_heads * moved.to(dtype)).reshape(batch, length, heads, -1).sum((1, 3))
         if d_returned.shape[1] and moved_probs is not None:
             d_probs = d_returned.reshape(moved_probs.shape).to(dtype)
-            grad += (d_probs * moved_probs.to(dtype)).flatten(2).sum(2)
+            grad += (d_probs * moved_probs.to(dtype)).reshape(batch, heads, -1).sum(2)
+    return grad
+
+
+@register_rule(*_ATTENTIONS, check=_check, call=CallLayout(sinks_inputs, attention_output_grad))
+def sinks_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """``d sinks`` (B, heads) by the formula of the module docstring (:func:`directional_grads` along a
+    tangent of ones); ``dy`` (B, T*d [+ heads*T*S]): the gradients of the output and of the returned
+    probabilities. The tangents are those of the module's dtype (float32 where it casts)."""
+    sinks = module.sinks
+    grad = directional_grads(
+        module, call, dy, {"sinks": torch.ones_like(sinks)}, sinks.shape[0],
+        "register a rule for this attention, or freeze the sinks",
+    )  # fmt: skip
     return {"sinks": Dense(grad.to(sinks.dtype))}
