@@ -705,6 +705,26 @@ def diffllama(implementation: str = "eager") -> nn.Module:
     return model
 
 
+def cpmant() -> nn.Module:
+    """Tiny random CPM-Ant: its RMSNorm (the variance alone in float32) and a segment position bias, a table
+    of relative position buckets and segment pairs looked up per example and shared by every layer's
+    attention (``rules/embedding.py``), drawn at scale 1; the cache off."""
+    from transformers import CpmAntConfig, CpmAntForCausalLM
+
+    config = CpmAntConfig(
+        vocab_size=40, hidden_size=16, num_attention_heads=2, dim_head=8, dim_ff=24, num_hidden_layers=2,
+        dropout_p=0.0, use_cache=False, prompt_length=4,
+    )  # fmt: skip
+    model = CpmAntForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "CpmAntSegmentPositionEmbedding":
+                module.relative_attention_bias.normal_(0.0, 1.0)
+            if type(module).__name__ == "CpmAntLayerNorm":
+                module.weight.normal_(1.0, 0.3)
+    return model
+
+
 def beam_attention(implementation: str = "eager") -> nn.Module:
     """Tiny random Beam with dense MLPs only (its experts are ``NEW_MOE``'s): attention whose output is
     gated per head by ``sigmoid(gate_proj(x) + gate_bias)`` (``rules/attention_gate.py``), the bias drawn

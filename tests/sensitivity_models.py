@@ -740,6 +740,7 @@ NEW_CASES = [
     *(f"sinks_{architecture}" for architecture in engine_models.SINKS_DECODERS),
     "beam_gate",  # Beam's per-head bias on the attention's output gate
     "diffllama",  # differential attention: one lambda per layer from four vectors, taken in forward mode
+    "cpmant",  # a segment position bias looked up per example, shared by every layer's attention
     "recurrent_gemma",  # the RG-LRU on the fallback, recomputed as called, one example at a time
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
@@ -820,9 +821,10 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "beam_gate":
         batch = engine_models._padded_text(size, 8, 40, gen)
         return engine_models.beam_attention(), engine_models.lm_loss, batch, {"padding": LM_PADDING}
-    if name == "diffllama":
+    if name in ("diffllama", "cpmant"):
+        model = engine_models.diffllama() if name == "diffllama" else engine_models.cpmant()
         batch = engine_models._padded_text(size, 8, 40, gen)
-        return engine_models.diffllama(), engine_models.lm_loss, batch, {"padding": LM_PADDING}
+        return model, engine_models.lm_loss, batch, {"padding": LM_PADDING}
     if name.startswith("sinks_"):
         model = engine_models.sinks_decoder(name.removeprefix("sinks_"))
         batch = engine_models._padded_text(size, 8, 40, gen)

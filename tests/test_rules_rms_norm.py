@@ -91,9 +91,12 @@ def _norms():
 
 def _more_norms() -> dict:
     """RMSNorm forms of stop 46: Mamba-2's (Llama's form), Moshi's and MuseSpark's (float32 products),
-    IDEFICS' (T5's), Qwen4-Exp's (grouped), and the gated norms of linear-attention and state-space layers."""
+    IDEFICS' (T5's), Qwen4-Exp's (grouped), and the gated norms of linear-attention and state-space layers;
+    CPM-Ant's (stop 62)."""
+    from transformers import CpmAntConfig
     from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridRMSNormGated
     from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
+    from transformers.models.cpmant.modeling_cpmant import CpmAntLayerNorm
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
     from transformers.models.idefics.modeling_idefics import IdeficsRMSNorm
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNormGated
@@ -121,6 +124,7 @@ def _more_norms() -> dict:
         "falcon_h1_norm_first": FalconH1RMSNormGated(6, eps=1e-5, n_groups=3, norm_before_gate=True),
         "qwen4_exp": Qwen4ExpTextRMSNorm(6, eps=1e-5),  # 1 + w
         "qwen4_exp_grouped": Qwen4ExpTextRMSNorm(6, group_size=3, eps=1e-5),
+        "cpmant": CpmAntLayerNorm(CpmAntConfig(hidden_size=6, eps=1e-5)),  # the variance alone in float32
     }
 
 

@@ -14,7 +14,9 @@ Learned positions that compute their own indices (OPT's from the attention mask,
 offset by 2; MVP's and TrOCR's ``arange`` after a cache, offset by 2; Zhang et al. 2022, OPT, sec. 2.2) are
 looked up per example too: the rule reads the indices from the module's own forward, run once more without
 recording under a mode that sees its ``F.embedding`` call on the table, and refuses a forward that does not
-return exactly one lookup of its table (no index arithmetic of its own copied here).
+return exactly one lookup of its table (no index arithmetic of its own copied here). CPM-Ant's segment
+position bias (its relative attention bias, one row per position bucket or pair of segments, a column per
+head) is read so too; it returns its lookup moved to (B, heads, T_q, T_k).
 """
 
 from __future__ import annotations
@@ -111,19 +113,30 @@ class _Lookups(TorchFunctionMode):
         return result
 
 
+def _one_lookup(
+    module: nn.Module, table: torch.Tensor, args: tuple, kwargs: dict[str, Any], fix: str
+) -> tuple:
+    """``(indices, looked up, output)``: the module's forward run once more without recording, and its one
+    ``F.embedding`` call on ``table``; refused (``fix`` offered) where it makes another number of lookups."""
+    lookups = _Lookups(table)
+    with torch.no_grad(), lookups:
+        output = type(module).forward(module, *args, **kwargs)
+    if len(lookups.calls) != 1:
+        raise ValueError(
+            f"its forward makes {len(lookups.calls)} lookups of its table, where the rule reads the indices "
+            f"of its one lookup; {fix}"
+        )
+    return (*lookups.calls[0], output)
+
+
 def lookup_inputs(module: nn.Embedding, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor]:
     """``(indices,)``: the rows a table that computes its own indices looks up, from its forward run once more
     without recording; refused unless that forward returns one lookup of its table, unchanged."""
-    lookups = _Lookups(module.weight)
-    with torch.no_grad(), lookups:
-        output = type(module).forward(module, *args, **kwargs)
-    if len(lookups.calls) != 1 or lookups.calls[0][1] is not output:
-        raise ValueError(
-            f"its forward makes {len(lookups.calls)} lookups of its table and returns "
-            f"{'one of them' if any(r is output for _, r in lookups.calls) else 'something else'}, where the "
-            "learned-positions rule reads the indices of its one lookup; freeze the table or register a rule"
-        )
-    return (lookups.calls[0][0],)
+    fix = "freeze the table or register a rule"
+    indices, looked_up, output = _one_lookup(module, module.weight, args, kwargs, fix)
+    if looked_up is not output:
+        raise ValueError(f"its forward returns something else than its lookup of its table; {fix}")
+    return (indices,)
 
 
 # Not their copies: BART's, mBART's, PLBART's and BioGPT's are looked up once for all examples and declared
@@ -141,3 +154,34 @@ def learned_position_grads(
 ) -> dict[str, PerExampleGrad]:
     """``call = (indices (B, T),)`` as the module looked them up, ``dy`` (B, T, d): the table's rule."""
     return embedding_grads(module, call[0], dy)
+
+
+# forward: the (B, T, T) buckets of each query-key pair from the positions and segments of its arguments, then
+# `F.embedding(buckets, self.relative_attention_bias).permute(0, 3, 1, 2).contiguous()`
+CPMANT_SEGMENT_BIAS = f"{_HF}.cpmant.modeling_cpmant.CpmAntSegmentPositionEmbedding"
+
+
+def segment_bias_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor]:
+    """``(buckets (B, T_q, T_k),)``: the rows CPM-Ant's segment position bias looks up, from its forward run
+    once more; refused unless that forward returns its one lookup (B, T_q, T_k, heads) as (B, heads, T_q,
+    T_k)."""
+    fix = "freeze relative_attention_bias or register a rule"
+    buckets, looked_up, output = _one_lookup(module, module.relative_attention_bias, args, kwargs, fix)
+    if not (torch.is_tensor(output) and torch.equal(output, looked_up.permute(0, 3, 1, 2))):
+        raise ValueError(
+            f"its forward returns something else than its lookup moved to (B, heads, T, T); {fix}"
+        )
+    return (buckets,)
+
+
+@register_rule(CPMANT_SEGMENT_BIAS, call=CallLayout(segment_bias_inputs, first_output))
+def segment_bias_grads(
+    module: nn.Module, call: tuple[torch.Tensor], dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    """CPM-Ant's relative attention bias (a table of its position buckets and segment pairs, one column per
+    head): the table's rule for the buckets ``call[0]`` (B, T_q, T_k) and the gradient at the lookup, ``dy``
+    (B, heads, T_q, T_k) moved back to (B, T_q*T_k, heads)."""
+    table = module.relative_attention_bias
+    buckets = call[0].reshape(call[0].shape[0], -1)
+    g = dy.permute(0, 2, 3, 1).reshape(*buckets.shape, dy.shape[1])
+    return {"relative_attention_bias": Outer(buckets, g, table.shape, table.shape[0])}

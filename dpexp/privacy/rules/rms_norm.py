@@ -1,10 +1,10 @@
 """RMSNorm (Zhang & Sennrich 2019): ``y = w * x_hat`` with ``x_hat = x / sqrt(mean(x^2) + eps)`` over the
 feature axis, no centring, no bias; the norm of Llama, Qwen, Mistral, Phi-3, Granite, Mamba, OLMo-2, Gemma
-(which scales by ``1 + w``), Gemma 3n and 4, Llama 4, T5 and ``torch.nn.RMSNorm``. Gated forms, called on
-``(hidden_states, gate)`` (the gated delta nets of Qwen3-Next and Kimi Linear, the Mamba-2 mixers of Bamba,
-Zamba2, Nemotron-H, Falcon-H1, ...; Yang et al. 2024, Gated Delta Networks; Dao & Gu 2024, Mamba-2) multiply
-``x_hat`` by ``act(gate)`` after the norm, or normalise ``x * silu(gate)`` in groups of features: then
-``dw_i = sum_t dy_{i,t} * x_hat_{i,t} * act(gate_{i,t})`` or the grouped ``x_hat`` of the gated input.
+(which scales by ``1 + w``), Gemma 3n and 4, Llama 4, T5, CPM-Ant and ``torch.nn.RMSNorm``. Gated forms,
+called on ``(hidden_states, gate)`` (the gated delta nets of Qwen3-Next and Kimi Linear, the Mamba-2 mixers of
+Bamba, Zamba2, Nemotron-H, Falcon-H1, ...; Yang et al. 2024, Gated Delta Networks; Dao & Gu 2024, Mamba-2)
+multiply ``x_hat`` by ``act(gate)`` after the norm, or normalise ``x * silu(gate)`` in groups of features:
+then ``dw_i = sum_t dy_{i,t} * x_hat_{i,t} * act(gate_{i,t})`` or the grouped ``x_hat`` of the gated input.
 
 The per-example gradient of the scale is ``dw_i = sum_t dy_{i,t} * x_hat_{i,t}`` (also for Gemma's
 ``1 + w``), summed over every axis between the batch and the features, as for LayerNorm. The families differ
@@ -91,6 +91,9 @@ FLOAT_NORM_THEN_GATE_FORM = [f"{_HF}.kimi_linear.modeling_kimi_linear.KimiLinear
 # the gate optional (Mamba-2's; its copies in Bamba, Zamba2, Nemotron-H, GraniteMoeHybrid)
 GATE_THEN_NORM_FORM = [f"{_HF}.mamba2.modeling_mamba2.MambaRMSNormGated"]
 FALCON_H1_GATED = f"{_HF}.falcon_h1.modeling_falcon_h1.FalconH1RMSNormGated"  # either order, n_groups
+# forward: `(x * rsqrt(mean(x.float()^2) + eps)).to(x.dtype) * w`: the variance in float32, the product in x's
+# dtype (CPM-Ant)
+CPMANT = f"{_HF}.cpmant.modeling_cpmant.CpmAntLayerNorm"
 QWEN4_EXP_TEXT = (
     f"{_HF}.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextRMSNorm"  # Gemma's 1 + w, optionally grouped
 )
@@ -119,6 +122,14 @@ def _scale_grad(dy: torch.Tensor, x_hat: torch.Tensor) -> dict[str, PerExampleGr
 @register_rule(*LLAMA_FORM, LLAMA4_TEXT, position_wise=True, copies=True)
 def llama_rms_norm_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     return _scale_grad(dy, _normalised_float32(x, _eps(module)).to(x.dtype))
+
+
+@register_rule(CPMANT, position_wise=True, copies=True)
+def cpmant_layer_norm_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return _scale_grad(dy, (x * torch.rsqrt(variance + module.eps)).to(x.dtype))
 
 
 @register_rule(*FLOAT_PRODUCT_FORM, position_wise=True, copies=True)
