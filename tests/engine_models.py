@@ -725,6 +725,43 @@ def cpmant() -> nn.Module:
     return model
 
 
+def whisper(decoder_only: bool = False) -> nn.Module:
+    """Tiny random Whisper on 4 log-mel bins of 8 frames (its encoder's sinusoidal positions frozen), whose
+    decoder indexes its learned positions by position ids repeated to the batch (``rules/embedding.py``);
+    ``decoder_only``: its decoder as a causal LM, the cross-attention (never called) frozen."""
+    from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=40, num_mel_bins=4, d_model=16, encoder_layers=1, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24,
+        max_source_positions=4, max_target_positions=16, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+        use_cache=False,
+    )  # fmt: skip
+    if not decoder_only:
+        return WhisperForConditionalGeneration(config).double().eval()
+    model = WhisperForCausalLM(config).double().eval()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(".encoder_attn" not in name)
+    return model
+
+
+def speech_batch(batch_size: int, gen: torch.Generator) -> Batch:
+    """Log-mel features (B, 4, 8) and target texts of 6 tokens, some padded (-100), for :func:`whisper`."""
+    labels = torch.randint(3, 40, (batch_size, 6), generator=gen)
+    labels[: batch_size // 2, -2:] = -100
+    features = torch.randn(batch_size, 4, 8, generator=gen, dtype=torch.float64)
+    return {"input_features": features, "labels": labels}
+
+
+def speech_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Sum of each example's target-token losses, padded targets excluded."""
+    labels = batch["labels"]
+    logits = model(input_features=batch["input_features"], labels=labels).logits
+    tokens = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100)
+    return tokens.view(labels.shape).sum(1)
+
+
 def beam_attention(implementation: str = "eager") -> nn.Module:
     """Tiny random Beam with dense MLPs only (its experts are ``NEW_MOE``'s): attention whose output is
     gated per head by ``sigmoid(gate_proj(x) + gate_bias)`` (``rules/attention_gate.py``), the bias drawn

@@ -741,6 +741,7 @@ NEW_CASES = [
     "beam_gate",  # Beam's per-head bias on the attention's output gate
     "diffllama",  # differential attention: one lambda per layer from four vectors, taken in forward mode
     "cpmant",  # a segment position bias looked up per example, shared by every layer's attention
+    "whisper",  # speech to text: the decoder's positions indexed by position ids repeated to the batch
     "recurrent_gemma",  # the RG-LRU on the fallback, recomputed as called, one example at a time
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
@@ -821,6 +822,8 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
     if name == "beam_gate":
         batch = engine_models._padded_text(size, 8, 40, gen)
         return engine_models.beam_attention(), engine_models.lm_loss, batch, {"padding": LM_PADDING}
+    if name == "whisper":
+        return engine_models.whisper(), engine_models.speech_loss, engine_models.speech_batch(size, gen), {}
     if name in ("diffllama", "cpmant"):
         model = engine_models.diffllama() if name == "diffllama" else engine_models.cpmant()
         batch = engine_models._padded_text(size, 8, 40, gen)

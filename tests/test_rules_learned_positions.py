@@ -1,7 +1,7 @@
 """Learned positions that compute their own indices (OPT's from the attention mask, MVP's and TrOCR's from
-the input's length, each offset by 2) against the brute-force oracle, with no module left to the fallback;
-OPT with position ids of its caller's own; and the refusal of a forward that does not return one lookup of
-its table."""
+the input's length, each offset by 2; Whisper's decoder's, indexing its table by the position ids) against
+the brute-force oracle, with no module left to the fallback; OPT with position ids of its caller's own; and
+the refusal of a forward that does not return one lookup of its table."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from dpexp.privacy.capture import unsupported_modules
 from dpexp.privacy.rules.embedding import lookup_inputs
-from tests.engine_models import _padded_text, lm_loss, opt
+from tests.engine_models import _padded_text, lm_loss, opt, speech_batch, speech_loss, whisper
 from tests.oracle import check_clipped_step
 
 SETTINGS = [("bk", "flat", None), ("ghost", "per_layer", None), ("instantiate", "groups", 2)]
@@ -37,7 +37,12 @@ def _decoder(model_type: str) -> nn.Module:
     return model
 
 
-BUILDERS = {"opt": opt, "mvp": lambda: _decoder("mvp"), "trocr": lambda: _decoder("trocr")}
+BUILDERS = {
+    "opt": opt,
+    "mvp": lambda: _decoder("mvp"),
+    "trocr": lambda: _decoder("trocr"),
+    "whisper": lambda: whisper(decoder_only=True),
+}
 
 
 @pytest.mark.parametrize("strategy,clipping,groups", SETTINGS)
@@ -73,6 +78,18 @@ def test_opt_positions_passed_by_the_caller_are_the_ones_looked_up():
         check_clipped_step(opt(), loss, batch, [[0, 1, 2], [3, 4, 5]], "bk", "per_layer", rel=1e-8)
 
 
+def test_whisper_speech_to_text_matches_oracle():
+    """The whole model on log-mel features (B, mels, frames): its encoder's sinusoidal positions are frozen,
+    its decoder's learned ones looked up per example."""
+    model = whisper()
+    assert unsupported_modules(model) == {}
+    batch = speech_batch(4, torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "noise_multiplier=0")
+        warnings.filterwarnings("error", ".*torch.func fallback")
+        check_clipped_step(model, speech_loss, batch, [[0, 1], [2, 3]], "bk", "per_layer", rel=1e-8)
+
+
 class _Scaled(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids + 2) * 2.0  # returns something else than its lookup
@@ -83,9 +100,18 @@ class _Twice(nn.Embedding):
         return super().forward(ids) + super().forward(ids + 1)
 
 
+class _Indexed(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids + 1]
+
+
 @pytest.mark.parametrize(
     "module,message",
-    [(_Scaled(8, 3), "makes 1 lookups of its table and returns something else"), (_Twice(8, 3), "makes 2")],
+    [
+        (_Scaled(8, 3), "returns something else than its lookup"),
+        (_Twice(8, 3), "makes 2 lookups"),
+        (_Indexed(8, 3, padding_idx=0), "indexes its table, which has a padding_idx"),
+    ],
 )
 def test_a_forward_that_is_not_one_lookup_is_refused(module, message):
     with pytest.raises(ValueError, match=message):
@@ -97,6 +123,7 @@ def test_the_indices_are_the_lookups_own():
     ids = torch.randint(0, 5, (2, 3))
     (looked_up,) = lookup_inputs(_Plus2(8, 3), (ids,), {})
     assert torch.equal(looked_up, ids + 2) and lookup_inputs(table, (ids,), {})[0] is ids
+    assert torch.equal(lookup_inputs(_Indexed(8, 3), (ids,), {})[0], ids + 1)
 
 
 class _Plus2(nn.Embedding):

@@ -11,10 +11,11 @@ for the output gradient ``s * dy``; Inkling's normed embedding returns ``norm(E[
 gradient at the norm's input.
 
 Learned positions that compute their own indices (OPT's from the attention mask, ``cumsum(mask) * mask - 1``
-offset by 2; MVP's and TrOCR's ``arange`` after a cache, offset by 2; Zhang et al. 2022, OPT, sec. 2.2) are
-looked up per example too: the rule reads the indices from the module's own forward, run once more without
-recording under a mode that sees its ``F.embedding`` call on the table, and refuses a forward that does not
-return exactly one lookup of its table (no index arithmetic of its own copied here). CPM-Ant's segment
+offset by 2; MVP's and TrOCR's ``arange`` after a cache, offset by 2; Zhang et al. 2022, OPT, sec. 2.2;
+Whisper's decoder's ``weight[position_ids]``) are looked up per example too: the rule reads the indices from
+the module's own forward, run once more without recording under a mode that sees its ``F.embedding`` call on
+the table (or its indexing by an integer tensor), and refuses a forward that does not return exactly one
+lookup of its table (no index arithmetic of its own copied here). CPM-Ant's segment
 position bias (its relative attention bias, one row per position bucket or pair of segments, a column per
 head) is read so too; it returns its lookup moved to (B, heads, T_q, T_k).
 """
@@ -100,7 +101,8 @@ def normed_embedding_grads(
 
 
 class _Lookups(TorchFunctionMode):
-    """Records every ``F.embedding`` call on ``weight`` during a forward: (indices, result)."""
+    """Records every lookup of rows of ``weight`` during a forward: ``F.embedding(indices, weight)`` and
+    ``weight[indices]`` with an integer tensor, as (indices, result, whether by indexing)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -109,15 +111,22 @@ class _Lookups(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None):
         result = func(*args, **(kwargs or {}))
         if func is F.embedding and len(args) > 1 and args[1] is self.weight:
-            self.calls.append((args[0], result))
+            self.calls.append((args[0], result, False))
+        elif func is torch.Tensor.__getitem__ and args[0] is self.weight and _rows(args[1]):
+            self.calls.append((args[1], result, True))
         return result
+
+
+def _rows(index: Any) -> bool:
+    return torch.is_tensor(index) and not index.is_floating_point() and index.dtype != torch.bool
 
 
 def _one_lookup(
     module: nn.Module, table: torch.Tensor, args: tuple, kwargs: dict[str, Any], fix: str
 ) -> tuple:
-    """``(indices, looked up, output)``: the module's forward run once more without recording, and its one
-    ``F.embedding`` call on ``table``; refused (``fix`` offered) where it makes another number of lookups."""
+    """``(indices, looked up, by indexing, output)``: the module's forward run once more without recording,
+    and its one lookup of ``table`` (:class:`_Lookups`); refused (``fix`` offered) where it makes another
+    number of lookups."""
     lookups = _Lookups(table)
     with torch.no_grad(), lookups:
         output = type(module).forward(module, *args, **kwargs)
@@ -133,9 +142,11 @@ def lookup_inputs(module: nn.Embedding, args: tuple, kwargs: dict[str, Any]) -> 
     """``(indices,)``: the rows a table that computes its own indices looks up, from its forward run once more
     without recording; refused unless that forward returns one lookup of its table, unchanged."""
     fix = "freeze the table or register a rule"
-    indices, looked_up, output = _one_lookup(module, module.weight, args, kwargs, fix)
+    indices, looked_up, by_index, output = _one_lookup(module, module.weight, args, kwargs, fix)
     if looked_up is not output:
         raise ValueError(f"its forward returns something else than its lookup of its table; {fix}")
+    if by_index and module.padding_idx is not None:  # indexing passes a gradient to the padding row too
+        raise ValueError(f"it indexes its table, which has a padding_idx the lookup does not apply; {fix}")
     return (indices,)
 
 
@@ -146,6 +157,9 @@ def lookup_inputs(module: nn.Embedding, args: tuple, kwargs: dict[str, Any]) -> 
     f"{_HF}.opt.modeling_opt.OPTLearnedPositionalEmbedding",
     f"{_HF}.mvp.modeling_mvp.MvpLearnedPositionalEmbedding",
     f"{_HF}.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
+    # forward: `self.weight[position_ids]` (the decoder passes arange(T) repeated to the batch), or a slice
+    # of the rows for the text's length where no position ids are given (no lookup: refused)
+    f"{_HF}.whisper.modeling_whisper.WhisperPositionalEmbedding",
     check=_check,
     call=CallLayout(lookup_inputs, first_output),
 )
@@ -166,7 +180,7 @@ def segment_bias_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
     once more; refused unless that forward returns its one lookup (B, T_q, T_k, heads) as (B, heads, T_q,
     T_k)."""
     fix = "freeze relative_attention_bias or register a rule"
-    buckets, looked_up, output = _one_lookup(module, module.relative_attention_bias, args, kwargs, fix)
+    buckets, looked_up, _, output = _one_lookup(module, module.relative_attention_bias, args, kwargs, fix)
     if not (torch.is_tensor(output) and torch.equal(output, looked_up.permute(0, 3, 1, 2))):
         raise ValueError(
             f"its forward returns something else than its lookup moved to (B, heads, T, T); {fix}"
