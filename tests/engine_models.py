@@ -1023,6 +1023,21 @@ NEW_MOE = {  # stop 53: MoE families new in transformers 5.2x, (model type, conf
         {"num_experts": 4, "mlp_layer_types": ["dense", "sparse"], "n_group": 2, "topk_group": 1, **_EXPERTS},
         True,
     ),
+    # stop 62: a classifier's weight read in float32 by the router, 2 of 4 routed and 2 zero-computation
+    # (identity) experts, a scaled softmax not renormalised; multi-head latent attention
+    "longcat_flash": (
+        "longcat_flash",
+        {
+            "n_routed_experts": 4,
+            "zero_expert_num": 2,
+            "expert_ffn_hidden_size": 12,
+            "routed_scaling_factor": 1.5,
+            **_LATENT,
+            "head_dim": 4,
+            "num_key_value_heads": 2,
+        },
+        False,
+    ),
 }
 
 
@@ -1051,10 +1066,15 @@ def new_moe(name: str) -> nn.Module:
     model.set_experts_implementation("eager")
     with torch.no_grad():
         for module in model.modules():
-            if "Router" in type(module).__name__ and hasattr(module, "weight"):
-                module.weight.normal_(0.0, 0.5)
+            if "Router" in type(module).__name__:
+                weight = getattr(module, "weight", None)
+                if weight is None and hasattr(module, "classifier"):  # LongCat-Flash reads its classifier's
+                    weight = module.classifier.weight
+                if weight is not None:
+                    weight.normal_(0.0, 0.5)
             if torch.is_tensor(getattr(module, "e_score_correction_bias", None)):
-                module.e_score_correction_bias.normal_(0.0, 0.3)
+                # LongCat-Flash adds it to softmax probabilities (about 1/E each), the others to sigmoids
+                module.e_score_correction_bias.normal_(0.0, 0.03 if model_type == "longcat_flash" else 0.3)
             if torch.is_tensor(getattr(module, "tid2eid", None)):  # DeepSeek-V4's hash table: all 0 at start
                 table = module.tid2eid
                 experts = torch.stack([torch.randperm(module.num_experts) for _ in range(len(table))])

@@ -742,6 +742,7 @@ NEW_CASES = [
     "diffllama",  # differential attention: one lambda per layer from four vectors, taken in forward mode
     "cpmant",  # a segment position bias looked up per example, shared by every layer's attention
     "whisper",  # speech to text: the decoder's positions indexed by position ids repeated to the batch
+    "longcat_flash",  # zero-computation (identity) experts beside the routed ones, a router reading a Linear
     "recurrent_gemma",  # the RG-LRU on the fallback, recomputed as called, one example at a time
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
@@ -788,12 +789,14 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "dory",
         "gpt_neox_japanese",
         "deepseek_v4",
+        "longcat_flash",
     ):
         builders = {
             "dbrx": engine_models.dbrx,
             "dory": engine_models.dory,
             "gpt_neox_japanese": engine_models.gpt_neox_japanese,
             "deepseek_v4": lambda: engine_models.new_moe("deepseek_v4"),
+            "longcat_flash": lambda: engine_models.new_moe("longcat_flash"),
             "qwen2_moe": engine_models.qwen2_moe,
             "deepseek_v2": engine_models.deepseek_v2,
             "ernie4_5_moe": engine_models.ernie4_5_moe,

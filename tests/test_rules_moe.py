@@ -163,7 +163,8 @@ def _routing_spreads(model: nn.Module, batch: dict) -> None:
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     handle.remove()
     index = seen["index"].view(len(batch["input_ids"]), -1)
-    experts = (router.weight if hasattr(router, "weight") else router.proj.weight).shape[0]  # Gemma 4: proj
+    weight = next(p for name, p in router.named_parameters() if name.endswith("weight"))  # Gemma 4: proj's
+    experts = weight.shape[0]
     examples_per_expert = [len({int(i) for i in (index == e).nonzero()[:, 0]}) for e in range(experts)]
     assert max(examples_per_expert) > 1 and min(len(set(row.tolist())) for row in index) > 1
 
@@ -248,7 +249,8 @@ class _RoutedRows(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        top, index = rows[:, : self.experts.num_experts].detach().topk(self.k, dim=-1)
+        experts = getattr(self.experts, "total_experts", None) or self.experts.num_experts  # LongCat's too
+        top, index = rows[:, :experts].detach().topk(self.k, dim=-1)
         return self.experts(rows, index, top.softmax(-1)).view(x.shape)
 
 
@@ -263,6 +265,8 @@ def test_experts_with_their_own_row_gates_match_oracle(qualified):
     config.moe_intermediate_size = 6
     config.intermediate_size, config.hidden_act = 6, "silu"
     config.swiglu_limit, config.swiglu_alpha = 0.5, 1.7  # clamps that act on these weights
+    config.n_routed_experts, config.zero_expert_num = 4, 2  # LongCat-Flash's routed and identity experts
+    config.expert_ffn_hidden_size = 6
     config._experts_implementation = "eager"  # read by the forward use_experts_implementation wraps
     experts = getattr(importlib.import_module(module_name), name)(config)
     torch.manual_seed(0)
@@ -332,6 +336,7 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
     config.router_scaling_factor, config.scoring_func = 1.5, "sigmoid"  # HY-V3's, DeepSeek-V4's
     config.moe_router_logit_softcapping, config.output_multiplier = 2.0, 0.7  # Laguna's, Muse Spark's
     config.vocab_size = 9  # DeepSeek-V4's hash router: experts by token id
+    config.n_routed_experts, config.zero_expert_num = 3, 2  # LongCat-Flash's: routed and identity experts
     router = getattr(importlib.import_module(module_name), name)(config).double()
     with torch.no_grad():
         for tensor in (*router.parameters(), *router.buffers()):  # GPT-OSS's bias, DeepSeek-V3's buffer
@@ -346,9 +351,10 @@ def test_router_scores_are_the_modules(qualified, norm_topk_prob):
             others = (torch.randint(0, 9, (11,)),)
         form = moe.ROUTERS[qualified]
         outputs, logits_at = router(x, *others), form.logits_at  # Llama 4: (scores, logits)
-        logits = F.linear(x, router.weight, router.bias if form.bias else None)
+        weight = router.get_parameter(form.weight)  # LongCat-Flash: its classifier's
+        logits = F.linear(x, weight, router.bias if form.bias else None)
         if form.float32_logits:
-            logits = F.linear(x.float(), router.weight.float(), router.bias.float() if form.bias else None)
+            logits = F.linear(x.float(), weight.float(), router.bias.float() if form.bias else None)
         if form.logits is not None:  # Laguna's soft cap, Muse Spark's multiplier
             logits = form.logits(router, logits)
         torch.testing.assert_close(outputs[logits_at], logits.to(outputs[logits_at]))

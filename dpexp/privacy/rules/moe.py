@@ -119,6 +119,8 @@ EAGER_EXPERTS = [  # classes whose eager forward is Mixtral's, written out again
         "step3p7.modeling_step3p7.Step3p7Experts",
         "beam.modeling_beam.BeamExperts",
         "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLExperts",
+        # rows routed past its experts go to identities
+        "longcat_flash.modeling_longcat_flash.LongcatFlashExperts",
     )
 ]
 
@@ -291,6 +293,13 @@ def routed_rows(
     return RoutedRows(rows[token], scaled, expert, token // (rows.shape[0] // batch), sizes)
 
 
+def _parameterised_experts(module: nn.Module) -> int:
+    """The number of experts with weights: LongCat-Flash's zero-computation experts (Meituan 2025,
+    LongCat-Flash Technical Report, sec. 2.1: identities, their indices after its ``num_routed_experts``
+    routed ones; its ``gate_up_proj`` holds unused slices for them) have none."""
+    return getattr(module, "num_routed_experts", None) or module.num_experts
+
+
 def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``gate_up_proj`` and ``down_proj`` of one call, see the module docstring, and their biases where the
     layout has them (:func:`_layout`: GPT-OSS); without a gate (Nemotron-H) ``up_proj`` and ``h_r =
@@ -300,7 +309,7 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
     hidden, index, weights, dtype = x
     transposed, biased, gated = _layout(module)
     first = _first_projection(module)
-    experts = module.num_experts
+    experts = _parameterised_experts(module)
     inputs, scaled, expert, example, sizes = routed_rows(hidden, index, weights, dy, experts, dtype)
     gate_up, down = module.get_parameter(first).detach().to(dtype), module.down_proj.detach().to(dtype)
     if not transposed:  # (E, in, out) views: every product below is x @ W
@@ -327,12 +336,17 @@ def experts_grads(module: nn.Module, x: tuple, dy: torch.Tensor) -> dict[str, Pe
     activated = activated.detach()
     batch = hidden.shape[0]
     shape = module.get_parameter(first).shape
+    down_shape = module.down_proj.shape
     if transposed:  # gate_up_proj[e] (d, 2I), down_proj[e] (I, d)
         first_grad = Routed(inputs, projected_grad, expert, example, batch, shape)
-        down_grad = first_grad.sibling(activated, scaled, module.down_proj.shape)
+        down_factors = (activated, scaled)
     else:  # gate_up_proj[e] (2I, d), down_proj[e] (d, I)
         first_grad = Routed(projected_grad, inputs, expert, example, batch, shape)
-        down_grad = first_grad.sibling(scaled, activated, module.down_proj.shape)
+        down_factors = (scaled, activated)
+    if down_shape[0] == shape[0]:
+        down_grad = first_grad.sibling(*down_factors, down_shape)
+    else:  # LongCat-Flash: gate_up_proj holds slices for its identity experts too, down_proj does not
+        down_grad = Routed(*down_factors, expert, example, batch, down_shape)
     grads: dict[str, PerExampleGrad] = {first: first_grad, "down_proj": down_grad}
     if biased:  # the biases' gradients: the rows' output gradients, summed per (example, expert)
         ones = projected_grad.new_ones(len(expert), 1)
@@ -457,12 +471,12 @@ def jamba_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_router(module: nn.Module) -> None:
-    form = ROUTERS.get(qualified_name(type(module)))
+    form = ROUTERS.get(qualified_name(type(module)), RouterForm(mixtral_scores))
     refuse(
         module,
         "mixture-of-experts",
         "router",
-        _extra_parameters(module, ("weight", "bias") if form is not None and form.bias else ("weight",)),
+        _extra_parameters(module, (form.weight,) + ("bias",) * form.bias),
         "Freeze the router or remove the extra parameters (biases).",
     )
 
@@ -621,6 +635,15 @@ def hash_scores(module: nn.Module, logits: torch.Tensor, input_ids: torch.Tensor
     return _renormalised(weights, 1e-20, module.routed_scaling_factor)
 
 
+def longcat_flash_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``LongcatFlashTopkRouter``'s scores (N, k): the softmax of its float32 logits over routed and
+    zero-computation experts, the top k of scores plus the load-balancing bias unsorted, not renormalised,
+    times ``routed_scaling_factor``."""
+    scores = logits.softmax(dim=-1)
+    chosen = _chosen(scores, scores + module.e_score_correction_bias, module.top_k)
+    return chosen * module.routed_scaling_factor
+
+
 def kolibri1_scores(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """``Kolibri1TopKRouter``'s scores (N, k): the top k of its float32 logits plus the load-balancing bias
     (sorted), the sigmoid of their logits, renormalised if ``norm_topk_prob``."""
@@ -717,11 +740,12 @@ def router_rule(form: RouterForm) -> Callable:
         hidden, dtype, *others = x
         batch, width = hidden.shape[0], hidden.shape[-1]
         rows = hidden.detach().reshape(-1, width).to(dtype)  # the module's (N, d), as its matmul reads
-        experts = module.weight.shape[0]
+        weight = module.get_parameter(form.weight)
+        experts = weight.shape[0]
         dy = dy.reshape(rows.shape[0], -1)
         bias = module.bias.detach().to(dtype) if form.bias else None
         with torch.enable_grad():
-            linear = F.linear(rows, module.weight.detach().to(dtype), bias).requires_grad_()
+            linear = F.linear(rows, weight.detach().to(dtype), bias).requires_grad_()
             logits = linear if form.logits is None else form.logits(module, linear)
             scores = form.scores(module, logits, *others)
         (left,) = torch.autograd.grad(
@@ -729,7 +753,7 @@ def router_rule(form: RouterForm) -> Callable:
         )
         left = left.view(batch, -1, experts)
         grads: dict[str, PerExampleGrad] = {
-            "weight": Outer(left, rows.view(batch, -1, width), module.weight.shape, experts)
+            form.weight: Outer(left, rows.view(batch, -1, width), weight.shape, experts)
         }
         if form.bias:
             grads["bias"] = Dense(left.sum(1))
@@ -751,6 +775,7 @@ class RouterForm(NamedTuple):
     float32_logits: bool = False
     bias: bool = False  # logits W x + b
     autocast_off: bool = False  # float32 logits under autocast too
+    weight: str = "weight"  # the parameter of its logits' matmul (a child Linear's, which it never calls)
 
 
 ROUTERS = {
@@ -810,6 +835,10 @@ ROUTERS = {
     f"{_MODELS}.beam.modeling_beam.BeamTopKRouter": RouterForm(
         group_limited_sigmoid_scores(float("-inf"), sorted=True, scaled=False), float32_logits=True
     ),
+    # stop 62: its classifier's weight read in float32, (logits, weights (N, k), indices)
+    f"{_MODELS}.longcat_flash.modeling_longcat_flash.LongcatFlashTopkRouter": RouterForm(
+        longcat_flash_scores, float32_logits=True, weight="classifier.weight"
+    ),
 }
 for _name, _form in ROUTERS.items():
     register_rule(
@@ -819,6 +848,7 @@ for _name, _form in ROUTERS.items():
         call=CallLayout(
             router_inputs(_form.float32_logits, _form.autocast_off), router_output_grad(_form.logits_at)
         ),
+        claims=(_form.weight.rpartition(".")[0],) if "." in _form.weight else (),
         copies=True,
     )(router_rule(_form))
 
