@@ -92,13 +92,14 @@ def _norms():
 def _more_norms() -> dict:
     """RMSNorm forms of stop 46: Mamba-2's (Llama's form), Moshi's and MuseSpark's (float32 products),
     IDEFICS' (T5's), Qwen4-Exp's (grouped), and the gated norms of linear-attention and state-space layers;
-    CPM-Ant's (stop 62)."""
+    CPM-Ant's and ImageGPT's (stop 62)."""
     from transformers import CpmAntConfig
     from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridRMSNormGated
     from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
     from transformers.models.cpmant.modeling_cpmant import CpmAntLayerNorm
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
     from transformers.models.idefics.modeling_idefics import IdeficsRMSNorm
+    from transformers.models.imagegpt.modeling_imagegpt import ImageGPTLayerNorm
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNormGated
     from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm, MambaRMSNormGated
     from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
@@ -125,6 +126,7 @@ def _more_norms() -> dict:
         "qwen4_exp": Qwen4ExpTextRMSNorm(6, eps=1e-5),  # 1 + w
         "qwen4_exp_grouped": Qwen4ExpTextRMSNorm(6, group_size=3, eps=1e-5),
         "cpmant": CpmAntLayerNorm(CpmAntConfig(hidden_size=6, eps=1e-5)),  # the variance alone in float32
+        "imagegpt": ImageGPTLayerNorm(6, eps=1e-5),  # all in the input's dtype, by sqrt and division
     }
 
 
@@ -296,3 +298,30 @@ def test_llama_matches_oracle_without_fallback(clipping, tied, recwarn):
     )  # fmt: skip
     for param, want in expected.items():
         torch.testing.assert_close(delta[param], want, rtol=1e-7, atol=1e-10)
+
+
+def test_imagegpt_needs_no_fallback_and_matches_oracle():
+    """ImageGPT (its norm scales an RMS normalisation computed in the input's dtype) as a whole causal model
+    of colour-cluster tokens, no module left to the fallback."""
+    from transformers import ImageGPTConfig, ImageGPTForCausalImageModeling
+
+    from dpexp.privacy.capture import unsupported_modules
+    from tests.oracle import check_clipped_step
+
+    config = ImageGPTConfig(
+        vocab_size=17, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    model = ImageGPTForCausalImageModeling(config).double().eval()
+    assert unsupported_modules(model) == {}
+    ids = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(0))
+
+    def loss(m: nn.Module, b: dict) -> torch.Tensor:
+        logits, targets = m(input_ids=b["ids"]).logits[:, :-1], b["ids"][:, 1:]
+        return (
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+            .view(targets.shape)
+            .sum(1)
+        )
+
+    check_clipped_step(model, loss, {"ids": ids}, [[0, 1], [2, 3]], "bk", "per_layer", rel=1e-8)

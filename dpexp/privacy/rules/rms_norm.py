@@ -1,10 +1,11 @@
 """RMSNorm (Zhang & Sennrich 2019): ``y = w * x_hat`` with ``x_hat = x / sqrt(mean(x^2) + eps)`` over the
 feature axis, no centring, no bias; the norm of Llama, Qwen, Mistral, Phi-3, Granite, Mamba, OLMo-2, Gemma
-(which scales by ``1 + w``), Gemma 3n and 4, Llama 4, T5, CPM-Ant and ``torch.nn.RMSNorm``. Gated forms,
-called on ``(hidden_states, gate)`` (the gated delta nets of Qwen3-Next and Kimi Linear, the Mamba-2 mixers of
-Bamba, Zamba2, Nemotron-H, Falcon-H1, ...; Yang et al. 2024, Gated Delta Networks; Dao & Gu 2024, Mamba-2)
-multiply ``x_hat`` by ``act(gate)`` after the norm, or normalise ``x * silu(gate)`` in groups of features:
-then ``dw_i = sum_t dy_{i,t} * x_hat_{i,t} * act(gate_{i,t})`` or the grouped ``x_hat`` of the gated input.
+(which scales by ``1 + w``), Gemma 3n and 4, Llama 4, T5, CPM-Ant, ImageGPT and ``torch.nn.RMSNorm``. Gated
+forms, called on ``(hidden_states, gate)`` (the gated delta nets of Qwen3-Next and Kimi Linear, the Mamba-2
+mixers of Bamba, Zamba2, Nemotron-H, Falcon-H1, ...; Yang et al. 2024, Gated Delta Networks; Dao & Gu 2024,
+Mamba-2) multiply ``x_hat`` by ``act(gate)`` after the norm, or normalise ``x * silu(gate)`` in groups of
+features: then ``dw_i = sum_t dy_{i,t} * x_hat_{i,t} * act(gate_{i,t})`` or the grouped ``x_hat`` of the gated
+input.
 
 The per-example gradient of the scale is ``dw_i = sum_t dy_{i,t} * x_hat_{i,t}`` (also for Gemma's
 ``1 + w``), summed over every axis between the batch and the features, as for LayerNorm. The families differ
@@ -94,6 +95,8 @@ FALCON_H1_GATED = f"{_HF}.falcon_h1.modeling_falcon_h1.FalconH1RMSNormGated"  # 
 # forward: `(x * rsqrt(mean(x.float()^2) + eps)).to(x.dtype) * w`: the variance in float32, the product in x's
 # dtype (CPM-Ant)
 CPMANT = f"{_HF}.cpmant.modeling_cpmant.CpmAntLayerNorm"
+# forward: `x / sqrt(mean(x^2) + eps) * w`, all in x's dtype (ImageGPT)
+IMAGEGPT = f"{_HF}.imagegpt.modeling_imagegpt.ImageGPTLayerNorm"
 QWEN4_EXP_TEXT = (
     f"{_HF}.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextRMSNorm"  # Gemma's 1 + w, optionally grouped
 )
@@ -130,6 +133,13 @@ def cpmant_layer_norm_grads(
 ) -> dict[str, PerExampleGrad]:
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return _scale_grad(dy, (x * torch.rsqrt(variance + module.eps)).to(x.dtype))
+
+
+@register_rule(IMAGEGPT, position_wise=True, copies=True)
+def imagegpt_layer_norm_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, PerExampleGrad]:
+    return _scale_grad(dy, x / torch.sqrt(x.square().mean(-1, keepdim=True) + module.eps))
 
 
 @register_rule(*FLOAT_PRODUCT_FORM, position_wise=True, copies=True)
