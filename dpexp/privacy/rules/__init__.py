@@ -307,6 +307,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     expert_modules,
     forget_gate,
     grn,
+    grouped_linear,
     inkling_moe,
     layer_scale,
     linear,
