@@ -1,6 +1,7 @@
 """DeepSeek-V4's block-diagonal grouped linear (``rules/grouped_linear.py``) against the brute-force oracle:
-alone between two linear layers, in every strategy x clipping mode, and in a tiny DeepSeek-V4, where it no
-longer takes the fallback; and the refusal of a bias its forward never adds."""
+alone between two linear layers, in every strategy x clipping mode, and in a tiny DeepSeek-V4, where it and
+the attention's sinks no longer take the fallback; and the refusals of a bias its forward never adds and of a
+wrapped projection the sinks rule cannot follow."""
 
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ def test_grouped_linear_matches_oracle(strategy, clipping):
 
 
 def test_deepseek_v4_output_projection_needs_no_fallback_and_matches_oracle():
+    """Its grouped projection by this rule, its attention's sinks by the sinks rule, which follows the heads'
+    outputs through the grouped projection and the mixing one (``rules/sinks.py``)."""
     torch.manual_seed(0)
     model = new_moe("deepseek_v4")
     left = {name.rsplit(".", 1)[1] for name in unsupported_modules(model)}
-    assert "DeepseekV4GroupedLinear" not in left, left
+    assert not {"DeepseekV4GroupedLinear", "DeepseekV4Attention"} & left, left
     batch = _padded_text(6, 8, 40, torch.Generator().manual_seed(0))
     check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], "bk", "per_layer", rel=1e-6)
 
@@ -73,4 +76,12 @@ def test_a_bias_the_forward_never_adds_is_refused():
     with pytest.raises(
         ValueError, match=r"DeepseekV4GroupedLinear: .*trainable bias, which its forward never"
     ):
+        PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0)
+
+
+def test_deepseek_v4_attention_with_a_wrapped_projection_is_refused():
+    model = new_moe("deepseek_v4")
+    attention = model.model.layers[0].self_attn
+    attention.o_b_proj = nn.Sequential(attention.o_b_proj)
+    with pytest.raises(ValueError, match=r"DeepseekV4Attention: .*its o_b_proj are wrapped or replaced"):
         PrivacyEngine(model, batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0)
