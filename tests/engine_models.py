@@ -762,6 +762,27 @@ def speech_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return tokens.view(labels.shape).sum(1)
 
 
+def doge(keep_window_size: int = 4) -> nn.Module:
+    """Tiny random Doge: dynamic mask attention (``rules/dynamic_mask.py``: ``A`` per key/value head, drawn
+    at scale 1, in the bias every query adds for a key; four query heads on two key/value heads; keys past
+    the ``keep_window_size`` largest masked, fewer than the texts' 8 positions), eager attention, the cache
+    off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "doge", vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=16,
+        keep_window_size=keep_window_size, attention_dropout=0.0, hidden_dropout=0.0, pad_token_id=1,
+        use_cache=False,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.A.normal_(0.0, 1.0)
+    return model
+
+
 def beam_attention(implementation: str = "eager") -> nn.Module:
     """Tiny random Beam with dense MLPs only (its experts are ``NEW_MOE``'s): attention whose output is
     gated per head by ``sigmoid(gate_proj(x) + gate_bias)`` (``rules/attention_gate.py``), the bias drawn

@@ -257,11 +257,13 @@ def group_shifts(a: Release, b: Release, groups: list[list[str]]) -> torch.Tenso
     return torch.stack([_norm([a.sums[n] - b.sums[n] for n in group]) for group in groups])
 
 
-def compare(a: Release, b: Release, setting: Setting, pair: str, distance: int) -> list[Violation]:
+def compare(
+    a: Release, b: Release, setting: Setting, pair: str, distance: int, slack: float = SLACK
+) -> list[Violation]:
     """Violations of the sensitivity bounds between two releases ``distance`` add/remove steps apart
     (1: neighbours; 2: one example replaced; 0: the same data set, e.g. micro-batched differently, where
-    only rounding, SLACK of a bound, is allowed)."""
-    allowed = distance * (1 + SLACK) if distance else SLACK
+    only rounding, ``slack`` of a bound, is allowed)."""
+    allowed = distance * (1 + slack) if distance else slack
     thresholds = torch.tensor(setting.thresholds, dtype=torch.float64)
     shifts = group_shifts(a, b, setting.groups)
     out: list[Violation] = []
@@ -371,7 +373,8 @@ def check_case(
     releases = {**outcome.releases, "oracle": oracle}
     for a, b, distance in pairs:
         if a in releases and b in releases:
-            outcome.violations += compare(releases[a], releases[b], setting, f"{a} vs {b}", distance)
+            slack = case.oracle_slack if "oracle" in (a, b) and case.oracle_slack else SLACK
+            outcome.violations += compare(releases[a], releases[b], setting, f"{a} vs {b}", distance, slack)
     return outcome
 
 

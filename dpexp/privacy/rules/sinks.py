@@ -103,23 +103,28 @@ def rerun_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any], fix: st
     return call.arguments["hidden_states"], args, kwargs
 
 
-def sinks_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """:func:`rerun_inputs`, also refusing a call the rule cannot run again to the same output: another
-    attention implementation than eager (a kernel may have no forward-mode derivative, or not apply the sinks
-    at all) and attention dropout in training (its mask is drawn inside the attention function)."""
+def eager_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any], rule: str, fix: str) -> tuple:
+    """:func:`rerun_inputs`, also refusing a call the ``rule`` cannot run again to the same output in forward
+    mode: another attention implementation than eager (a kernel may have no forward-mode derivative, or not
+    apply the module's parameters at all) and attention dropout in training (its mask is drawn inside the
+    attention function)."""
     implementation = getattr(module.config, "_attn_implementation", None)
     if implementation != "eager":
         raise ValueError(
-            f"attention implementation {implementation!r}: the attention-sinks rule differentiates the "
-            "'eager' implementation's forward; load the model with attn_implementation='eager', or freeze "
-            "the sinks"
+            f"attention implementation {implementation!r}: the {rule} rule differentiates the 'eager' "
+            f"implementation's forward; load the model with attn_implementation='eager', or {fix}"
         )
     if module.training and module.attention_dropout > 0:
         raise ValueError(
             f"applies attention dropout (p={module.attention_dropout}) inside the attention function in "
-            "training, whose mask the rule cannot see; set attention_dropout=0, or freeze the sinks"
+            f"training, whose mask the rule cannot see; set attention_dropout=0, or {fix}"
         )
-    return rerun_inputs(module, args, kwargs, "freeze the sinks")
+    return rerun_inputs(module, args, kwargs, fix)
+
+
+def sinks_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """:func:`eager_inputs` for the sinks: a kernel may not apply them at all."""
+    return eager_inputs(module, args, kwargs, "attention-sinks", "freeze the sinks")
 
 
 def directional_grads(
