@@ -14,6 +14,7 @@ import torch
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import Use
+from tests.engine_models import _padded_text, doge, lm_loss
 from tests.recurrent_models import make_recurrent_case
 from tests.timm_cnn_models import make_timm_case
 
@@ -23,12 +24,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
 def _case(name: str):
     if name == "transformer_encoder":  # nn.MultiheadAttention: its projections and context read
         return make_recurrent_case(name)
+    if name == "doge":  # its decoder layers' residual products
+        return doge().train(), lm_loss, _padded_text(6, 8, 40, torch.Generator().manual_seed(0))
     model, loss_fn, batch = make_timm_case(name)  # Swin's attention: probabilities, values, dP, d[q|k|v]
     return model.train(), loss_fn, batch
 
 
 @pytest.mark.parametrize("strategy", ["bk", "ghost"])
-@pytest.mark.parametrize("name", ["transformer_encoder", "tv_swin", "tv_swinv2"])
+@pytest.mark.parametrize("name", ["transformer_encoder", "tv_swin", "tv_swinv2", "doge"])
 def test_graph_reads_leave_nothing_of_a_step_alive(name, strategy):
     model, loss_fn, batch = _case(name)
     engine = PrivacyEngine(
