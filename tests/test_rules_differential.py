@@ -1,20 +1,18 @@
 """Differential attention (DiffLlama's lambda vectors, ``rules/differential.py``) against the brute-force
-oracle: every strategy x clipping mode without the fallback (float64, padded texts, two micro-batches), both
-attention implementations, the returned probabilities in the loss, float32, frozen and zero vectors, and the
-refusals of what the rule cannot run again or read."""
+oracle (every strategy x clipping mode: ``test_rules_decoder_modules.py``): both attention implementations,
+the returned probabilities in the loss, float32, frozen and zero vectors, and the refusals of what the rule
+cannot run again or read."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from dpexp.privacy import PrivacyEngine
-from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import _padded_text, diffllama, lm_loss
+from tests.engine_models import diffllama, lm_loss
 from tests.oracle import check_clipped_step
+from tests.test_rules_decoder_modules import batch
 from tests.test_rules_sinks import _attention_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -23,40 +21,21 @@ MICRO = [[0, 1, 2], [3, 4, 5]]
 REL = 1e-6  # float64, but DiffLlama forms lambda's dot products in float32
 
 
-def _batch(batch_size: int = 6) -> dict[str, torch.Tensor]:
-    return _padded_text(batch_size, 8, 40, torch.Generator().manual_seed(0))
-
-
-def test_diffllama_needs_no_fallback():
-    assert unsupported_modules(diffllama()) == {}
-
-
-@pytest.mark.parametrize("clipping", ["flat", "per_layer", "groups"])
-@pytest.mark.parametrize("strategy", ["bk", "ghost", "instantiate"])
-def test_rule_matches_oracle_without_the_fallback(strategy, clipping):
-    torch.manual_seed(0)
-    model = diffllama()
-    groups = 2 if clipping == "groups" else None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", ".*torch.func fallback")
-        check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, groups=groups, rel=REL)
-
-
 def test_sdpa_matches_oracle():
     """Lambda acts after the attention function, which the rule's forward-mode run calls on inputs without
     tangents: sdpa serves as eager does."""
     torch.manual_seed(0)
-    check_clipped_step(diffllama("sdpa"), lm_loss, _batch(), MICRO, "bk", "per_layer", rel=REL)
+    check_clipped_step(diffllama("sdpa"), lm_loss, batch(), MICRO, "bk", "per_layer", rel=REL)
 
 
 def test_returned_probabilities_in_the_loss_match_oracle():
     torch.manual_seed(0)
-    check_clipped_step(diffllama(), _attention_loss, _batch(), MICRO, "bk", "per_layer", rel=REL)
+    check_clipped_step(diffllama(), _attention_loss, batch(), MICRO, "bk", "per_layer", rel=REL)
 
 
 def test_float32_matches_oracle():
     torch.manual_seed(0)
-    check_clipped_step(diffllama().float(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-5, floor=1e-6)
+    check_clipped_step(diffllama().float(), lm_loss, batch(), MICRO, "bk", "flat", rel=1e-5, floor=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +51,7 @@ def test_zero_vectors_match_oracle(zeroed):
         for layer in model.model.layers:
             for name in zeroed:
                 getattr(layer.self_attn, name).zero_()
-    check_clipped_step(model, lm_loss, _batch(), MICRO, "instantiate", "per_layer", rel=REL)
+    check_clipped_step(model, lm_loss, batch(), MICRO, "instantiate", "per_layer", rel=REL)
 
 
 def test_partly_frozen_vectors_match_oracle():
@@ -81,7 +60,7 @@ def test_partly_frozen_vectors_match_oracle():
     for layer in model.model.layers:
         layer.self_attn.lambda_q1.requires_grad_(False)
         layer.self_attn.lambda_k2.requires_grad_(False)
-    check_clipped_step(model, lm_loss, _batch(), MICRO, "bk", "flat", rel=REL)
+    check_clipped_step(model, lm_loss, batch(), MICRO, "bk", "flat", rel=REL)
 
 
 def _engine(model: nn.Module) -> PrivacyEngine:
@@ -95,7 +74,7 @@ def test_a_cache_is_refused_at_the_call():
     with pytest.raises(
         ValueError, match=r"\(DiffLlamaAttention\): was given a key/value cache.*use_cache=False"
     ):
-        engine.backward(lm_loss(model, _batch()))
+        engine.backward(lm_loss(model, batch()))
 
 
 def test_a_wrapped_output_projection_is_refused_at_construction():

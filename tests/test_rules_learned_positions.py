@@ -129,3 +129,20 @@ def test_the_indices_are_the_lookups_own():
 class _Plus2(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids + 2)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_a_cpmant_bias_that_is_not_its_lookup_moved_is_refused_at_the_call(monkeypatch):
+    """CPM-Ant's segment position bias (its rule: ``test_rules_decoder_modules.py``) returns its lookup moved
+    to (B, heads, T, T); a forward that returns anything else is refused."""
+    from transformers.models.cpmant.modeling_cpmant import CpmAntSegmentPositionEmbedding
+
+    from dpexp.privacy import PrivacyEngine
+    from tests.engine_models import cpmant
+
+    forward = CpmAntSegmentPositionEmbedding.forward
+    monkeypatch.setattr(CpmAntSegmentPositionEmbedding, "forward", lambda self, *a: 2 * forward(self, *a))
+    model = cpmant()
+    engine = PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(ValueError, match=r"CpmAntSegmentPositionEmbedding.*its lookup moved to \(B, heads"):
+        engine.backward(lm_loss(model, _padded_text(6, 8, 40, torch.Generator().manual_seed(0))))
