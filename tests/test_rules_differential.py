@@ -1,7 +1,7 @@
 """Differential attention (DiffLlama's lambda vectors, ``rules/differential.py``) against the brute-force
 oracle (every strategy x clipping mode: ``test_rules_decoder_modules.py``): both attention implementations,
 the returned probabilities in the loss, float32, frozen and zero vectors, and the refusals of what the rule
-cannot run again or read."""
+cannot run again or read (a wrapped o_proj: ``test_rules_sinks.py``)."""
 
 from __future__ import annotations
 
@@ -75,14 +75,6 @@ def test_a_cache_is_refused_at_the_call():
         ValueError, match=r"\(DiffLlamaAttention\): was given a key/value cache.*use_cache=False"
     ):
         engine.backward(lm_loss(model, batch()))
-
-
-def test_a_wrapped_output_projection_is_refused_at_construction():
-    model = diffllama()
-    attention = model.model.layers[0].self_attn
-    attention.o_proj = nn.Sequential(attention.o_proj)
-    with pytest.raises(ValueError, match=r"DiffLlamaAttention: .*o_proj is a Sequential"):
-        _engine(model)
 
 
 def test_another_own_parameter_is_refused_at_construction():

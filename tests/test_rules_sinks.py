@@ -17,7 +17,7 @@ from torch import nn
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import SINKS_DECODERS, _padded_text, gpt_oss, lm_loss, sinks_decoder
+from tests.engine_models import SINKS_DECODERS, _padded_text, diffllama, doge, gpt_oss, lm_loss, sinks_decoder
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -133,9 +133,19 @@ def test_what_the_rule_cannot_run_again_is_refused_at_the_call(change, match):
         engine.backward(lm_loss(model, _batch()))
 
 
-def test_a_wrapped_output_projection_is_refused_at_construction():
-    model = gpt_oss()
+@pytest.mark.parametrize(
+    "build,match",
+    [
+        (gpt_oss, r"GptOssAttention: .*o_proj is a Sequential, not an nn.Linear"),
+        (diffllama, r"DiffLlamaAttention: .*o_proj is a Sequential"),  # rules/differential.py's run
+        (doge, r"DogeAttention: .*o_proj is a Sequential"),  # rules/dynamic_mask.py's run
+    ],
+    ids=["gpt_oss", "diffllama", "doge"],
+)
+def test_a_wrapped_output_projection_is_refused_at_construction(build, match):
+    """The rules that run their module again in forward mode read the heads' gradient through o_proj."""
+    model = build()
     attention = model.model.layers[0].self_attn
     attention.o_proj = nn.Sequential(attention.o_proj)
-    with pytest.raises(ValueError, match=r"GptOssAttention: .*o_proj is a Sequential, not an nn.Linear"):
+    with pytest.raises(ValueError, match=match):
         _engine(model)
