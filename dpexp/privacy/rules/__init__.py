@@ -21,6 +21,7 @@ declared with :func:`register_reads`: the exact fallback then takes those parame
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +152,22 @@ def first_output(module: nn.Module, grads: list[torch.Tensor | None]) -> torch.T
     as a tensor (the others, if any, are None or integers: data2vec-vision's patch grid size, Hiera's MAE
     mask and restore ids): its gradient."""
     return grads[0]
+
+
+def forward_arguments(module: nn.Module, args: tuple, kwargs: dict[str, Any], defaults: bool = False) -> dict:
+    """The call's arguments by name as the module's class ``forward`` binds them (``self`` left out, the
+    signature of the class's method: a wrapper set on the instance does not change it); ``defaults`` fills
+    in the ones not given."""
+    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    if defaults:
+        bound.apply_defaults()
+    return dict(list(bound.arguments.items())[1:])
+
+
+def given_cache(arguments: dict[str, Any]) -> bool:
+    """Whether a call (:func:`forward_arguments`) was given a key/value or recurrent cache, which a rule that
+    runs the module again would extend, or whose state a rule's recomputation does not start from."""
+    return any(arguments.get(name) is not None for name in ("cache", "past_key_values"))
 
 
 def per_example_copies(param: torch.Tensor, batch: int) -> torch.Tensor:

@@ -16,14 +16,13 @@ the module took the exact fallback, which recomputed it per example.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, forward_arguments, refuse, register_rule
 from dpexp.privacy.rules.submodule_values import once, unfollowed
 from dpexp.privacy.rules.window_attention import attention_output_grad, through_o_proj, wrapped_o_proj
 
@@ -39,7 +38,7 @@ def _check(module: nn.Module) -> None:
 
 def gate_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B, T, d),)``; the capture appends the values the rule keeps."""
-    return (inspect.signature(module.forward).bind(*args, **kwargs).arguments["hidden_states"],)
+    return (forward_arguments(module, args, kwargs)["hidden_states"],)
 
 
 @register_rule(

@@ -28,7 +28,6 @@ Refused at the call: attention or output dropout in training (masks the recomput
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, first_output, forward_arguments, refuse, register_rule
 from dpexp.privacy.rules.window_attention import scores_grad, table_grads
 
 _TIMM_BEIT = "timm.models.beit.Attention"
@@ -60,14 +59,14 @@ def _check(module: nn.Module) -> None:
 
 def beit_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(x (B, N, C), shared_rel_pos_bias (1, heads, N, N) or None)``; refuses dropout in training."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
+    call = forward_arguments(module, args, kwargs)
     drops = {name: getattr(module, name).p for name in ("attn_drop", "proj_drop")}
     if module.training and any(p > 0 for p in drops.values()):
         raise ValueError(
             f"applies dropout {drops} in training, whose masks the BEiT attention rule cannot recompute; set "
             "attn_drop_rate=0 and proj_drop_rate=0 (or the modules' p = 0), or freeze the attention"
         )
-    return call.arguments["x"], call.arguments.get("shared_rel_pos_bias")
+    return call["x"], call.get("shared_rel_pos_bias")
 
 
 @register_rule(_TIMM_BEIT, check=_check, call=CallLayout(beit_inputs, first_output), claims=("qkv",))

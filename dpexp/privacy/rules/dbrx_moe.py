@@ -24,14 +24,13 @@ stacked weights, a call other than (B, T, d) states with (B*T, k) routing.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from dpexp.privacy.per_example import PerExampleGrad, Routed
-from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, first_output, forward_arguments, refuse, register_rule
 from dpexp.privacy.rules.activation import activation_refusal
 from dpexp.privacy.rules.moe import compute_dtype, routed_rows
 
@@ -62,8 +61,8 @@ def _check(module: nn.Module) -> None:
 def dbrx_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B, T, d), top_k_index (B, T, k), top_k_weights (B, T, k), compute dtype)``: the
     routing folded as the forward pairs it with the flattened states."""
-    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    hidden, index, weights = list(call.arguments.values())[1:4]
+    call = forward_arguments(module, args, kwargs)
+    hidden, index, weights = list(call.values())[:3]
     shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in (hidden, index, weights)]
     if not (
         all(torch.is_tensor(t) for t in (hidden, index, weights))

@@ -16,7 +16,7 @@ the derivative of ``lambda`` (eq. 2, with ``l1 = exp(lq1 . lk1)``, ``l2 = exp(lq
 
 and ``d lambda_i = sum_t <do[i, t], dy[i, t] / d lambda>`` with ``do`` the gradient at ``o_proj``'s input.
 As the attention-sinks rule does, the rule reads ``dy / d lambda`` off one more run of the module's own
-forward in forward mode (:func:`~dpexp.privacy.rules.sinks.directional_grads`), one vector moved along
+forward in forward mode (:func:`~dpexp.privacy.rules.directional.directional_grads`), one vector moved along
 its partner scaled to move ``lambda`` by ``l1`` (or ``-l2``): the two attentions, the group norm and the
 module's float32 sums are its own; the attention function runs on inputs without tangents, so any
 implementation serves. The projections are ``nn.Linear`` submodules with their own rules. Before (stop 61)
@@ -30,7 +30,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
-from dpexp.privacy.rules.sinks import directional_grads, rerun_inputs
+from dpexp.privacy.rules.directional import directional_grads, rerun_inputs
 from dpexp.privacy.rules.submodule_values import unfollowed
 from dpexp.privacy.rules.window_attention import attention_output_grad
 
@@ -56,7 +56,7 @@ def _exp_dot(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 @register_rule(_DIFFLLAMA, check=_check, call=CallLayout(_inputs, attention_output_grad))
 def differential_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """The four vectors' per-example gradients (B, head_dim) by the module docstring's formula; ``call``:
-    :func:`~dpexp.privacy.rules.sinks.rerun_inputs`' triple, ``dy`` (B, T*d [+ heads*T*S]) the gradients
+    :func:`~dpexp.privacy.rules.directional.rerun_inputs`' triple, ``dy`` (B, T*d [+ heads*T*S]) the gradients
     of the output and of the returned probabilities. ``d lambda_i`` summed in float64 for float64
     parameters, else in float32; the gradients in float32, the precision of the module's sums that form
     lambda (autograd's gradient of the vectors carries that rounding too)."""

@@ -12,8 +12,8 @@ heads' columns alone, and example i's gradient is
     d A_i[h] = sum_{h' in group h} sum_t <do[i, t, h'], dy[i, t, h'] / dA>  (+ the returned probabilities'),
 
 read off one more run of the module's own forward in forward mode with ``A`` moved along a tangent of ones
-(:func:`~dpexp.privacy.rules.sinks.directional_grads`): the mask's arithmetic, window and padding are the
-module's own. ``dt_proj``, the projections and the norms are submodules with their own rules. Without the
+(:func:`~dpexp.privacy.rules.directional.directional_grads`): the mask's arithmetic, window and padding are
+the module's own. ``dt_proj``, the projections and the norms are submodules with their own rules. Without the
 rule the module took the exact fallback (``doge`` entry of ``bench_suite=sweep_fallbacks``).
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import CallLayout, refuse, register_rule
-from dpexp.privacy.rules.sinks import directional_grads, eager_inputs
+from dpexp.privacy.rules.directional import directional_grads, eager_inputs
 from dpexp.privacy.rules.submodule_values import unfollowed
 from dpexp.privacy.rules.window_attention import attention_output_grad
 

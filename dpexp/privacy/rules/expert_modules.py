@@ -27,14 +27,13 @@ tokens decide which of another's reach their experts.)
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Outer, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, first_output, forward_arguments, refuse, register_rule
 from dpexp.privacy.rules.activation import activation_refusal
 from dpexp.privacy.rules.moe import compute_dtype
 
@@ -77,8 +76,8 @@ def _check(module: nn.Module) -> None:
 def switch_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(rows (N, d), selected experts (N, 1, E) one-hot, routing weights (N, 1), compute dtype)``;
     refuses dropout in training."""
-    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    hidden, selected, weights = list(call.arguments.values())[1:4]
+    call = forward_arguments(module, args, kwargs)
+    hidden, selected, weights = list(call.values())[:3]
     drops = {e: expert.dropout.p for e, expert in enumerate(_experts(module)) if expert.dropout.p > 0}
     if module.training and drops:
         raise ValueError(

@@ -108,6 +108,18 @@ def matmul_with(nodes: Iterable[Node], weight: torch.Tensor) -> Node | None:
     return matches[0] if len(matches) == 1 else None
 
 
+def product_with(nodes: Iterable[Node], factor: torch.Tensor) -> Node | None:
+    """The one elementwise product ``factor * x`` among ``nodes``, found by the first operand it keeps for its
+    backward (to ``x``) being ``factor`` itself (the same storage and shape); None if there is none or more
+    than one. Its output gradient is that of ``factor * x``."""
+    matches = []
+    for node in nodes:
+        kept = _saved(node, "_saved_self") if type(node).__name__ == "MulBackward0" else None
+        if kept is not None and kept.data_ptr() == factor.data_ptr() and kept.shape == factor.shape:
+            matches.append(node)
+    return matches[0] if len(matches) == 1 else None
+
+
 _COPIES = {  # nodes whose output is their one input's values, moved or copied
     "ViewBackward0",
     "UnsafeViewBackward0",

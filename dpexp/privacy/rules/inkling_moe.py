@@ -34,7 +34,6 @@ batch, which the fallback cannot fold).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, per_example_copies, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, forward_arguments, per_example_copies, refuse, register_rule
 from dpexp.privacy.rules.activation import activation_refusal
 from dpexp.privacy.rules.moe import compute_dtype
 from dpexp.privacy.rules.submodule_values import unfollowed
@@ -57,7 +56,7 @@ def _check_router(module: nn.Module) -> None:
 
 def router_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (N, d),)``: the rows the router flattens its input to."""
-    hidden = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments["hidden_states"]
+    hidden = forward_arguments(module, args, kwargs)["hidden_states"]
     return (hidden.reshape(-1, module.hidden_dim),)
 
 
@@ -118,7 +117,7 @@ def _check_shared(module: nn.Module) -> None:
 def shared_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (N, d), gammas (N, S), compute dtype)``: the rows every shared expert reads, their
     weights, and the dtype of the call's matmuls."""
-    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
+    call = forward_arguments(module, args, kwargs)
     hidden, gammas = call["hidden_states"], call["gammas"]
     width = hidden.shape[-1]
     if gammas.numel() != hidden.numel() // width * module.n_shared_experts:

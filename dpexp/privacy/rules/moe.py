@@ -55,7 +55,6 @@ with a post-expert norm or expert parallel, inputs other than (N, d) rows with (
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -64,7 +63,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, Outer, PerExampleGrad, Routed
-from dpexp.privacy.rules import CallLayout, first_output, qualified_name, refuse, register_rule
+from dpexp.privacy.rules import (
+    CallLayout,
+    first_output,
+    forward_arguments,
+    qualified_name,
+    refuse,
+    register_rule,
+)
 from dpexp.privacy.rules.activation import activation_refusal
 
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
@@ -226,9 +232,8 @@ def experts_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tu
         raise ValueError(
             f"the privacy engine's mixture-of-experts rule cannot handle it: {refusal[0]}. {refusal[1]}"
         )
-    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    call.apply_defaults()
-    x, index, weights = list(call.arguments.values())[1:]
+    call = forward_arguments(module, args, kwargs, defaults=True)
+    x, index, weights = list(call.values())
     shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in (x, index, weights)]
     if not (
         torch.is_tensor(x)
@@ -378,8 +383,8 @@ def llama4_experts_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]
     """``(inputs (N, E, d), compute dtype)``: row n's input to every expert. ``Llama4TextExperts`` receives
     them expert-major, (E*N, d) (every token goes to every expert, scaled by its score, 0 where the router
     did not pick it), and the view makes dim 0 the N = B*T flattened tokens."""
-    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    (x,) = list(call.arguments.values())[1:]
+    call = forward_arguments(module, args, kwargs)
+    (x,) = list(call.values())
     experts = module.gate_up_proj.shape[0]
     if not (torch.is_tensor(x) and x.dim() == 2 and x.shape[0] % experts == 0):
         shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
@@ -708,9 +713,8 @@ def router_inputs(
     scores (LFM2-MoE's ``expert_bias``)."""
 
     def inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-        call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-        call.apply_defaults()
-        hidden, *others = list(call.arguments.values())[1:]
+        call = forward_arguments(module, args, kwargs, defaults=True)
+        hidden, *others = list(call.values())
         dtype = compute_dtype(hidden)
         if float32_logits and (autocast_off or not torch.is_autocast_enabled(hidden.device.type)):
             dtype = torch.float32

@@ -9,26 +9,33 @@ over the features. Example i's gradients are sums over its positions,
     d p1_i = sum_t dh[i, t] * x[i, t],   d p2_i = sum_t dy[i, t] * h[i, t],
 
 where ``dh`` is the whole gradient at ``h`` (through the MLP and through ``p2``): the output gradient of the
-product ``p1 * x``, which the rule reads off the call's autograd graph (:mod:`dpexp.privacy.rules.graph`:
-the one product that keeps ``p1`` itself, as its backward to ``x`` needs it), ``dy`` arriving at the product
-``p2 * h`` likewise, and ``h`` kept from the call as ``post_attention_layernorm``'s input. Nothing of the
-layer runs again. Where the graph lacks those products (autocast's copies of the parameters, activation
-checkpointing's hooks) the layer is refused with the fix: the fallback took it before (``doge`` entry of
-``bench_suite=sweep_fallbacks``), recomputing the whole layer, attention and MLP, per example.
+product ``p1 * x``, which the rule reads off the call's autograd graph
+(:func:`~dpexp.privacy.rules.graph.product_with`: the one product that keeps ``p1`` itself, as its backward to
+``x`` needs it), ``dy`` arriving at the product ``p2 * h`` likewise, and ``h`` kept from the call as
+``post_attention_layernorm``'s input. Nothing of the layer runs again. Where the graph lacks those products
+(autocast's copies of the parameters, activation checkpointing's hooks) the layer is refused with the fix: the
+fallback took it before (``doge`` entry of ``bench_suite=sweep_fallbacks``), recomputing the whole layer,
+attention and MLP, per example.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import Node
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, as_sequence, first_output, refuse, register_rule
-from dpexp.privacy.rules.graph import GraphReads, call_nodes
+from dpexp.privacy.rules import (
+    CallLayout,
+    as_sequence,
+    first_output,
+    forward_arguments,
+    refuse,
+    register_rule,
+    unknown_parameters,
+)
+from dpexp.privacy.rules.graph import GraphReads, call_nodes, product_with
 from dpexp.privacy.rules.submodule_values import once
 
 _DOGE = "transformers.models.doge.modeling_doge.DogeDecoderLayer"
@@ -38,30 +45,12 @@ _FIX = "Otherwise freeze input_residual and post_attention_residual (requires_gr
 
 
 def _check(module: nn.Module) -> None:
-    own = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    unknown = sorted(own - set(_SCALES))
-    reason = f"it owns parameters {unknown} the rule does not know" if unknown else None
-    refuse(module, "residual-scale", "layer", reason, _FIX)
+    refuse(module, "residual-scale", "layer", unknown_parameters(module, set(_SCALES)), _FIX)
 
 
 def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B, T, d),)``, to which the capture appends the kept ``h`` and the graph's reads."""
-    return (inspect.signature(module.forward).bind(*args, **kwargs).arguments["hidden_states"],)
-
-
-def _product_with(nodes: list[Node], scale: torch.Tensor) -> Node | None:
-    """The one elementwise product among ``nodes`` whose first operand, kept for its backward, is ``scale``
-    itself (the same storage and shape); None if there is none or more than one."""
-    found = []
-    for node in nodes:
-        if type(node).__name__ == "MulBackward0":
-            try:
-                kept = node._saved_self
-            except RuntimeError:
-                continue
-            if torch.is_tensor(kept) and kept.data_ptr() == scale.data_ptr() and kept.shape == scale.shape:
-                found.append(node)
-    return found[0] if len(found) == 1 else None
+    return (forward_arguments(module, args, kwargs)["hidden_states"],)
 
 
 def residual_graph(module: nn.Module, call: tuple, output: torch.Tensor, boundary: list) -> GraphReads | None:
@@ -70,7 +59,7 @@ def residual_graph(module: nn.Module, call: tuple, output: torch.Tensor, boundar
     nodes = call_nodes(output, boundary)
     if nodes is None:
         return None
-    products = {f"d_{name}": _product_with(nodes, getattr(module, name)) for name in _SCALES}
+    products = {f"d_{name}": product_with(nodes, getattr(module, name)) for name in _SCALES}
     if any(node is None for node in products.values()):
         return None
     return GraphReads({}, products)

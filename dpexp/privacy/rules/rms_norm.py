@@ -21,7 +21,6 @@ originals; their copies in other models' files (GLM, Helium, Qwen2-MoE, DeepSeek
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, as_sequence, first_output, register_rule
+from dpexp.privacy.rules import CallLayout, as_sequence, first_output, forward_arguments, register_rule
 
 _HF = "transformers.models"
 # forward: `self.weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)` (identical source in each)
@@ -167,9 +166,8 @@ def _activation(module: nn.Module) -> Any:
 
 def gated_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states, gate)`` of a gated RMSNorm's call, the gate None or of the states' shape."""
-    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    call.apply_defaults()
-    hidden, gate = list(call.arguments.values())[1:3]
+    call = forward_arguments(module, args, kwargs, defaults=True)
+    hidden, gate = list(call.values())[:2]
     if not torch.is_tensor(hidden) or (
         gate is not None and (not torch.is_tensor(gate) or gate.shape != hidden.shape)
     ):

@@ -69,7 +69,6 @@ know, a forward the recomputation does not reproduce.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,7 +79,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, CheckFn, first_output, per_example_copies, refuse, register_rule
+from dpexp.privacy.rules import (
+    CallLayout,
+    CheckFn,
+    first_output,
+    forward_arguments,
+    per_example_copies,
+    refuse,
+    register_rule,
+)
 from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
 
 _HF = "transformers.models"
@@ -160,14 +167,14 @@ def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
     the rule finds the padding mask: a tensor of the tuple would count as an input of the verified path,
     which would then differ between micro-batches with and without padding); the capture appends the values
     the rule keeps (``keeps``). A call with a cache is refused (the rule recomputes from no state)."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
-    if any(call.arguments.get(name) is not None for name in ("cache", "cache_params")):
+    call = forward_arguments(module, args, kwargs)
+    if any(call.get(name) is not None for name in ("cache", "cache_params")):
         raise ValueError(
             f"{type(module).__name__} was given a cache, which the rule's recomputation of the mixer cannot "
             "start from; call the model with use_cache=False in training, or freeze the mixer's own "
             "parameters and its conv1d"
         )
-    return call.arguments["hidden_states"], call.arguments
+    return call["hidden_states"], call
 
 
 def _kept(module: nn.Module, kept: dict[str, list[Any]], taps: dict[str, tuple[str, str]]) -> dict[str, Any]:

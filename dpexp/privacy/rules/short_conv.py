@@ -19,7 +19,6 @@ and a wrapped ``conv`` or ``out_proj`` (their weights are read).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -27,7 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, first_output, refuse, register_rule
+from dpexp.privacy.rules import (
+    CallLayout,
+    first_output,
+    forward_arguments,
+    given_cache,
+    refuse,
+    register_rule,
+)
 from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
 
 _HF = "transformers.models"
@@ -48,13 +54,13 @@ def _check(module: nn.Module) -> None:
 def short_conv_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B, T, d),)``, to which the capture appends the kept values; a call with a cache is
     refused (the rule's convolution starts from no state)."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
-    if any(call.arguments.get(name) is not None for name in ("cache", "past_key_values")):
+    call = forward_arguments(module, args, kwargs)
+    if given_cache(call):
         raise ValueError(
             f"{type(module).__name__} was given a cache, from which the rule's convolution does not start; "
             "call the model with use_cache=False in training, or freeze its conv"
         )
-    return (call.arguments["hidden_states"],)
+    return (call["hidden_states"],)
 
 
 @register_rule(
@@ -93,13 +99,13 @@ def _check_residual(module: nn.Module) -> None:
 def residual_conv_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B, T, d), conv_mask (B, T) or None)``; a call with a cache is refused (the rule's
     convolution starts from no state)."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
-    if any(call.arguments.get(name) is not None for name in ("cache", "past_key_values")):
+    call = forward_arguments(module, args, kwargs)
+    if given_cache(call):
         raise ValueError(
             f"{type(module).__name__} was given a cache, from which the rule's convolution does not start; "
             "call the model with use_cache=False in training, or freeze its conv1d"
         )
-    return call.arguments["hidden_states"], call.arguments.get("conv_mask")
+    return call["hidden_states"], call.get("conv_mask")
 
 
 @register_rule(

@@ -21,7 +21,6 @@ whole network per example.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +33,7 @@ from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import (
     CallLayout,
     first_output,
+    forward_arguments,
     qualified_name,
     refuse,
     register_rule,
@@ -255,9 +255,8 @@ def _token_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], resample
     embeddings; refuses a call whose output gradient is not the gradient at the tokens (embedding dropout in
     training), a traced call, a float32 resampling of a float64 table (DINOv2: the engine's check of the
     per-example sums would fail by its rounding), and a mask that is not one row per image."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
-    call.apply_defaults()
-    pixels, mask = call.arguments["pixel_values"], call.arguments["bool_masked_pos"]
+    call = forward_arguments(module, args, kwargs, defaults=True)
+    pixels, mask = call["pixel_values"], call["bool_masked_pos"]
     if module.training and module.dropout.p > 0:
         raise ValueError(
             f"applies embedding dropout (p={module.dropout.p}) to its output in training, so its output "
@@ -421,14 +420,13 @@ def hiera_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
     """``(pixel_values,)`` of a call of Hiera's embeddings; refuses a call that resamples the position table
     (``interpolate_pos_encoding`` for another size, or traced), whose gradient the rule does not take back
     through the bicubic resampling."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
-    call.apply_defaults()
-    pixels = call.arguments["pixel_values"]
+    call = forward_arguments(module, args, kwargs, defaults=True)
+    pixels = call["pixel_values"]
     height, width = pixels.shape[-2:]
     conv = module.patch_embeddings.projection  # its output grid is the token grid the table is added to
     geometry = zip((height, width), conv.kernel_size, conv.stride, conv.padding, conv.dilation, strict=True)
     patches = math.prod((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, s, p, d in geometry)
-    if call.arguments["interpolate_pos_encoding"] and (
+    if call["interpolate_pos_encoding"] and (
         torch.jit.is_tracing() or patches != module.position_embeddings.shape[1] or height != width
     ):
         raise ValueError(

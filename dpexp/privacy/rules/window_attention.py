@@ -37,7 +37,6 @@ temperature and the MLP per example.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -45,7 +44,7 @@ import torch
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import CallLayout, refuse, register_rule
+from dpexp.privacy.rules import CallLayout, forward_arguments, refuse, register_rule
 from dpexp.privacy.rules.submodule_values import once
 
 
@@ -175,8 +174,8 @@ def hf_swin_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tu
     probabilities the rule cannot recompute exactly: another attention implementation than eager or sdpa,
     attention dropout in training (its mask is drawn inside the attention function), and eager attention
     in float64 (its softmax runs in float32)."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
-    hidden, mask = call.arguments["hidden_states"], call.arguments.get("attention_mask")
+    call = forward_arguments(module, args, kwargs)
+    hidden, mask = call["hidden_states"], call.get("attention_mask")
     implementation = getattr(module.config, "_attn_implementation", None)
     if implementation not in _HF_IMPLEMENTATIONS:
         raise ValueError(
@@ -304,14 +303,14 @@ def _check_hf_v2(module: nn.Module) -> None:
 def hf_swinv2_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B*nW, N, C),)``, the capture appending the kept values; refuses attention dropout
     in training, whose mask the rule does not apply."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
+    call = forward_arguments(module, args, kwargs)
     if module.training and module.dropout.p > 0:
         raise ValueError(
             f"applies attention dropout (p={module.dropout.p}) to its probabilities in training, whose mask "
             "the rule does not apply; set attention_probs_dropout_prob=0, or freeze logit_scale and "
             f"{_V2_MLP}"
         )
-    return (call.arguments["hidden_states"],)
+    return (call["hidden_states"],)
 
 
 @register_rule(
@@ -478,13 +477,13 @@ def _check_self_attention(module: nn.Module) -> None:
 def swin_self_attention_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B*nW, N, C),)``, the capture appending the kept values; refuses attention dropout
     in training, whose mask the rule does not apply."""
-    call = inspect.signature(module.forward).bind(*args, **kwargs)
+    call = forward_arguments(module, args, kwargs)
     if module.training and module.dropout.p > 0:
         raise ValueError(
             f"applies attention dropout (p={module.dropout.p}) to its probabilities in training, whose mask "
             f"the rule does not apply; set attention_probs_dropout_prob=0, or freeze {_TABLE}"
         )
-    return (call.arguments["hidden_states"],)
+    return (call["hidden_states"],)
 
 
 @register_rule(
