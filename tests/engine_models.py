@@ -515,22 +515,6 @@ def gpt_neox_japanese() -> nn.Module:
     return model
 
 
-def dory() -> nn.Module:
-    """Tiny random Dory: Gemma-2-like sandwich layers on the unit sphere, its LM head's logit scale drawn away
-    from its start so that it matters."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "dory", hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        intermediate_size=24, vocab_size=40, pad_token_id=1, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).double().eval()
-    with torch.no_grad():
-        model.lm_head.logit_scale.uniform_(0.01, 0.05)
-    return model
-
-
 def llama4() -> nn.Module:
     """Tiny random Llama 4 (text): MoE blocks in which every token goes to every expert (expert-major rows
     of (E*N, d), scaled by the sigmoid of the router's top-1 logit, 0 for the others), a shared expert added
@@ -780,6 +764,54 @@ def doge(keep_window_size: int = 4) -> nn.Module:
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.A.normal_(0.0, 1.0)
+    return model
+
+
+def dory() -> nn.Module:
+    """Tiny random Dory (nGPT blocks on the unit sphere, ``rules/ngpt.py``): one input, one recurrent layer
+    run twice (two loops) and one output layer; sliding (window 6 < T) and full attention; eager attention,
+    the cache off. Its own scales (``lambda_1``, ``lambda_2``, ``suv_gate``, ``suv_up``, ``sqk``,
+    ``s_gate``, initialised to one constant each) drawn per channel around it, one ``lambda_1`` at 0 (where
+    ``|lambda|``'s derivative is 0), and its LM head's logit scale drawn away from its start."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "dory", vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=16,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        n_input_layers=1, n_output_layers=1, n_recurrent_loops=2, attention_dropout=0.0, pad_token_id=1,
+        use_cache=False,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for module in (layer, layer.mlp, layer.self_attn):
+                for param in module.parameters(recurse=False):
+                    param.mul_(1.0 + 0.5 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+            layer.lambda_1[0] = 0.0
+        model.lm_head.logit_scale.uniform_(0.01, 0.05)  # its LM head's scale (rules/scaled_linear.py)
+    return model
+
+
+def rwkv() -> nn.Module:
+    """Tiny random RWKV-4 (``rules/rwkv.py``): two blocks of time mixing (the WKV recurrence, run by its
+    CPU function) and channel mixing, token shift in both; its own vectors drawn around their starts so that
+    each channel differs, the cache off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "rwkv", vocab_size=40, hidden_size=16, attention_hidden_size=16, intermediate_size=24,
+        num_hidden_layers=2, context_length=16, pad_token_id=1, use_cache=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for block in model.rwkv.blocks:
+            for module in (block.attention, block.feed_forward):
+                for param in module.parameters(recurse=False):
+                    param.add_(0.3 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
     return model
 
 

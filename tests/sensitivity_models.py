@@ -719,7 +719,7 @@ NEW_CASES = [
     "timm_beit_shared",  # the same, fused, with one relative position bias shared by all blocks
     "mixtral",  # MoE routers and 3-D expert weights on (B*T) flattened rows, folded with their routing
     "dbrx",  # experts stacked (E I, d), each expert's gathered rows passed with its slices to one mlp
-    "dory",  # an LM head scaling its float32 logits per vocabulary entry; the rest of Dory on the fallback
+    "dory",  # an LM head scaling its float32 logits per vocabulary entry, nGPT's scales read off the graph
     "gpt_neox_japanese",  # the last attention returns its dense_bias, which the decoder layer adds
     "deepseek_v4",  # a hash router (experts by token id), hyper-connections and sinks on the fallback
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
@@ -748,6 +748,7 @@ NEW_CASES = [
     "whisper",  # speech to text: the decoder's positions indexed by position ids repeated to the batch
     "longcat_flash",  # zero-computation (identity) experts beside the routed ones, a router reading a Linear
     "doge",  # a dynamic attention mask (forward mode) and residual scales read off the layer's graph
+    "rwkv",  # token shift and the WKV recurrence run again with per-example copies of decay and bonus
     "recurrent_gemma",  # the RG-LRU on the fallback, recomputed as called, one example at a time
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
@@ -832,11 +833,12 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         return engine_models.beam_attention(), engine_models.lm_loss, batch, {"padding": LM_PADDING}
     if name == "whisper":
         return engine_models.whisper(), engine_models.speech_loss, engine_models.speech_batch(size, gen), {}
-    if name in ("diffllama", "cpmant", "doge"):
+    if name in ("diffllama", "cpmant", "doge", "rwkv"):
         model = {
             "diffllama": engine_models.diffllama,
             "cpmant": engine_models.cpmant,
             "doge": engine_models.doge,
+            "rwkv": engine_models.rwkv,
         }[name]()
         batch = engine_models._padded_text(size, 8, 40, gen)
         # Doge's float32 softmax: A's gradient, a small sum of large terms (tests/test_rules_doge.py)

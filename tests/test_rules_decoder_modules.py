@@ -2,8 +2,9 @@
 strategy x clipping mode (float64, padded texts, two micro-batches), no module left to the fallback:
 DiffLlama's differential attention (``rules/differential.py``), CPM-Ant's norm and segment position bias
 (``rules/rms_norm.py``, ``rules/embedding.py``), Doge's dynamic mask and residual scales
-(``rules/dynamic_mask.py``, ``rules/residual_scale.py``). Each rule's own cases and refusals are in its
-test file."""
+(``rules/dynamic_mask.py``, ``rules/residual_scale.py``); since stop 63 Dory's nGPT scales
+(``rules/ngpt.py``) and RWKV-4's token shift and WKV recurrence (``rules/rwkv.py``). Each rule's own cases and
+refusals are in its test file."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import _padded_text, cpmant, diffllama, doge, lm_loss
+from tests.engine_models import _padded_text, cpmant, diffllama, doge, dory, lm_loss, rwkv
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -26,6 +27,10 @@ MODELS = {  # builder, tolerance
     # Doge's eager attention takes its softmax in float32: A's gradient, a small sum of large terms, is exact
     # to that rounding (the oracle's and the rule's differ by about 1e-5 of it), the rest to 1e-8
     "doge": (doge, {"rel": 1e-6, "floor": 1e-9}),
+    # Dory's L2 norms and its LM head's logits in float32
+    "dory": (dory, {"rel": 1e-5}),
+    # RWKV's recurrence runs in float32
+    "rwkv": (rwkv, {"rel": 1e-5}),
 }
 
 

@@ -120,6 +120,23 @@ def product_with(nodes: Iterable[Node], factor: torch.Tensor) -> Node | None:
     return matches[0] if len(matches) == 1 else None
 
 
+def saved_operands(node: Node) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """The two operands an elementwise product ``self * other`` (``MulBackward0``) keeps for its backward,
+    detached (``other`` is kept where ``self`` needs a gradient, and the reverse); None for another node."""
+    if type(node).__name__ != "MulBackward0":
+        return None
+    kept = (_saved(node, "_saved_self"), _saved(node, "_saved_other"))
+    return tuple(None if t is None else t.detach() for t in kept)
+
+
+def produced_by(value: torch.Tensor) -> Node | None:
+    """The node whose output ``value`` is (a value a rule keeps from the call): the gradient at ``value``
+    arrives there as that node's output gradient. None where ``value`` has no graph, or is not its node's
+    first output (the gradient read is the first)."""
+    node = value.grad_fn if torch.is_tensor(value) else None
+    return node if node is not None and value.output_nr == 0 else None
+
+
 _COPIES = {  # nodes whose output is their one input's values, moved or copied
     "ViewBackward0",
     "UnsafeViewBackward0",

@@ -1,0 +1,152 @@
+"""nGPT's learnt scales by rule (``rules/ngpt.py``): Dory's decoder-layer rates, MLP and attention scaling
+factors, with the gradients inside the call read off its graph. A tiny Dory whose recurrent layer is called
+twice against the oracle (every strategy x clipping mode is in ``test_rules_decoder_modules.py``), under
+sdpa, frozen scales, and the refusals of a forward the rule does not reproduce and of a graph without the
+reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpexp.privacy import PrivacyEngine
+from dpexp.privacy.capture import unsupported_modules
+from tests.engine_models import dory, lm_loss
+from tests.oracle import check_clipped_step
+from tests.test_rules_decoder_modules import MODELS, batch
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+
+MICRO = [[0, 1, 2], [3, 4, 5]]
+
+
+def test_needs_no_fallback():
+    assert unsupported_modules(dory()) == {}
+
+
+def test_rules_match_oracle_with_a_layer_called_in_two_loops():
+    torch.manual_seed(0)
+    check_clipped_step(dory(), lm_loss, batch(), MICRO, "bk", "per_layer", **MODELS["dory"][1])
+
+
+def test_attention_under_sdpa_matches_oracle():
+    """The scaled queries' product is found by the value it keeps, whatever attention function follows."""
+    model = dory()
+    model.config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    check_clipped_step(model, lm_loss, batch(), MICRO, "bk", "flat", **MODELS["dory"][1])
+
+
+def test_partly_frozen_scales():
+    model = dory()
+    for layer in model.model.layers:
+        layer.mlp.suv_up.requires_grad_(False)
+        layer.lambda_2.requires_grad_(False)
+        layer.self_attn.s_gate.requires_grad_(False)
+    torch.manual_seed(0)
+    check_clipped_step(model, lm_loss, batch(), MICRO, "ghost", "flat", **MODELS["dory"][1])
+
+
+def _engine(model: nn.Module) -> PrivacyEngine:
+    return PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+
+
+def test_a_forward_that_scales_otherwise_is_refused(monkeypatch):
+    """The rule recomputes the scaled gate from the kept values: a forward that scales it otherwise is not
+    reproduced."""
+    from transformers.models.dory.modeling_dory import DoryMLP
+
+    def doubled(self, hidden_states):
+        gate = self.gate_proj(hidden_states) * (self.suv_gate * self.suv_scale * 2.0)
+        up = self.up_proj(hidden_states) * (self.suv_up * self.suv_scale)
+        return self.down_proj(self.ffn_sub_norm(self.act_fn(gate) * up))
+
+    model = dory()
+    engine = _engine(model)
+    monkeypatch.setattr(DoryMLP, "forward", doubled)
+    with pytest.raises(
+        RuntimeError, match=r"DoryMLP: .*of the scaled gate does not reproduce.*freeze suv_gate"
+    ):
+        engine.backward(lm_loss(model, batch()))
+
+
+def test_a_layer_whose_rate_is_applied_otherwise_is_refused(monkeypatch):
+    from transformers.models.dory.modeling_dory import DoryDecoderLayer
+
+    def squared(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        a, _ = self.self_attn(h, attention_mask=attention_mask, position_embeddings=position_embeddings)
+        h = h + (self.lambda_1 * self.lambda_scale).square() * (self.post_attention_layernorm(a) - h)
+        h = self.pre_feedforward_layernorm(h)
+        m = self.post_feedforward_layernorm(self.mlp(h))
+        return h + (self.lambda_2 * self.lambda_scale).abs() * (m - h)
+
+    model = dory()
+    engine = _engine(model)
+    monkeypatch.setattr(DoryDecoderLayer, "forward", squared)
+    with pytest.raises(RuntimeError, match=r"DoryDecoderLayer: .*of h1 does not reproduce.*freeze lambda_1"):
+        engine.backward(lm_loss(model, batch()))
+
+
+def test_a_submodule_called_twice_is_refused(monkeypatch):
+    """Two calls of the activation: which one's input is the scaled gate is not known, and nothing is read."""
+    from transformers.models.dory.modeling_dory import DoryMLP
+
+    def twice(self, hidden_states):
+        gate = self.gate_proj(hidden_states) * (self.suv_gate * self.suv_scale)
+        up = self.up_proj(hidden_states) * (self.suv_up * self.suv_scale)
+        return self.down_proj(self.ffn_sub_norm(self.act_fn(gate) * up + self.act_fn(up)))
+
+    model = dory()
+    engine = _engine(model)
+    monkeypatch.setattr(DoryMLP, "forward", twice)
+    with pytest.raises(ValueError, match=r"DoryMLP: the nGPT rule reads .*other than once.*freeze suv_gate"):
+        engine.backward(lm_loss(model, batch()))
+
+
+def test_an_output_gate_the_rule_does_not_reproduce_is_refused(monkeypatch):
+    from transformers.models.dory import modeling_dory
+
+    original = torch.sigmoid
+
+    def shifted(x):  # the module's gate only: its sigmoid of the scaled gate states, moved
+        return original(x + 0.1) if x.dim() == 3 and x.shape[-1] == 16 else original(x)
+
+    model = dory()
+    engine = _engine(model)
+    monkeypatch.setattr(modeling_dory.torch, "sigmoid", shifted)
+    loss = lm_loss(model, batch())
+    monkeypatch.setattr(modeling_dory.torch, "sigmoid", original)
+    with pytest.raises(RuntimeError, match=r"DoryAttention: .*output gate does not reproduce.*freeze sqk"):
+        engine.backward(loss)
+
+
+def test_hooks_on_saved_tensors_are_refused():
+    """The scaled queries' product is found by what it keeps; under hooks on saved tensors (activation
+    checkpointing, offloading) nothing is read."""
+    model = dory()
+    engine = _engine(model)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = lm_loss(model, batch())
+    with pytest.raises(ValueError, match=r"DoryAttention: the nGPT rule reads .*hooks on saved tensors"):
+        engine.backward(loss)
+
+
+def test_another_own_parameter_is_refused_at_construction():
+    model = dory()
+    model.model.layers[0].mlp.extra = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"DoryMLP: .*parameters \['extra'\].*freeze suv_gate and suv_up"):
+        _engine(model)
+
+
+def test_reproduction_holds_where_the_forward_gave_nan():
+    """A text of padding only gives NaN in Dory's eager attention; the rules' check that they follow the
+    forward compares the finite values and NaN where the forward has NaN (the sensitivity harness's padding
+    neighbour), and still tells a different value apart."""
+    from dpexp.privacy.rules.functional import reproduces
+
+    recorded = torch.tensor([[1.0, 2.0], [float("nan"), float("nan")]])
+    assert reproduces(recorded, recorded.clone())
+    assert not reproduces(recorded, torch.tensor([[1.0, 2.5], [float("nan"), float("nan")]]))
+    assert not reproduces(recorded, torch.tensor([[1.0, 2.0], [0.0, float("nan")]]))
