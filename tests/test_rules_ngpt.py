@@ -52,56 +52,61 @@ def _engine(model: nn.Module) -> PrivacyEngine:
     return PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
 
 
-def test_a_forward_that_scales_otherwise_is_refused(monkeypatch):
-    """The rule recomputes the scaled gate from the kept values: a forward that scales it otherwise is not
-    reproduced."""
-    from transformers.models.dory.modeling_dory import DoryMLP
+def _mlp_forward(gate_factor: float, second_activation: bool):
+    """Dory's MLP forward with its scaled gate times ``gate_factor``, its activation called once more."""
 
-    def doubled(self, hidden_states):
-        gate = self.gate_proj(hidden_states) * (self.suv_gate * self.suv_scale * 2.0)
+    def forward(self, hidden_states):
+        gate = self.gate_proj(hidden_states) * (self.suv_gate * self.suv_scale * gate_factor)
         up = self.up_proj(hidden_states) * (self.suv_up * self.suv_scale)
-        return self.down_proj(self.ffn_sub_norm(self.act_fn(gate) * up))
+        product = self.act_fn(gate) * up
+        return self.down_proj(self.ffn_sub_norm(product + self.act_fn(up) if second_activation else product))
+
+    return forward
+
+
+def _layer_forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+    """Dory's decoder layer with its first rate squared instead of taken absolute."""
+    h = self.input_layernorm(hidden_states)
+    a, _ = self.self_attn(h, attention_mask=attention_mask, position_embeddings=position_embeddings)
+    h = h + (self.lambda_1 * self.lambda_scale).square() * (self.post_attention_layernorm(a) - h)
+    h = self.pre_feedforward_layernorm(h)
+    m = self.post_feedforward_layernorm(self.mlp(h))
+    return h + (self.lambda_2 * self.lambda_scale).abs() * (m - h)
+
+
+@pytest.mark.parametrize(
+    "kind,forward,error,match",
+    [
+        # the rule recomputes the scaled gate from the kept values: another scale is not reproduced
+        (
+            "DoryMLP",
+            _mlp_forward(2.0, False),
+            RuntimeError,
+            r"DoryMLP: .*scaled gate does not reproduce.*suv_gate",
+        ),
+        (
+            "DoryDecoderLayer",
+            _layer_forward,
+            RuntimeError,
+            r"DoryDecoderLayer: .*h1 does not reproduce.*lambda_1",
+        ),
+        # two calls of the activation: which one's input is the scaled gate is not known, nothing is read
+        (
+            "DoryMLP",
+            _mlp_forward(1.0, True),
+            ValueError,
+            r"DoryMLP: the nGPT rule reads .*other than once.*suv_",
+        ),
+    ],
+    ids=["mlp-scaled-otherwise", "layer-rate-otherwise", "activation-called-twice"],
+)
+def test_a_forward_the_rule_does_not_follow_is_refused(monkeypatch, kind, forward, error, match):
+    from transformers.models.dory import modeling_dory
 
     model = dory()
     engine = _engine(model)
-    monkeypatch.setattr(DoryMLP, "forward", doubled)
-    with pytest.raises(
-        RuntimeError, match=r"DoryMLP: .*of the scaled gate does not reproduce.*freeze suv_gate"
-    ):
-        engine.backward(lm_loss(model, batch()))
-
-
-def test_a_layer_whose_rate_is_applied_otherwise_is_refused(monkeypatch):
-    from transformers.models.dory.modeling_dory import DoryDecoderLayer
-
-    def squared(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
-        h = self.input_layernorm(hidden_states)
-        a, _ = self.self_attn(h, attention_mask=attention_mask, position_embeddings=position_embeddings)
-        h = h + (self.lambda_1 * self.lambda_scale).square() * (self.post_attention_layernorm(a) - h)
-        h = self.pre_feedforward_layernorm(h)
-        m = self.post_feedforward_layernorm(self.mlp(h))
-        return h + (self.lambda_2 * self.lambda_scale).abs() * (m - h)
-
-    model = dory()
-    engine = _engine(model)
-    monkeypatch.setattr(DoryDecoderLayer, "forward", squared)
-    with pytest.raises(RuntimeError, match=r"DoryDecoderLayer: .*of h1 does not reproduce.*freeze lambda_1"):
-        engine.backward(lm_loss(model, batch()))
-
-
-def test_a_submodule_called_twice_is_refused(monkeypatch):
-    """Two calls of the activation: which one's input is the scaled gate is not known, and nothing is read."""
-    from transformers.models.dory.modeling_dory import DoryMLP
-
-    def twice(self, hidden_states):
-        gate = self.gate_proj(hidden_states) * (self.suv_gate * self.suv_scale)
-        up = self.up_proj(hidden_states) * (self.suv_up * self.suv_scale)
-        return self.down_proj(self.ffn_sub_norm(self.act_fn(gate) * up + self.act_fn(up)))
-
-    model = dory()
-    engine = _engine(model)
-    monkeypatch.setattr(DoryMLP, "forward", twice)
-    with pytest.raises(ValueError, match=r"DoryMLP: the nGPT rule reads .*other than once.*freeze suv_gate"):
+    monkeypatch.setattr(getattr(modeling_dory, kind), "forward", forward)
+    with pytest.raises(error, match=match):
         engine.backward(lm_loss(model, batch()))
 
 

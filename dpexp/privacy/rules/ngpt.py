@@ -62,7 +62,7 @@ from dpexp.privacy.rules import (
     unknown_parameters,
 )
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, produced_by, saved_operands
-from dpexp.privacy.rules.submodule_values import once, reproduced
+from dpexp.privacy.rules.submodule_values import gradients_at, kept_tensor, once, reproduced
 
 _DORY = "transformers.models.dory.modeling_dory"
 _LAYER_KEEPS = {
@@ -80,21 +80,20 @@ _MLP_KEEPS = {
     "p": ("ffn_sub_norm", "input"),
 }
 _ATTENTION_KEEPS = {"q": ("q_norm", "output"), "g": ("gate_proj", "output"), "P": ("attn_sub_norm", "input")}
-_ATTENTION_FIX = "Otherwise freeze sqk and s_gate (requires_grad=False)."
-_LAYER_FIX = "Otherwise freeze lambda_1 and lambda_2 (requires_grad=False)."
-_MLP_FIX = "Otherwise freeze suv_gate and suv_up (requires_grad=False)."
+_SCALES = {  # the module's own parameters, by class
+    "DoryDecoderLayer": ("lambda_1", "lambda_2"),
+    "DoryMLP": ("suv_gate", "suv_up"),
+    "DoryAttention": ("sqk", "s_gate"),
+}
 
 
-def _check_layer(module: nn.Module) -> None:
-    refuse(module, "nGPT", "layer", unknown_parameters(module, {"lambda_1", "lambda_2"}), _LAYER_FIX)
+def _fix(module: nn.Module) -> str:
+    return f"Otherwise freeze {' and '.join(_SCALES[type(module).__name__])} (requires_grad=False)."
 
 
-def _check_mlp(module: nn.Module) -> None:
-    refuse(module, "nGPT", "MLP", unknown_parameters(module, {"suv_gate", "suv_up"}), _MLP_FIX)
-
-
-def _check_attention(module: nn.Module) -> None:
-    refuse(module, "nGPT", "attention", unknown_parameters(module, {"sqk", "s_gate"}), _ATTENTION_FIX)
+def _check(module: nn.Module) -> None:
+    reason = unknown_parameters(module, set(_SCALES[type(module).__name__]))
+    refuse(module, "nGPT", "module", reason, _fix(module))
 
 
 def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -102,37 +101,24 @@ def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     return (forward_arguments(module, args, kwargs)["hidden_states"],)
 
 
-def _values(value: Any) -> torch.Tensor:
-    """A kept value as a tensor: an input's first argument, or an output."""
-    return value[0] if isinstance(value, tuple) else value
-
-
 def _graph_at(keys: tuple[str, ...]):
     """A :class:`~dpexp.privacy.rules.CallLayout` ``graph`` reading the gradients at the kept values ``keys``
-    (``d_<key>``) at the nodes that produced them; None where one has none (no graph, another output of
-    its node) or its submodule was not called once."""
-
-    def graph(module: nn.Module, call: tuple, output: Any, boundary: list) -> GraphReads | None:
-        kept = call[-1]
-        if any(len(kept[key]) != 1 for key in keys):
-            return None
-        nodes = {f"d_{key}": produced_by(_values(kept[key][0])) for key in keys}
-        return None if any(node is None for node in nodes.values()) else GraphReads({}, nodes)
-
-    return graph
+    (:func:`~dpexp.privacy.rules.submodule_values.gradients_at`)."""
+    return lambda module, call, output, boundary: gradients_at(call[-1], keys)
 
 
-def _read(module: nn.Module, call: tuple, keeps: dict[str, tuple[str, str]], fix: str) -> tuple[dict, dict]:
-    """``(kept values, graph reads)`` of a call, refused with ``fix`` where the graph gave none."""
-    if len(call) < 3:
+def _read(module: nn.Module, call: tuple, keeps: dict[str, tuple[str, str]], inputs: int = 1) -> tuple:
+    """``(kept values as tensors, graph reads)`` of a call whose first ``inputs`` entries are its inputs,
+    refused where the graph gave no reads."""
+    if len(call) < inputs + 2:
         raise ValueError(
             f"{type(module).__name__}: the nGPT rule reads gradients inside the call off its autograd graph, "
-            "which lacks them here (no gradient reaches the kept values, or a submodule called other than "
-            f"once); {fix}"
+            "which lacks them here (no gradient reaches the kept values, hooks on saved tensors, or a "
+            f"submodule called other than once); {_fix(module)}"
         )
-    _, kept, reads = call
-    seen = once(module, kept, keeps, f"register a rule for its type. {fix}")
-    return {key: _values(value).detach() for key, value in seen.items()}, reads
+    kept, reads = call[inputs], call[inputs + 1]
+    seen = once(module, kept, keeps, f"register a rule for its type. {_fix(module)}")
+    return {key: kept_tensor(value).detach() for key, value in seen.items()}, reads
 
 
 def _rate_grad(lam: torch.Tensor, scale: float, summed: torch.Tensor) -> torch.Tensor:
@@ -142,16 +128,16 @@ def _rate_grad(lam: torch.Tensor, scale: float, summed: torch.Tensor) -> torch.T
 
 @register_rule(
     f"{_DORY}.DoryDecoderLayer",
-    check=_check_layer,
+    check=_check,
     call=CallLayout(_inputs, first_output, keeps=lambda _: _LAYER_KEEPS, graph=_graph_at(("h1",))),
 )
 def rates_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``d lambda_1``, ``d lambda_2`` (B, d) by the module docstring's formulas; ``dy`` (B, T, d)."""
-    v, reads = _read(module, call, _LAYER_KEEPS, _LAYER_FIX)
+    v, reads = _read(module, call, _LAYER_KEEPS)
     scale = module.lambda_scale
     with torch.no_grad():
         rate = (module.lambda_1 * scale).abs()
-        reproduced(module, "h1", v["h1"], v["h"] + rate * (v["a"] - v["h"]), _LAYER_FIX)
+        reproduced(module, "h1", v["h1"], v["h"] + rate * (v["a"] - v["h"]), _fix(module))
         first = as_sequence(reads["d_h1"].to(v["h"].dtype) * (v["a"] - v["h"])).sum(1)
         second = as_sequence(dy.to(v["h2"].dtype) * (v["m"] - v["h2"])).sum(1)
         return {
@@ -162,18 +148,18 @@ def rates_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
 
 @register_rule(
     f"{_DORY}.DoryMLP",
-    check=_check_mlp,
+    check=_check,
     call=CallLayout(_inputs, first_output, keeps=lambda _: _MLP_KEEPS, graph=_graph_at(("gate", "p"))),
 )
 def suv_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``d suv_gate``, ``d suv_up`` (B, intermediate) by the module docstring's formulas; ``dy`` unused (the
     gradients at ``gate`` and ``p`` are read)."""
-    v, reads = _read(module, call, _MLP_KEEPS, _MLP_FIX)
+    v, reads = _read(module, call, _MLP_KEEPS)
     scale = module.suv_scale
     with torch.no_grad():
-        reproduced(module, "the scaled gate", v["gate"], v["G"] * (module.suv_gate * scale), _MLP_FIX)
+        reproduced(module, "the scaled gate", v["gate"], v["G"] * (module.suv_gate * scale), _fix(module))
         up = v["U"] * (module.suv_up * scale)
-        reproduced(module, "the MLP's product", v["p"], v["act"] * up, _MLP_FIX)
+        reproduced(module, "the MLP's product", v["p"], v["act"] * up, _fix(module))
         gate = as_sequence(reads["d_gate"].to(v["G"].dtype) * v["G"]).sum(1)
         product = as_sequence(reads["d_p"].to(v["U"].dtype) * v["act"] * v["U"]).sum(1)
         return {"suv_gate": Dense(gate * scale), "suv_up": Dense(product * scale)}
@@ -192,7 +178,7 @@ def _attention_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     if given_cache(call) or call.get("shared_kv_states") is not None:
         raise ValueError(
             "was given a cache or shared keys and values; call the model with use_cache=False in training. "
-            f"{_ATTENTION_FIX}"
+            f"{_fix(module)}"
         )
     return call["hidden_states"], tuple(call["position_embeddings"])
 
@@ -204,7 +190,7 @@ def attention_graph(module: nn.Module, call: tuple, output: Any, boundary: list)
     if any(len(kept[key]) != 1 for key in _ATTENTION_KEEPS):
         return None
     nodes = call_nodes(output[0] if isinstance(output, tuple) else output, boundary)
-    gated = produced_by(_values(kept["P"][0]))
+    gated = produced_by(kept_tensor(kept["P"][0]))
     operands = None if gated is None else saved_operands(gated)
     if nodes is None or operands is None or any(t is None for t in operands):
         return None
@@ -222,20 +208,14 @@ def attention_graph(module: nn.Module, call: tuple, output: Any, boundary: list)
 
 @register_rule(
     f"{_DORY}.DoryAttention",
-    check=_check_attention,
+    check=_check,
     call=CallLayout(_attention_inputs, first_output, keeps=lambda _: _ATTENTION_KEEPS, graph=attention_graph),
 )
 def attention_scales_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``d sqk``, ``d s_gate`` (B, heads * e) by the module docstring's formulas; ``dy`` unused (the
     gradients inside the call are read)."""
-    if len(call) < 4:
-        raise ValueError(
-            f"{type(module).__name__}: the nGPT rule reads gradients inside the call off its autograd graph, "
-            "which lacks them here (hooks on saved tensors, or a submodule called other than once); "
-            f"{_ATTENTION_FIX}"
-        )
-    _, (cos, sin), kept, reads = call
-    v = {k: _values(x).detach() for k, x in once(module, kept, _ATTENTION_KEEPS, _ATTENTION_FIX).items()}
+    v, reads = _read(module, call, _ATTENTION_KEEPS, inputs=2)
+    cos, sin = call[1]
     rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
     with torch.no_grad():
         q = v["q"].transpose(1, 2)
@@ -244,7 +224,7 @@ def attention_scales_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> 
         d_scale = (reads["d_q"].to(q.dtype) * q).sum(2).flatten(1)  # (B, heads * e) at (c s_qk)^2
         gate = (module.s_gate * module.s_gate_scale).square()
         sigma = reads["sigma"]
-        reproduced(module, "the output gate", sigma, torch.sigmoid(v["g"] * gate), _ATTENTION_FIX)
+        reproduced(module, "the output gate", sigma, torch.sigmoid(v["g"] * gate), _fix(module))
         inner = reads["d_P"].to(sigma.dtype) * reads["o"] * sigma * (1 - sigma) * v["g"]
         d_gate = as_sequence(inner).sum(1)
         return {

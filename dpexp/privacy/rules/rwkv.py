@@ -16,12 +16,12 @@ module's own recurrence (``rwkv_linear_attention_cpu`` of its modeling file) onc
 values with one copy of ``w`` and ``u`` per example, and backpropagates ``dwkv``: example i's gradients are
 the copies' (:func:`~dpexp.privacy.rules.per_example_copies`).
 
-The capture keeps the values the formulas name as the submodules see them (``keeps``): ``shifted`` (the
-time shift's output), each projection's input (the mix) and the keys, values and receptance; the gradients at
-the mixes and at ``output``'s input are read off the call's graph at the nodes that produced them
-(:func:`~dpexp.privacy.rules.graph.produced_by`). The rule recomputes each mix and ``r * wkv`` and refuses a
-module whose forward it does not reproduce, and a call with a recurrent state (the rule's recurrence starts
-from none). Before these rules the exact fallback recomputed each block per example (``rwkv`` entry of
+The capture keeps the values the formulas name as the submodules see them (``keeps``): ``shifted`` (the time
+shift's output), each projection's input (the mix) and the keys, values and receptance; the gradients at the
+mixes and at ``output``'s input are read off the call's graph at the nodes that produced them
+(:func:`~dpexp.privacy.rules.submodule_values.gradients_at`). The rule recomputes each mix and ``r * wkv`` and
+refuses a module whose forward it does not reproduce, and a call with a recurrent state (the rule's recurrence
+starts from none). Before these rules the exact fallback recomputed each block per example (``rwkv`` entry of
 ``bench_suite=sweep_fallbacks``).
 """
 
@@ -43,8 +43,8 @@ from dpexp.privacy.rules import (
     refuse,
     register_rule,
 )
-from dpexp.privacy.rules.graph import GraphReads, produced_by
-from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
+from dpexp.privacy.rules.graph import GraphReads
+from dpexp.privacy.rules.submodule_values import gradients_at, kept_tensor, once, reproduced, unfollowed
 
 _RWKV = "transformers.models.rwkv.modeling_rwkv"
 _MIXES = {  # mixing vector -> the projection that reads its mix
@@ -102,19 +102,9 @@ def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     return (arguments["hidden"],)
 
 
-def _tensor(value: Any) -> torch.Tensor:
-    return value[0] if isinstance(value, tuple) else value
-
-
 def rwkv_graph(module: nn.Module, call: tuple, output: Any, boundary: list) -> GraphReads | None:
-    """The nodes that produced the mixes (and ``output``'s input): the gradients there; None where one has
-    none or its submodule was not called once."""
-    kept = call[-1]
-    keys = _graph_keys(module)
-    if any(len(kept[key]) != 1 for key in keys):
-        return None
-    nodes = {f"d_{key}": produced_by(_tensor(kept[key][0])) for key in keys}
-    return None if any(node is None for node in nodes.values()) else GraphReads({}, nodes)
+    """The gradients at the mixes (and at ``output``'s input) (:func:`gradients_at`)."""
+    return gradients_at(call[-1], _graph_keys(module))
 
 
 @register_rule(
@@ -134,7 +124,9 @@ def rwkv_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Pe
             f"once). {fix}"
         )
     hidden, kept, reads = call
-    seen = {key: _tensor(value).detach() for key, value in once(module, kept, _keeps(module), fix).items()}
+    seen = {
+        key: kept_tensor(value).detach() for key, value in once(module, kept, _keeps(module), fix).items()
+    }
     x, shifted = hidden.detach(), seen["shifted"]
     grads: dict[str, PerExampleGrad] = {}
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """What a rule that follows its module's forward reads from its submodules: kept by the capture during the
 module's training call (:class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``: the scan mixers' rules), or
 differentiated in a second run of the module (:func:`tangents`: the attention-sinks rule, which needs how
-each head's output moves with its sink); and the checks such a rule makes: that it knows the module's
+each head's output moves with its sink), with the gradients at kept values read off the call's graph
+(:func:`gradients_at`: the nGPT and RWKV rules); and the checks such a rule makes: that it knows the module's
 parameters and reads plain submodules (:func:`unfollowed`), and that its recomputation reproduces the module
 (:func:`reproduced`).
 """
@@ -17,6 +18,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
 from dpexp.privacy.rules.functional import reproduces
+from dpexp.privacy.rules.graph import GraphReads, produced_by
 
 
 def unfollowed(module: nn.Module, own: set[str], plain: dict[str, type]) -> str | None:
@@ -111,3 +113,18 @@ def tangents(
 def _tangent(value: Any) -> Any:
     """``value`` with every tensor replaced by its forward-mode tangent (None where it has none)."""
     return tree_map(lambda x: forward_ad.unpack_dual(x).tangent if torch.is_tensor(x) else None, value)
+
+
+def kept_tensor(value: Any) -> torch.Tensor:
+    """A kept value as a tensor: an input's (argument tuple's) first argument, or an output."""
+    return value[0] if isinstance(value, tuple) else value
+
+
+def gradients_at(values: dict[str, list[Any]], keys: tuple[str, ...]) -> GraphReads | None:
+    """Graph reads of the gradients at the kept values ``keys`` (``d_<key>``), at the nodes that produced
+    them (:func:`~dpexp.privacy.rules.graph.produced_by`); None where a submodule was not called once or a
+    value has no such node (no gradient reaches it, or it is another output of its node)."""
+    if any(len(values[key]) != 1 for key in keys):
+        return None
+    nodes = {f"d_{key}": produced_by(kept_tensor(values[key][0])) for key in keys}
+    return None if any(node is None for node in nodes.values()) else GraphReads({}, nodes)
