@@ -123,6 +123,7 @@ class StateWatch:
         self._unreplayed: set[Key] = set()  # written in a verification that ended without a replay
         self._found: set[Key] = set()  # independent attributes a call of this forward found again
         self._watched: dict[str, Any] = {}  # module name -> its pre-hook's handle
+        self._held: list[torch.Tensor] = []  # the attributes' and buffers' tensors at the forward's start
 
     # ------------------------------------------------------------------ around a training forward
     def _attributes(self, holders: bool = True) -> dict[Key, Any]:
@@ -148,7 +149,14 @@ class StateWatch:
             if b is not None
         }
         self._found = set()
-        self._before = {key: _signature(value) for key, value in self._attributes().items()}
+        attributes = self._attributes()
+        self._before = {key: _signature(value) for key, value in attributes.items()}
+        # held until :meth:`check`: a tensor the forward drops cannot be freed and its id() given to the one
+        # it writes in its place, which the signatures would then take for the same, unwritten
+        self._held = [
+            *(t for value in attributes.values() for t in attribute_tensors(value)),
+            *(b for _, module in self._modules for b in module._buffers.values() if b is not None),
+        ]
         if snapshot:  # all attributes: a None the forward replaces is put back as None
             self._snapshot = {key: _copied(value) for key, value in self._attributes(holders=False).items()}
             self._values, self._pending = _fingerprints(self.model), set()
@@ -156,6 +164,12 @@ class StateWatch:
     def check(self) -> None:
         """A training forward ended: refuse a changed buffer, and in a verification a parameter or buffer
         whose values changed out of the version counters' sight; note the tensor attributes it wrote."""
+        try:
+            self._check_written()
+        finally:
+            self._held = []
+
+    def _check_written(self) -> None:
         self._check_buffers()
         self._check_values()
         for key, value in self._attributes().items():
