@@ -24,4 +24,7 @@ def test_head_grads_match_autograd_per_example(dtype):
         weight, scale = torch.autograd.grad(out, [head.weight, head.logit_scale], dy[i : i + 1])
         rel = 1e-12 if dtype == torch.float64 else 1e-5
         torch.testing.assert_close(grads["weight"].instantiate()[i], weight, rtol=rel, atol=rel)
-        torch.testing.assert_close(grads["logit_scale"].instantiate()[i], scale, rtol=1e-5, atol=1e-7)
+        # float32 sums over positions in another order: the error is relative to the terms, not to a sum
+        # that cancels (an entry of 0.19 was 3e-6 off)
+        atol = 1e-5 * scale.abs().max().item()
+        torch.testing.assert_close(grads["logit_scale"].instantiate()[i], scale, rtol=1e-5, atol=atol)
