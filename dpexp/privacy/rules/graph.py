@@ -108,16 +108,24 @@ def matmul_with(nodes: Iterable[Node], weight: torch.Tensor) -> Node | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def product_with(nodes: Iterable[Node], factor: torch.Tensor) -> Node | None:
-    """The one elementwise product ``factor * x`` among ``nodes``, found by the first operand it keeps for its
-    backward (to ``x``) being ``factor`` itself (the same storage and shape); None if there is none or more
-    than one. Its output gradient is that of ``factor * x``."""
-    matches = []
-    for node in nodes:
-        kept = _saved(node, "_saved_self") if type(node).__name__ == "MulBackward0" else None
-        if kept is not None and kept.data_ptr() == factor.data_ptr() and kept.shape == factor.shape:
-            matches.append(node)
+def product_with(nodes: Iterable[Node], factor: torch.Tensor, by_value: bool = False) -> Node | None:
+    """The one elementwise product ``a * b`` (``MulBackward0``) among ``nodes`` that keeps ``factor`` as an
+    operand for its backward (:func:`saved_operands`): ``factor`` itself (the same storage and shape: a
+    parameter multiplying the stream), or with ``by_value`` a tensor equal to it (a factor the forward forms
+    anew, as ``(c s)^2``). None if there is none or more than one. Its output gradient is that of the
+    product."""
+    matches = [
+        node
+        for node in nodes
+        if any(t is not None and _same(t, factor, by_value) for t in saved_operands(node) or ())
+    ]
     return matches[0] if len(matches) == 1 else None
+
+
+def _same(kept: torch.Tensor, factor: torch.Tensor, by_value: bool) -> bool:
+    if by_value:
+        return torch.equal(kept, factor)
+    return kept.data_ptr() == factor.data_ptr() and kept.shape == factor.shape
 
 
 def saved_operands(node: Node) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:

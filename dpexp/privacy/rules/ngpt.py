@@ -35,11 +35,12 @@ norm's output), ``a``, ``h1`` and ``h2`` (the feed-forward norm's input and outp
 output norm's input). The gradients at ``h1``, ``gate``, ``p`` and ``P`` are read off the call's graph at the
 nodes that produced those kept values (:func:`~dpexp.privacy.rules.graph.produced_by`), ``o`` from what the
 gate's product keeps for its backward, and the gradient at the scaled queries at the one product in the
-call's graph that keeps ``(c s_qk)^2`` itself, found by its value (the attention function's own, any
-implementation). Nothing of the module runs again. The rule recomputes ``h1``, ``gate``, ``p`` and the gate
-from the kept values and its formulas, and refuses a module whose forward they do not reproduce, and an
-attention given a cache or the loops' shared keys and values. Before these rules the fallback recomputed
-each layer, MLP and attention per example (``dory`` entry of ``bench_suite=sweep_fallbacks``).
+call's graph that keeps ``(c s_qk)^2``, found by its value (the attention function's own, any implementation:
+:func:`~dpexp.privacy.rules.graph.product_with`). Nothing of the module runs again. The rule recomputes
+``h1``, ``gate``, ``p`` and the gate from the kept values and its formulas, and refuses a module whose
+forward they do not reproduce, and an attention given a cache or the loops' shared keys and values. Before
+these rules the fallback recomputed each layer, MLP and attention per example (``dory`` entry of
+``bench_suite=sweep_fallbacks``).
 """
 
 from __future__ import annotations
@@ -61,8 +62,14 @@ from dpexp.privacy.rules import (
     register_rule,
     unknown_parameters,
 )
-from dpexp.privacy.rules.graph import GraphReads, call_nodes, produced_by, saved_operands
-from dpexp.privacy.rules.submodule_values import gradients_at, kept_tensor, once, reproduced
+from dpexp.privacy.rules.graph import GraphReads, call_nodes, produced_by, product_with, saved_operands
+from dpexp.privacy.rules.submodule_values import (
+    called_once,
+    gradients_at,
+    kept_tensor,
+    read_call,
+    reproduced,
+)
 
 _DORY = "transformers.models.dory.modeling_dory"
 _LAYER_KEEPS = {
@@ -107,20 +114,6 @@ def _graph_at(keys: tuple[str, ...]):
     return lambda module, call, output, boundary: gradients_at(call[-1], keys)
 
 
-def _read(module: nn.Module, call: tuple, keeps: dict[str, tuple[str, str]], inputs: int = 1) -> tuple:
-    """``(kept values as tensors, graph reads)`` of a call whose first ``inputs`` entries are its inputs,
-    refused where the graph gave no reads."""
-    if len(call) < inputs + 2:
-        raise ValueError(
-            f"{type(module).__name__}: the nGPT rule reads gradients inside the call off its autograd graph, "
-            "which lacks them here (no gradient reaches the kept values, hooks on saved tensors, or a "
-            f"submodule called other than once); {_fix(module)}"
-        )
-    kept, reads = call[inputs], call[inputs + 1]
-    seen = once(module, kept, keeps, f"register a rule for its type. {_fix(module)}")
-    return {key: kept_tensor(value).detach() for key, value in seen.items()}, reads
-
-
 def _rate_grad(lam: torch.Tensor, scale: float, summed: torch.Tensor) -> torch.Tensor:
     """(B, d): ``d |scale lambda| / d lambda`` times example i's ``summed`` (B, d)."""
     return summed * (scale * torch.sign(lam.detach() * scale))
@@ -133,7 +126,7 @@ def _rate_grad(lam: torch.Tensor, scale: float, summed: torch.Tensor) -> torch.T
 )
 def rates_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``d lambda_1``, ``d lambda_2`` (B, d) by the module docstring's formulas; ``dy`` (B, T, d)."""
-    v, reads = _read(module, call, _LAYER_KEEPS)
+    _, v, reads = read_call(module, call, _LAYER_KEEPS, "nGPT", _fix(module))
     scale = module.lambda_scale
     with torch.no_grad():
         rate = (module.lambda_1 * scale).abs()
@@ -154,7 +147,7 @@ def rates_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
 def suv_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``d suv_gate``, ``d suv_up`` (B, intermediate) by the module docstring's formulas; ``dy`` unused (the
     gradients at ``gate`` and ``p`` are read)."""
-    v, reads = _read(module, call, _MLP_KEEPS)
+    _, v, reads = read_call(module, call, _MLP_KEEPS, "nGPT", _fix(module))
     scale = module.suv_scale
     with torch.no_grad():
         reproduced(module, "the scaled gate", v["gate"], v["G"] * (module.suv_gate * scale), _fix(module))
@@ -187,7 +180,7 @@ def attention_graph(module: nn.Module, call: tuple, output: Any, boundary: list)
     """The gradients at the scaled queries (the one product keeping ``(c s_qk)^2``, found by its value) and at
     ``P`` (its node's kept operands give ``o`` and the gate); None where the graph lacks them."""
     kept = call[-1]
-    if any(len(kept[key]) != 1 for key in _ATTENTION_KEEPS):
+    if not called_once(kept, _ATTENTION_KEEPS):
         return None
     nodes = call_nodes(output[0] if isinstance(output, tuple) else output, boundary)
     gated = produced_by(kept_tensor(kept["P"][0]))
@@ -195,15 +188,10 @@ def attention_graph(module: nn.Module, call: tuple, output: Any, boundary: list)
     if nodes is None or operands is None or any(t is None for t in operands):
         return None
     with torch.no_grad():
-        scale = _query_scale(module)
-    scaled = [
-        node
-        for node in nodes
-        if any(t is not None and torch.equal(t, scale) for t in saved_operands(node) or ())
-    ]
-    if len(scaled) != 1:
+        scaled = product_with(nodes, _query_scale(module), by_value=True)
+    if scaled is None:
         return None
-    return GraphReads({"o": operands[0], "sigma": operands[1]}, {"d_q": scaled[0], "d_P": gated})
+    return GraphReads({"o": operands[0], "sigma": operands[1]}, {"d_q": scaled, "d_P": gated})
 
 
 @register_rule(
@@ -214,8 +202,7 @@ def attention_graph(module: nn.Module, call: tuple, output: Any, boundary: list)
 def attention_scales_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``d sqk``, ``d s_gate`` (B, heads * e) by the module docstring's formulas; ``dy`` unused (the
     gradients inside the call are read)."""
-    v, reads = _read(module, call, _ATTENTION_KEEPS, inputs=2)
-    cos, sin = call[1]
+    (_, (cos, sin)), v, reads = read_call(module, call, _ATTENTION_KEEPS, "nGPT", _fix(module), inputs=2)
     rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
     with torch.no_grad():
         q = v["q"].transpose(1, 2)

@@ -36,7 +36,7 @@ from dpexp.privacy.rules import (
     unknown_parameters,
 )
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, product_with
-from dpexp.privacy.rules.submodule_values import once
+from dpexp.privacy.rules.submodule_values import read_call
 
 _DOGE = "transformers.models.doge.modeling_doge.DogeDecoderLayer"
 _SCALES = ("input_residual", "post_attention_residual")
@@ -72,17 +72,11 @@ def residual_scale_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
     """``d input_residual`` and ``d post_attention_residual`` (B, d) by the module docstring's formula;
     ``call`` = (x, kept, reads), ``dy`` (B, T, d) the layer's output gradient (its product's, from the
     graph: the same)."""
-    if len(call) < 3:
-        raise ValueError(
-            f"{type(module).__name__}: the residual-scale rule reads the gradients of its products "
-            "p * residual off the layer's autograd graph, which lacks them here (autocast's copies of the "
-            f"parameters, or activation checkpointing). {_FIX}"
-        )
-    x, kept, reads = call
-    h = once(module, kept, _KEEPS, f"register a rule for its type. {_FIX}")["h"][0]
+    (x,), kept, reads = read_call(module, call, _KEEPS, "residual-scale", _FIX)
+    h = kept["h"]
     first, second = (reads[f"d_{name}"] for name in _SCALES)
     with torch.no_grad():
         return {
             "input_residual": Dense(as_sequence(first.to(x.dtype) * x.detach()).sum(1)),
-            "post_attention_residual": Dense(as_sequence(second.to(h.dtype) * h.detach()).sum(1)),
+            "post_attention_residual": Dense(as_sequence(second.to(h.dtype) * h).sum(1)),
         }

@@ -44,7 +44,7 @@ from dpexp.privacy.rules import (
     register_rule,
 )
 from dpexp.privacy.rules.graph import GraphReads
-from dpexp.privacy.rules.submodule_values import gradients_at, kept_tensor, once, reproduced, unfollowed
+from dpexp.privacy.rules.submodule_values import gradients_at, read_call, reproduced, unfollowed
 
 _RWKV = "transformers.models.rwkv.modeling_rwkv"
 _MIXES = {  # mixing vector -> the projection that reads its mix
@@ -63,6 +63,11 @@ _ATTENTION_KEEPS = {
 }
 
 
+def _time_mixing(module: nn.Module) -> bool:
+    """Whether ``module`` is the time mixing (``w``, ``u`` and the recurrence), not the channel mixing."""
+    return type(module).__name__ == "RwkvSelfAttention"
+
+
 def _fix(module: nn.Module) -> str:
     own = [name for name, _ in module.named_parameters(recurse=False)]
     return f"Otherwise freeze {', '.join(own)} (requires_grad=False)."
@@ -73,7 +78,7 @@ def _keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
     mixes = {
         f"mix_{name}": (projection, "input") for name, projection in _MIXES[type(module).__name__].items()
     }
-    extra = _ATTENTION_KEEPS if isinstance(getattr(module, "time_decay", None), nn.Parameter) else {}
+    extra = _ATTENTION_KEEPS if _time_mixing(module) else {}
     return {"shifted": ("time_shift", "output"), **mixes, **extra}
 
 
@@ -85,7 +90,7 @@ def _graph_keys(module: nn.Module) -> tuple[str, ...]:
 def _check(module: nn.Module) -> None:
     mixes = _MIXES[type(module).__name__]
     projections = dict.fromkeys(mixes.values(), nn.Linear)
-    own = set(mixes) | ({"time_decay", "time_first"} if "y" in _keeps(module) else set())
+    own = set(mixes) | ({"time_decay", "time_first"} if _time_mixing(module) else set())
     reason = unfollowed(module, own, {**projections, "time_shift": nn.ZeroPad2d})
     refuse(module, "RWKV", "block", reason, _fix(module))
 
@@ -117,16 +122,7 @@ def rwkv_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Pe
     """The mixing vectors (B, 1, 1, d) and, for the time mixing, ``time_decay`` and ``time_first`` (B, d) by
     the module docstring's formulas; ``dy`` unused (the gradients inside the call are read)."""
     fix = _fix(module)
-    if len(call) < 3:
-        raise ValueError(
-            f"{type(module).__name__}: the RWKV rule reads gradients inside the call off its autograd graph, "
-            f"which lacks them here (no gradient reaches the kept values, or a submodule called other than "
-            f"once). {fix}"
-        )
-    hidden, kept, reads = call
-    seen = {
-        key: kept_tensor(value).detach() for key, value in once(module, kept, _keeps(module), fix).items()
-    }
+    (hidden,), seen, reads = read_call(module, call, _keeps(module), "RWKV", fix)
     x, shifted = hidden.detach(), seen["shifted"]
     grads: dict[str, PerExampleGrad] = {}
     with torch.no_grad():
@@ -136,7 +132,7 @@ def rwkv_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Pe
             reproduced(module, f"the mix of {name}", mix, x * mu + shifted * (1 - mu), fix)
             summed = as_sequence(reads[f"d_mix_{name}"].to(x.dtype) * (x - shifted)).sum(1)
             grads[name] = Dense(summed.view(-1, *mu.shape))
-    if "y" in seen:
+    if _time_mixing(module):
         grads.update(_time_grads(module, seen, reads["d_y"], fix))
     return grads
 

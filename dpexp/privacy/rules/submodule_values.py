@@ -2,13 +2,14 @@
 module's training call (:class:`~dpexp.privacy.rules.CallLayout`'s ``keeps``: the scan mixers' rules), or
 differentiated in a second run of the module (:func:`tangents`: the attention-sinks rule, which needs how
 each head's output moves with its sink), with the gradients at kept values read off the call's graph
-(:func:`gradients_at`: the nGPT and RWKV rules); and the checks such a rule makes: that it knows the module's
-parameters and reads plain submodules (:func:`unfollowed`), and that its recomputation reproduces the module
-(:func:`reproduced`).
+(:func:`gradients_at`: the nGPT and RWKV rules), handed to the rule with the kept values by
+:func:`read_call`; and the checks such a rule makes: that it knows the module's parameters and reads plain
+submodules (:func:`unfollowed`), and that its recomputation reproduces the module (:func:`reproduced`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -120,11 +121,34 @@ def kept_tensor(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, tuple) else value
 
 
+def called_once(values: dict[str, list[Any]], keys: Iterable[str]) -> bool:
+    """Whether each submodule that ``keys`` names gave exactly one kept value in the call."""
+    return all(len(values[key]) == 1 for key in keys)
+
+
 def gradients_at(values: dict[str, list[Any]], keys: tuple[str, ...]) -> GraphReads | None:
     """Graph reads of the gradients at the kept values ``keys`` (``d_<key>``), at the nodes that produced
     them (:func:`~dpexp.privacy.rules.graph.produced_by`); None where a submodule was not called once or a
     value has no such node (no gradient reaches it, or it is another output of its node)."""
-    if any(len(values[key]) != 1 for key in keys):
+    if not called_once(values, keys):
         return None
     nodes = {f"d_{key}": produced_by(kept_tensor(values[key][0])) for key in keys}
     return None if any(node is None for node in nodes.values()) else GraphReads({}, nodes)
+
+
+def read_call(
+    module: nn.Module, call: tuple, keeps: dict[str, tuple[str, str]], rule: str, fix: str, inputs: int = 1
+) -> tuple[tuple, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(inputs, kept values, graph reads)`` of a call that the capture recorded as its first ``inputs``
+    entries, the kept values ``keeps`` names (each submodule called once, :func:`once`; detached tensors)
+    and the graph's reads; refused (the ``rule`` named, ``fix`` appended) where the graph gave none."""
+    if len(call) < inputs + 2:
+        raise ValueError(
+            f"{type(module).__name__}: the {rule} rule reads gradients inside the call off its autograd "
+            "graph, which lacks them here (no gradient reaches the values it reads, autocast's copies of "
+            "the parameters, hooks on saved tensors such as activation checkpointing's, or a submodule "
+            f"called other than once). {fix}"
+        )
+    seen = once(module, call[inputs], keeps, f"register a rule for its type. {fix}")
+    kept = {key: kept_tensor(value).detach() for key, value in seen.items()}
+    return call[:inputs], kept, call[inputs + 1]
