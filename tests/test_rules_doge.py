@@ -45,9 +45,7 @@ def test_residual_products_missing_from_the_graph_are_refused():
     engine = _engine(model)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         loss = lm_loss(model, batch())
-    with pytest.raises(
-        ValueError, match=r"DogeDecoderLayer: .*off its autograd graph.*freeze input_"
-    ):
+    with pytest.raises(ValueError, match=r"DogeDecoderLayer: .*off its autograd graph.*freeze input_"):
         engine.backward(loss)
 
 
