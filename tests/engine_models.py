@@ -1141,6 +1141,21 @@ def new_moe(name: str) -> nn.Module:
     return model.float() if float32 else model
 
 
+def hyper_connected(name: str) -> nn.Module:
+    """``new_moe(name)`` (``"deepseek_v4"`` or ``"hy_v4"``) with every hyper-connection's scales drawn apart
+    (they start at 1) and its biases away from 0 (``rules/hyper_connections.py``), so that each group's
+    logits differ from the others'."""
+    model = new_moe(name)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in model.modules():
+            if "Hyper" in type(module).__name__:
+                for param in module.parameters(recurse=False):
+                    if param.dim() == 1:
+                        param.copy_(0.5 + torch.rand(param.shape, generator=gen, dtype=param.dtype))
+    return model
+
+
 def inkling(shared: int = 2) -> nn.Module:
     """Tiny random Inkling (text): a normed embedding (the table through an RMSNorm), hybrid sliding-window
     and relative-position attention layers with short convolutions, and sparse MoE blocks whose sigmoid router
@@ -1217,7 +1232,8 @@ def glm5_next(lower_bound: float | None = -5.0) -> nn.Module:
     """Tiny random GLM-5-Next (text): the Kimi Delta Attention with a low-rank forget gate bounded by a
     sigmoid (``linear_lower_bound``, its default) or Kimi's softplus (None), beside an MLA attention layer
     with a sparse-attention indexer (frozen: its top-k indices pass no gradient to its parameters) and
-    hyper-connections between the layers (their ``base``, ``fn`` and ``scale`` on the exact fallback)."""
+    hyper-connections between the layers (``rules/hyper_connections.py``; on the exact fallback until stop
+    63)."""
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
     config = Glm5NextTextConfig(

@@ -721,7 +721,8 @@ NEW_CASES = [
     "dbrx",  # experts stacked (E I, d), each expert's gathered rows passed with its slices to one mlp
     "dory",  # an LM head scaling its float32 logits per vocabulary entry, nGPT's scales read off the graph
     "gpt_neox_japanese",  # the last attention returns its dense_bias, which the decoder layer adds
-    "deepseek_v4",  # a hash router (experts by token id), hyper-connections and sinks on the fallback
+    "deepseek_v4",  # a hash router (experts by token id), hyper-connections' weights read off the graph
+    "hy_v4",  # hyper-connections without comb (their rule), attention sinks behind a gate
     "qwen2_moe",  # the same with a gated shared expert, scores not renormalised
     "mixtral_aux_loss",  # the router's load-balancing loss (output_router_logits) mixes the batch's routing
     "deepseek_v2",  # a softmax router in float32, group-limited top-k scaled
@@ -795,6 +796,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "dory",
         "gpt_neox_japanese",
         "deepseek_v4",
+        "hy_v4",
         "longcat_flash",
     ):
         builders = {
@@ -802,6 +804,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "dory": engine_models.dory,
             "gpt_neox_japanese": engine_models.gpt_neox_japanese,
             "deepseek_v4": lambda: engine_models.new_moe("deepseek_v4"),
+            "hy_v4": lambda: engine_models.new_moe("hy_v4"),
             "longcat_flash": lambda: engine_models.new_moe("longcat_flash"),
             "qwen2_moe": engine_models.qwen2_moe,
             "deepseek_v2": engine_models.deepseek_v2,

@@ -3,8 +3,9 @@ strategy x clipping mode (float64, padded texts, two micro-batches), no module l
 DiffLlama's differential attention (``rules/differential.py``), CPM-Ant's norm and segment position bias
 (``rules/rms_norm.py``, ``rules/embedding.py``), Doge's dynamic mask and residual scales
 (``rules/dynamic_mask.py``, ``rules/residual_scale.py``); since stop 63 Dory's nGPT scales
-(``rules/ngpt.py``) and RWKV-4's token shift and WKV recurrence (``rules/rwkv.py``). Each rule's own cases and
-refusals are in its test file."""
+(``rules/ngpt.py``) and RWKV-4's token shift and WKV recurrence (``rules/rwkv.py``); since stop 64 HY-V4's
+hyper-connections (``rules/hyper_connections.py``). Each rule's own cases and refusals are in its test
+file."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from dpexp.privacy.capture import unsupported_modules
-from tests.engine_models import _padded_text, cpmant, diffllama, doge, dory, lm_loss, rwkv
+from tests.engine_models import _padded_text, cpmant, diffllama, doge, dory, hyper_connected, lm_loss, rwkv
 from tests.oracle import check_clipped_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0")
@@ -31,6 +32,8 @@ MODELS = {  # builder, tolerance
     "dory": (dory, {"rel": 1e-5}),
     # RWKV's recurrence runs in float32
     "rwkv": (rwkv, {"rel": 1e-5}),
+    # HY-V4's hyper-connections compute in float32
+    "hy_v4": (lambda: hyper_connected("hy_v4"), {"rel": 1e-5}),
 }
 
 

@@ -326,6 +326,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     forget_gate,
     grn,
     grouped_linear,
+    hyper_connections,
     inkling_moe,
     layer_scale,
     linear,

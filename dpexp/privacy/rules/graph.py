@@ -40,19 +40,22 @@ class GraphReads:
     nodes: dict[str, Node]
 
 
-def call_nodes(output: torch.Tensor, inputs: Iterable[torch.Tensor]) -> list[Node] | None:
-    """The nodes of the graph between a call's ``output`` and its ``inputs`` (their nodes and the
-    parameters' ``AccumulateGrad`` excluded); None when the output has no graph, when saved tensors pass
-    through hooks (:func:`_saved_tensors_hooked`), or when the search passes :data:`_LIMIT` nodes (it left
-    the call through an input it was not given)."""
-    root = output.grad_fn
-    if root is None or _saved_tensors_hooked():
+def call_nodes(
+    output: torch.Tensor | tuple[torch.Tensor, ...], inputs: Iterable[torch.Tensor]
+) -> list[Node] | None:
+    """The nodes of the graph between a call's ``output`` (a tensor, or a tuple of them: the nodes behind
+    each) and its ``inputs`` (their nodes and the parameters' ``AccumulateGrad`` excluded); None when no
+    output has a graph, when saved tensors pass through hooks (:func:`_saved_tensors_hooked`), or when the
+    search passes :data:`_LIMIT` nodes (it left the call through an input it was not given)."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    roots = [t.grad_fn for t in outputs if torch.is_tensor(t) and t.grad_fn is not None]
+    if not roots or _saved_tensors_hooked():
         return None
     # the nodes themselves are held (Python wraps a node only while referenced: a freed wrapper's id could
     # come back as another node's)
     stops = {id(node): node for node in (t.grad_fn for t in inputs) if node is not None}
     found: dict[int, Node] = {}
-    frontier = [root]
+    frontier = roots
     while frontier:
         node = frontier.pop()
         if id(node) in found or id(node) in stops or _is_leaf(node):
@@ -200,6 +203,13 @@ def kept_by(nodes: Iterable[Node], node_class: str, name: str) -> tuple[Node, to
     found = [node for node in nodes if type(node).__name__ == node_class]
     kept = _saved(found[0], name) if len(found) == 1 else None
     return None if kept is None else (found[0], kept.detach())
+
+
+def kept_by_each(nodes: Iterable[Node], node_class: str, name: str) -> list[torch.Tensor]:
+    """The saved tensor ``name`` of every node of class ``node_class`` among ``nodes`` that kept one,
+    detached (``SigmoidBackward0``, ``_saved_result``: each sigmoid's output)."""
+    kept = (_saved(node, name) for node in nodes if type(node).__name__ == node_class)
+    return [t.detach() for t in kept if t is not None]
 
 
 _FIRST_OPERANDS = _COPIES | {"ExpandBackward0", "AddBackward0", "MulBackward0"}
