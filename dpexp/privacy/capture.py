@@ -258,7 +258,9 @@ class Forward:
 
 class _Anchor(torch.autograd.Function):
     """Makes the output of an input layer (whose input and parameters need no gradient) require one, so
-    that backpropagation still reaches the layer and its output-gradient hook fires."""
+    that backpropagation still reaches the layer and its output-gradient hook fires; and the main input of
+    a layer whose rule reads its call's graph, so that the call builds one
+    (:meth:`Capture._anchoring_input`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -356,6 +358,9 @@ class Capture:
             keeps = layer.rule.call.keeps if layer.rule is not None and layer.rule.call is not None else None
             if keeps is not None:
                 self._handles += self._keeping(layer.module, keeps(layer.module))
+            if layer.rule is not None and layer.rule.call is not None and layer.rule.call.graph is not None:
+                hook = partial(self._anchoring_input, layer)
+                self._handles.append(layer.module.register_forward_pre_hook(hook, with_kwargs=True))
             tap = layer.rule.tap if layer.rule is not None else None
             if tap is None:
                 # first of the module's hooks: the others (Hugging Face's output recorders) and the caller
@@ -370,6 +375,25 @@ class Capture:
                 self._handles.append(tapped.register_forward_hook(partial(self._tapped_output, layer)))
             else:
                 self._handles += self._tapping(layer)
+
+    def _anchoring_input(
+        self, layer: Layer, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[tuple, dict[str, Any]] | None:
+        """The main input (the layout's entry 0, found among the arguments as itself) of a layer whose rule
+        reads its call's graph, anchored where it needs no gradient (the first decoder layer above frozen
+        embeddings): with its parameters released, nothing in the call would then need one, autograd would
+        build no graph inside it, and the rule would find nothing to read and refuse the layer."""
+        if not self._recording() or self._replayed is not None:
+            return None
+        try:
+            main = layer.rule.call.inputs(module, args, kwargs)[0]
+        except ValueError:
+            return None  # refused at the call, with the layer's name
+        if not torch.is_tensor(main) or main.requires_grad or not main.is_floating_point():
+            return None
+        anchored = _Anchor.apply(main, self._anchor)
+        args = tuple(anchored if value is main else value for value in args)
+        return args, {key: anchored if value is main else value for key, value in kwargs.items()}
 
     def _tapping(self, layer: Layer) -> list[Any]:
         """Pre-hooks on the submodules a layer's rule taps (and, for a numbered tap, one on the layer that
