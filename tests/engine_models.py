@@ -1071,6 +1071,18 @@ NEW_MOE = {  # stop 53: MoE families new in transformers 5.2x, (model type, conf
         {"n_routed_experts": 4, "moe_intermediate_size": 12, "mlp_layer_types": ["hash_moe", "moe"]},
         False,
     ),
+    # stop 64: the same with windows of 4 in its heavily compressed attention, which the texts close (at its
+    # default 128 no window closes and the compressor's bias gets no gradient)
+    "deepseek_v4_windows": (
+        "deepseek_v4",
+        {
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 12,
+            "mlp_layer_types": ["hash_moe", "moe"],
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 4},
+        },
+        False,
+    ),
     "beam": (
         "beam",
         {"num_experts": 4, "mlp_layer_types": ["dense", "sparse"], "n_group": 2, "topk_group": 1, **_EXPERTS},
