@@ -39,7 +39,7 @@ from dpexp.privacy.rules import (
     unknown_parameters,
 )
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_by
-from dpexp.privacy.rules.submodule_values import called_once, gradients_at, read_call, reproduced
+from dpexp.privacy.rules.submodule_values import gradients_at, read_call, reproduced
 
 _HCA = "transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4HCACompressor"
 _KEEPS = {"gate": ("gate_proj", "output")}
@@ -69,10 +69,9 @@ def _windows(module: nn.Module, gate: torch.Tensor) -> torch.Tensor:
 def window_graph(module: nn.Module, call: tuple, output: Any, boundary: list) -> GraphReads | None:
     """The gradient at ``gate_proj``'s output and the window weights the call's one softmax kept; None
     where the graph lacks them, and for a call without a whole window (nothing pooled)."""
-    kept = call[-1]
-    if not called_once(kept, _KEEPS) or call[0].shape[1] < module.compress_rate:
+    if call[0].shape[1] < module.compress_rate:
         return None
-    at_gate = gradients_at(kept, ("gate",))
+    at_gate = gradients_at(call[-1], ("gate",))
     nodes = call_nodes(output, boundary)
     weights = None if nodes is None else kept_by(nodes, "SoftmaxBackward0", "_saved_result")
     return None if at_gate is None or weights is None else GraphReads({"weights": weights[1]}, at_gate.nodes)
