@@ -66,10 +66,15 @@ def _windows(module: nn.Module, gate: torch.Tensor) -> torch.Tensor:
     return gate[:, :usable].unflatten(1, (-1, m))
 
 
+def _pooled(module: nn.Module, call: tuple) -> bool:
+    """Whether the call's text closes a whole window (else it pools nothing and ``B`` gets no gradient)."""
+    return call[0].shape[1] >= module.compress_rate
+
+
 def window_graph(module: nn.Module, call: tuple, output: Any, boundary: list) -> GraphReads | None:
     """The gradient at ``gate_proj``'s output and the window weights the call's one softmax kept; None
     where the graph lacks them, and for a call without a whole window (nothing pooled)."""
-    if call[0].shape[1] < module.compress_rate:
+    if not _pooled(module, call):
         return None
     at_gate = gradients_at(call[-1], ("gate",))
     nodes = call_nodes(output, boundary)
@@ -83,7 +88,7 @@ def window_graph(module: nn.Module, call: tuple, output: Any, boundary: list) ->
 def window_bias_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``position_bias`` (B, m, d_h) by the module docstring's formula; ``dy`` unused."""
     bias = module.position_bias
-    if call[0].shape[1] < module.compress_rate:  # no whole window: nothing pooled
+    if not _pooled(module, call):
         return {"position_bias": Dense(bias.new_zeros(call[0].shape[0], *bias.shape))}
     _, kept, reads = read_call(module, call, _KEEPS, "window-bias", _FIX)
     with torch.no_grad():

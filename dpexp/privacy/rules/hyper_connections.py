@@ -49,9 +49,8 @@ from dpexp.privacy.rules import (
     register_rule,
     unknown_parameters,
 )
-from dpexp.privacy.rules.functional import reproduces
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_by_each, product_with
-from dpexp.privacy.rules.submodule_values import read_call
+from dpexp.privacy.rules.submodule_values import read_call, reproduced
 
 
 @dataclass(frozen=True)
@@ -158,7 +157,7 @@ _GLM5_NEXT = "transformers.models.glm5_next.modeling_glm5_next"
 def hyper_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``fn`` (an Outer of (B, T, K) and (B, T, N d)), ``base`` (B, K) and ``scale`` (B, groups) by the module
     docstring's formulas; ``dy`` unused (the gradients inside the call are read)."""
-    form, fix = _form(module), _fix(module)
+    form, fix, n = _form(module), _fix(module), module.hc_mult
     _, kept, reads = read_call(module, call, _KEEPS, "hyper-connection", fix)
     fn, base, scale = (getattr(module, name) for name in form.params)
     with torch.no_grad():
@@ -169,7 +168,10 @@ def hyper_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
         biases = base.detach().split(_sizes(module))
         du, scale_grads, left = [], [], []
         for g, (kind, part, b, s) in enumerate(zip(form.groups, parts, biases, _scales(module), strict=True)):
-            _reproduced(module, kind, g, part * s + b, reads, fix)
+            u = part * s + b
+            value = torch.sigmoid(u) if kind == "sigmoid" else torch.softmax(u.unflatten(-1, (n, n)), dim=-1)
+            kept_by_kind = [t for key, t in reads.items() if key.startswith(f"{kind}_")]
+            reproduced(module, f"group {g}'s {kind}", kept_by_kind, value, fix)
             d = reads[f"d_{g}"].flatten(2).to(fn.dtype)  # (B, T, K_g)
             du.append(d)
             scale_grads.append((d * part.to(fn.dtype)).sum((1, 2)))
@@ -179,17 +181,3 @@ def hyper_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
             form.params[1]: Dense(torch.cat(du, dim=-1).sum(1).to(base.dtype)),
             form.params[2]: Dense(torch.stack(scale_grads, dim=-1).view(-1, *scale.shape).to(scale.dtype)),
         }
-
-
-def _reproduced(module: nn.Module, kind: str, g: int, u: torch.Tensor, reads: dict, fix: str) -> None:
-    """Refuse ``module`` unless group ``g``'s function of its recomputed logits ``u`` (B, T, K_g) reproduces
-    a value one of the call's nodes of that function kept."""
-    n = module.hc_mult
-    value = torch.sigmoid(u) if kind == "sigmoid" else torch.softmax(u.unflatten(-1, (n, n)), dim=-1)
-    recorded = [t for key, t in reads.items() if key.startswith(f"{kind}_") and t.shape == value.shape]
-    if not any(reproduces(t, value.to(t.dtype)) for t in recorded):
-        raise RuntimeError(
-            f"{type(module).__name__}: the rule's recomputation of group {g}'s {kind} does not reproduce the "
-            "module's (its forward differs from the one the rule follows); register a rule for its type "
-            f"(dpexp.privacy.rules.register_rule). {fix}"
-        )

@@ -34,6 +34,7 @@ from dpexp.privacy.rules import (
     unknown_parameters,
 )
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, matmul_with
+from dpexp.privacy.rules.submodule_values import read_call
 
 _INKLING = "transformers.models.inkling.modeling_inkling.InklingRelativeLogits"
 _FIX = "Otherwise freeze proj (requires_grad=False)."
@@ -61,13 +62,7 @@ def relative_logits_graph(module: nn.Module, call: tuple, output: Any, boundary:
 def relative_logits_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``proj`` by the module docstring's formula: an Outer of ``r`` and ``dL`` over each example's
     ``T_q * heads`` rows; ``dy`` unused (the gradient at the product is read)."""
-    if len(call) < 2:
-        raise ValueError(
-            f"{type(module).__name__}: the relative-logits rule reads the gradient of its product r @ proj "
-            "off its autograd graph, which lacks it here (autocast's copy of proj, or hooks on saved tensors "
-            f"such as activation checkpointing's). {_FIX}"
-        )
-    states, reads = call[0], call[1]
+    (states,), _, reads = read_call(module, call, None, "relative-logits", _FIX)
     proj = module.proj
     batch, logits = states.shape[0], reads["d_logits"]
     if logits.numel() != states[..., :1].numel() * proj.shape[1]:

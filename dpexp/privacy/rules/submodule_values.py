@@ -9,7 +9,7 @@ submodules (:func:`unfollowed`), and that its recomputation reproduces the modul
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -45,12 +45,19 @@ def unfollowed(module: nn.Module, own: set[str], plain: dict[str, type]) -> str 
 
 
 def reproduced(
-    module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor, fix: str
+    module: nn.Module,
+    what: str,
+    recorded: torch.Tensor | Sequence[torch.Tensor],
+    recomputed: torch.Tensor,
+    fix: str,
 ) -> None:
-    """Refuse a module whose ``what`` (``recorded`` in its call) the rule's ``recomputed`` does not
-    reproduce (:func:`~dpexp.privacy.rules.functional.reproduces`): its forward is not the one the rule
-    follows."""
-    if not reproduces(recorded, recomputed.detach()):
+    """Refuse a module whose ``what`` (``recorded`` in its call, or one of several candidates the call
+    recorded, such as the values each of its sigmoid nodes kept) the rule's ``recomputed`` does not
+    reproduce (:func:`~dpexp.privacy.rules.functional.reproduces`, in the recorded value's dtype): its
+    forward is not the one the rule follows."""
+    candidates = [recorded] if torch.is_tensor(recorded) else list(recorded)
+    recomputed = recomputed.detach()
+    if not any(reproduces(value, recomputed.to(value.dtype)) for value in candidates):
         raise RuntimeError(
             f"{type(module).__name__}: the rule's recomputation of {what} does not reproduce the module's "
             "(its forward differs from the one the rule follows); register a rule for its type "
@@ -137,18 +144,27 @@ def gradients_at(values: dict[str, list[Any]], keys: tuple[str, ...]) -> GraphRe
 
 
 def read_call(
-    module: nn.Module, call: tuple, keeps: dict[str, tuple[str, str]], rule: str, fix: str, inputs: int = 1
+    module: nn.Module,
+    call: tuple,
+    keeps: dict[str, tuple[str, str]] | None,
+    rule: str,
+    fix: str,
+    inputs: int = 1,
 ) -> tuple[tuple, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(inputs, kept values, graph reads)`` of a call that the capture recorded as its first ``inputs``
-    entries, the kept values ``keeps`` names (each submodule called once, :func:`once`; detached tensors)
-    and the graph's reads; refused (the ``rule`` named, ``fix`` appended) where the graph gave none."""
-    if len(call) < inputs + 2:
+    entries, the kept values ``keeps`` names if the layout keeps any (each submodule called once,
+    :func:`once`; detached tensors; ``{}`` without keeps) and the graph's reads; refused (the ``rule``
+    named, ``fix`` appended) where the graph gave none."""
+    entries = inputs + (1 if keeps is None else 2)
+    if len(call) < entries:
         raise ValueError(
             f"{type(module).__name__}: the {rule} rule reads gradients inside the call off its autograd "
             "graph, which lacks them here (no gradient reaches the values it reads, autocast's copies of "
             "the parameters, hooks on saved tensors such as activation checkpointing's, or a submodule "
             f"called other than once). {fix}"
         )
+    if keeps is None:
+        return call[:inputs], {}, call[inputs]
     seen = once(module, call[inputs], keeps, f"register a rule for its type. {fix}")
     kept = {key: kept_tensor(value).detach() for key, value in seen.items()}
     return call[:inputs], kept, call[inputs + 1]
