@@ -843,11 +843,12 @@ def padded_lm_batch(batch_size: int = 6, seed: int = 0) -> Batch:
 
 
 def recurrent_gemma() -> nn.Module:
-    """Tiny random RecurrentGemma (Griffin): a recurrent layer (RG-LRU, no rule: the fallback) and a local
+    """Tiny random RecurrentGemma (Griffin): a recurrent layer (RG-LRU, ``rules/rg_lru.py``) and a local
     attention layer (window 6: with 4 a padded query row sees only padded keys and gives NaN). The RG-LRU
     keeps its last call's ``recurrent_states`` as an attribute, which its temporal block resets before each
-    call, and its ``SqrtBoundDerivative`` is an ``autograd.Function`` torch.func cannot run: the fallback
-    recomputes it with its attributes as at the call, one example at a time."""
+    call, and its ``SqrtBoundDerivative`` is an ``autograd.Function`` torch.func cannot run: its rule reads
+    the call's graph; without it the fallback recomputes it with its attributes as at the call, one example
+    at a time."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(

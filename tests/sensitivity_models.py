@@ -750,7 +750,7 @@ NEW_CASES = [
     "longcat_flash",  # zero-computation (identity) experts beside the routed ones, a router reading a Linear
     "doge",  # a dynamic attention mask (forward mode) and residual scales read off the layer's graph
     "rwkv",  # token shift and the WKV recurrence run again with per-example copies of decay and bonus
-    "recurrent_gemma",  # the RG-LRU on the fallback, recomputed as called, one example at a time
+    "recurrent_gemma",  # the RG-LRU's gates and decay read off its call's graph (a scan over time)
 ]
 ALL_CASES = [*engine_models.CASES, *NEW_CASES]
 # checked in the slow cross product only: the other recurrent and attention models

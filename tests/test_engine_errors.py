@@ -326,11 +326,16 @@ def test_a_forward_torch_func_cannot_run_is_taken_one_example_at_a_time(strategy
 @pytest.mark.parametrize(
     "strategy,clipping", [("bk", "flat"), ("ghost", "per_layer"), ("instantiate", "groups")]
 )
-def test_recurrent_gemma_takes_the_fallback_as_called_one_example_at_a_time(strategy, clipping):
-    """Refused before stop 55: the RG-LRU's recomputation read the states its call had left."""
+def test_recurrent_gemma_without_its_rule_takes_the_fallback_as_called(strategy, clipping, monkeypatch):
+    """Refused before stop 55: the RG-LRU's recomputation read the states its call had left. Its rule
+    (``rules/rg_lru.py``, stop 65) removed, the fallback recomputes it one example at a time with its
+    ``recurrent_states`` as at the call."""
+    from dpexp.privacy import rules
+    from dpexp.privacy.rules.rg_lru import _RGLRU
     from tests.engine_models import lm_loss, padded_lm_batch, recurrent_gemma
     from tests.oracle import check_clipped_step
 
+    monkeypatch.delitem(rules._RULES, _RGLRU)
     torch.manual_seed(0)
     groups = 2 if clipping == "groups" else None
     with pytest.warns(UserWarning, match=r"RecurrentGemmaRglru\): torch.func cannot run its forward"):

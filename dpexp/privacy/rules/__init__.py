@@ -340,6 +340,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     recurrent,
     relative_logits,
     residual_scale,
+    rg_lru,
     rms_norm,
     rwkv,
     scaled_linear,

@@ -29,6 +29,7 @@ import torch
 from torch.autograd.graph import Node
 
 _LIMIT = 256  # nodes a call's graph may hold before the search gives up (it left the call)
+_PER_STEP = 16  # and per time step of a call that loops over time (a recurrence's scan)
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,13 @@ class GraphReads:
 
 
 def call_nodes(
-    output: torch.Tensor | tuple[torch.Tensor, ...], inputs: Iterable[torch.Tensor]
+    output: torch.Tensor | tuple[torch.Tensor, ...], inputs: Iterable[torch.Tensor], steps: int = 0
 ) -> list[Node] | None:
     """The nodes of the graph between a call's ``output`` (a tensor, or a tuple of them: the nodes behind
     each) and its ``inputs`` (their nodes and the parameters' ``AccumulateGrad`` excluded); None when no
     output has a graph, when saved tensors pass through hooks (:func:`_saved_tensors_hooked`), or when the
-    search passes :data:`_LIMIT` nodes (it left the call through an input it was not given)."""
+    search passes :data:`_LIMIT` nodes, and :data:`_PER_STEP` more for each of the ``steps`` time steps a
+    call that loops over time runs (it left the call through an input it was not given)."""
     outputs = output if isinstance(output, tuple) else (output,)
     roots = [t.grad_fn for t in outputs if torch.is_tensor(t) and t.grad_fn is not None]
     if not roots or _saved_tensors_hooked():
@@ -55,13 +57,14 @@ def call_nodes(
     # come back as another node's)
     stops = {id(node): node for node in (t.grad_fn for t in inputs) if node is not None}
     found: dict[int, Node] = {}
+    limit = _LIMIT + _PER_STEP * steps
     frontier = roots
     while frontier:
         node = frontier.pop()
         if id(node) in found or id(node) in stops or _is_leaf(node):
             continue
         found[id(node)] = node
-        if len(found) > _LIMIT:
+        if len(found) > limit:
             return None
         frontier.extend(n for n, _ in node.next_functions if n is not None)
     return list(found.values())
@@ -78,7 +81,7 @@ def _is_leaf(node: Node) -> bool:
     return hasattr(node, "variable")  # AccumulateGrad: a leaf tensor's gradient sink
 
 
-def _saved(node: Node, name: str) -> torch.Tensor | None:
+def saved(node: Node, name: str) -> torch.Tensor | None:
     """``node``'s saved tensor ``name`` (None: the node has none of that name, or autograd did not keep
     it because the backward does not need it)."""
     try:
@@ -98,7 +101,7 @@ def matmul_with(nodes: Iterable[Node], weight: torch.Tensor) -> Node | None:
     transposed = weight.t()
     matches = []
     for node in nodes:
-        kept = _saved(node, "_saved_mat2")
+        kept = saved(node, "_saved_mat2")
         if (
             kept is not None
             and kept.dtype == transposed.dtype
@@ -106,6 +109,24 @@ def matmul_with(nodes: Iterable[Node], weight: torch.Tensor) -> Node | None:
             and kept.shape[-2:] == transposed.shape
             and kept.stride()[-2:] == transposed.stride()
             and all(stride == 0 for stride in kept.stride()[:-2])
+        ):
+            matches.append(node)
+    return matches[0] if len(matches) == 1 else None
+
+
+def kept_as(nodes: Iterable[Node], node_class: str, name: str, tensor: torch.Tensor) -> Node | None:
+    """The one node of class ``node_class`` among ``nodes`` that keeps ``tensor`` itself as its saved
+    ``name`` (the same storage, offset, shape and strides: ``BaddbmmBackward0``'s ``_saved_batch2``, a
+    block-diagonal weight (H, n, m) multiplying each head's rows); None if there is none or more than one."""
+    matches = []
+    for node in nodes:
+        kept = saved(node, name) if type(node).__name__ == node_class else None
+        if (
+            kept is not None
+            and kept.dtype == tensor.dtype
+            and kept.data_ptr() == tensor.data_ptr()
+            and kept.shape == tensor.shape
+            and kept.stride() == tensor.stride()
         ):
             matches.append(node)
     return matches[0] if len(matches) == 1 else None
@@ -136,7 +157,7 @@ def saved_operands(node: Node) -> tuple[torch.Tensor | None, torch.Tensor | None
     detached (``other`` is kept where ``self`` needs a gradient, and the reverse); None for another node."""
     if type(node).__name__ != "MulBackward0":
         return None
-    kept = (_saved(node, "_saved_self"), _saved(node, "_saved_other"))
+    kept = (saved(node, "_saved_self"), saved(node, "_saved_other"))
     return tuple(None if t is None else t.detach() for t in kept)
 
 
@@ -178,7 +199,7 @@ def _bmm_below(
     for _ in range(limit):
         if current is None:
             return None
-        a, b = _saved(current, "_saved_self"), _saved(current, "_saved_mat2")
+        a, b = saved(current, "_saved_self"), saved(current, "_saved_mat2")
         if type(current).__name__ == "BmmBackward0" and a is not None and b is not None:
             return a.detach(), b.detach()
         name = type(current).__name__
@@ -192,7 +213,7 @@ def kept_attention_output(nodes: Iterable[Node]) -> torch.Tensor | None:
     """The output of the one fused attention kernel among ``nodes``
     (``scaled_dot_product_attention``'s flash / efficient / cuDNN kernels keep it for their backward:
     (N, heads, L, E_v)), detached; None if there is none or more than one."""
-    outputs = [t for t in (_saved(node, "_saved_output") for node in nodes) if t is not None]
+    outputs = [t for t in (saved(node, "_saved_output") for node in nodes) if t is not None]
     return outputs[0].detach() if len(outputs) == 1 else None
 
 
@@ -201,14 +222,14 @@ def kept_by(nodes: Iterable[Node], node_class: str, name: str) -> tuple[Node, to
     (``SoftmaxBackward0``, ``_saved_result``: the probabilities); None if there is none, more than one, or
     it kept no such tensor."""
     found = [node for node in nodes if type(node).__name__ == node_class]
-    kept = _saved(found[0], name) if len(found) == 1 else None
+    kept = saved(found[0], name) if len(found) == 1 else None
     return None if kept is None else (found[0], kept.detach())
 
 
 def kept_by_each(nodes: Iterable[Node], node_class: str, name: str) -> list[torch.Tensor]:
     """The saved tensor ``name`` of every node of class ``node_class`` among ``nodes`` that kept one,
     detached (``SigmoidBackward0``, ``_saved_result``: each sigmoid's output)."""
-    kept = (_saved(node, name) for node in nodes if type(node).__name__ == node_class)
+    kept = (saved(node, name) for node in nodes if type(node).__name__ == node_class)
     return [t.detach() for t in kept if t is not None]
 
 
