@@ -193,6 +193,34 @@ def test_kimi_delta_attention_matches_oracle_without_the_fallback(build, strateg
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
+@pytest.mark.parametrize("build", [kimi_linear, glm5_next])
+def test_kimi_delta_attention_reads_its_convolution_gradient_off_the_graph(build, monkeypatch):
+    """The convolution's output gradient is read at the node that keeps ``conv1d``'s weight: nothing of the
+    attention runs again (its recomputation made to fail here), and the oracle still agrees."""
+    from dpexp.privacy.rules import scan_mixers
+
+    def recomputed(*args, **kwargs):
+        raise AssertionError("the delta attention was recomputed")
+
+    monkeypatch.setattr(scan_mixers, "_convolved", recomputed)
+    torch.manual_seed(0)
+    check_clipped_step(build().train(), lm_loss, _batch(), MICRO, "ghost", "per_layer", rel=1e-6)
+
+
+def test_kimi_delta_attention_recomputes_where_the_graph_gives_nothing(monkeypatch):
+    """Under hooks on saved tensors (activation checkpointing, offloading) nothing is read off the graph:
+    the rule recomputes the convolution and the delta attention, and the oracle agrees."""
+    from dpexp.privacy.rules import scan_mixers
+
+    calls = []
+    original = scan_mixers._convolved
+    monkeypatch.setattr(scan_mixers, "_convolved", lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        check_clipped_step(kimi_linear().train(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-6)
+    assert calls
+
+
 @pytest.mark.parametrize(
     "build", [mamba, zamba, jamba, mamba2, bamba, falcon_h1, qwen3_5, qwen3_next, olmo_hybrid]
 )

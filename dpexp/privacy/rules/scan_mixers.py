@@ -69,6 +69,7 @@ know, a forward the recomputation does not reproduce.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ from dpexp.privacy.rules import (
     refuse,
     register_rule,
 )
+from dpexp.privacy.rules.conv import conv_grads
+from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, saved
 from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
 
 _HF = "transformers.models"
@@ -539,25 +542,56 @@ def _kimi_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
     return taps | {"g": ("forget_gate", "output"), "norm": ("o_norm", "input")}
 
 
+def kimi_graph(module: nn.Module, call: tuple, output: Any, boundary: list) -> GraphReads | None:
+    """The causal convolution's node, found by the ``conv1d`` weight it keeps (``d_conv``: its output
+    gradient is that of ``conv1d``'s own (B, C, T + K - 1) output, before the causal cut and the
+    activation), and the input it kept (``x`` (B, C, T), where the weight needs a gradient); None where the
+    graph lacks the node. The chunked delta rule loops over a chunk's positions and over the chunks: the
+    search allows for both."""
+    attend = getattr(sys.modules[type(module).__module__], _KIMI_RULE)
+    chunk = inspect.signature(attend).parameters["chunk_size"].default
+    nodes = call_nodes(output, boundary, steps=call[0].shape[1] + chunk)
+    node = (
+        None
+        if nodes is None
+        else kept_as(nodes, "ConvolutionBackward0", "_saved_weight", module.conv1d.weight)
+    )
+    if node is None:
+        return None
+    x = saved(node, "_saved_input")
+    return GraphReads({} if x is None else {"x": x.detach()}, {"d_conv": node})
+
+
 @register_rule(
     *_KDA,
     check=_check_calling("kimi-delta-attention", set(), _KIMI_RULE, lambda _: ("o_proj", "o_norm")),
-    call=CallLayout(scan_inputs, first_output, keeps=_kimi_keeps),
+    call=CallLayout(scan_inputs, first_output, keeps=_kimi_keeps, graph=kimi_graph),
     claims=("conv1d",),
 )
 def kimi_delta_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """Per-example gradients of ``conv1d.*`` of Kimi Linear's delta attention: the convolution recomputed with
-    the copies, then the module's own ``chunk_kimi_delta_attention`` with the forget gate's and ``b_proj``'s
-    recorded outputs (layers of their own, constants here), its gated norm and ``o_proj``; ``dy``
-    (B, T, d_model) the gradient of its output."""
-    hidden, _, kept = call  # the convolution's input comes masked
+    """Per-example gradients of ``conv1d.*`` of Kimi Linear's delta attention; ``dy`` (B, T, d_model) the
+    gradient of its output. Where the call's graph gave the gradient at the convolution's output
+    (:func:`kimi_graph`), the depthwise convolution's own rule on it and on the projections' kept outputs (the
+    delta rule, its gated norm and ``o_proj`` are autograd's own, nothing runs again: stop 65, 598 of a
+    2,580 ms ``kimi_linear`` step before); else (autocast, hooks on saved tensors) the convolution recomputed
+    with the copies, then the module's own ``chunk_kimi_delta_attention`` with the forget gate's and
+    ``b_proj``'s recorded outputs (layers of their own, constants here), its gated norm and ``o_proj``."""
+    hidden, _, kept = call[:3]  # the convolution's input comes masked
     seen = _kept(module, kept, _kimi_keeps(module))
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.conv1d.weight)
+    qkv = torch.cat([seen["q"], seen["k"], seen["v"]], dim=-1).to(dtype)
+    if len(call) > 3:
+        reads = call[3]
+        x = qkv.detach().transpose(1, 2)
+        if "x" in reads:
+            _same(module, "the convolution's input", reads["x"], x)
+        with torch.no_grad():
+            grads = conv_grads(module.conv1d, x.to(module.conv1d.weight.dtype), reads["d_conv"])
+        return {f"conv1d.{name}": grad for name, grad in grads.items()}
     leaves = _conv_leaves(module.conv1d, batch)
     attend = getattr(sys.modules[type(module).__module__], _KIMI_RULE)
     recorded, gate = seen["norm"]  # the norm's arguments: the attention's output and the gate, per head
-    qkv = torch.cat([seen["q"], seen["k"], seen["v"]], dim=-1).to(dtype)
     with torch.enable_grad():
         qkv = _convolved(module, qkv.transpose(1, 2), leaves, None)
         q, k, v = (t.reshape(batch, length, -1, module.head_dim) for t in qkv.split(module.qkv_dim, dim=-1))
