@@ -193,10 +193,11 @@ def test_kimi_delta_attention_matches_oracle_without_the_fallback(build, strateg
         check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
 
 
-@pytest.mark.parametrize("build", [kimi_linear, glm5_next])
-def test_kimi_delta_attention_reads_its_convolution_gradient_off_the_graph(build, monkeypatch):
-    """The convolution's output gradient is read at the node that keeps ``conv1d``'s weight: nothing of the
-    attention runs again (its recomputation made to fail here), and the oracle still agrees."""
+@pytest.mark.parametrize("build", [kimi_linear, glm5_next, qwen3_5, qwen3_next, olmo_hybrid])
+def test_delta_attention_reads_its_gradients_off_the_graph(build, monkeypatch):
+    """The convolution's output gradient is read at the node that keeps ``conv1d``'s weight, and a delta
+    net's decay ``g`` at the product that keeps ``-exp(A_log)``: nothing of the attention runs again (its
+    recomputation made to fail here), and the oracle still agrees."""
     from dpexp.privacy.rules import scan_mixers
 
     def recomputed(*args, **kwargs):
@@ -207,7 +208,8 @@ def test_kimi_delta_attention_reads_its_convolution_gradient_off_the_graph(build
     check_clipped_step(build().train(), lm_loss, _batch(), MICRO, "ghost", "per_layer", rel=1e-6)
 
 
-def test_kimi_delta_attention_recomputes_where_the_graph_gives_nothing(monkeypatch):
+@pytest.mark.parametrize("build", [kimi_linear, qwen3_5])
+def test_delta_attention_recomputes_where_the_graph_gives_nothing(build, monkeypatch):
     """Under hooks on saved tensors (activation checkpointing, offloading) nothing is read off the graph:
     the rule recomputes the convolution and the delta attention, and the oracle agrees."""
     from dpexp.privacy.rules import scan_mixers
@@ -217,7 +219,7 @@ def test_kimi_delta_attention_recomputes_where_the_graph_gives_nothing(monkeypat
     monkeypatch.setattr(scan_mixers, "_convolved", lambda *a, **k: calls.append(1) or original(*a, **k))
     torch.manual_seed(0)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        check_clipped_step(kimi_linear().train(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-6)
+        check_clipped_step(build().train(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-6)
     assert calls
 
 
@@ -307,17 +309,32 @@ def test_a_mixer_whose_forward_differs_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("family,build", [("mamba2", mamba2), ("qwen3_5", qwen3_5)])
-def test_a_mixer_whose_convolution_differs_is_refused(monkeypatch, family, build):
-    """Mamba-2's and the delta net's rules run the module's own scan function but compute the convolution
-    themselves: a module whose convolution differs (here scaled) is refused at the scan's output."""
+def test_a_mixer_whose_convolution_differs_is_refused_where_it_is_recomputed(monkeypatch, family, build):
+    """Mamba-2's rule, and the delta net's where the graph gives nothing (here: hooks on saved tensors), run
+    the module's own scan function but compute the convolution themselves: a module whose convolution
+    differs (here scaled) is refused at the scan's output."""
     import importlib
 
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     conv = modeling.causal_conv1d_fn
     monkeypatch.setattr(modeling, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
     model = build()
-    with pytest.raises(Exception, match=r"recomputation of the norm's input does not reproduce"):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        pytest.raises(Exception, match=r"recomputation of the norm's input does not reproduce"),
+    ):
         _first_step(model)
+
+
+def test_a_delta_net_whose_convolution_differs_is_exact_where_the_graph_is_read(monkeypatch):
+    """Read off the graph, the gradient at the convolution's output is autograd's whatever follows it (here
+    the output scaled): nothing is recomputed, so nothing needs refusing, and the oracle agrees."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    conv = modeling_qwen3_5.causal_conv1d_fn
+    monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_fn", lambda x, w, b, **k: conv(x, w, b) * 0.5)
+    torch.manual_seed(0)
+    check_clipped_step(qwen3_5().train(), lm_loss, _batch(), MICRO, "ghost", "per_layer", rel=1e-6)
 
 
 def test_a_mamba2_mixer_without_its_scan_function_is_refused_at_construction(monkeypatch):

@@ -161,6 +161,18 @@ def saved_operands(node: Node) -> tuple[torch.Tensor | None, torch.Tensor | None
     return tuple(None if t is None else t.detach() for t in kept)
 
 
+def other_operand(node: Node, factor: torch.Tensor) -> torch.Tensor | None:
+    """The operand an elementwise product (``MulBackward0``) keeps beside ``factor`` (one it keeps equal to
+    ``factor`` in shape and value: a product :func:`product_with` found by value), detached; None where it
+    kept no other (autograd keeps it only where ``factor`` needs a gradient)."""
+    others = [
+        t
+        for t in saved_operands(node) or ()
+        if t is not None and not (t.shape == factor.shape and torch.equal(t, factor))
+    ]
+    return others[0] if len(others) == 1 else None
+
+
 def produced_by(value: torch.Tensor) -> Node | None:
     """The node whose output ``value`` is (a value a rule keeps from the call): the gradient at ``value``
     arrives there as that node's output gradient. None where ``value`` has no graph, or is not its node's

@@ -44,7 +44,7 @@ from dpexp.privacy.rules import (
     register_rule,
     unknown_parameters,
 )
-from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, product_with, saved, saved_operands
+from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, other_operand, product_with, saved
 from dpexp.privacy.rules.submodule_values import read_call, reproduced
 
 _RGLRU = "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRglru"
@@ -84,8 +84,8 @@ def rg_lru_graph(module: nn.Module, call: tuple, output: Any, boundary: list) ->
     found["d_log"] = product_with(nodes, softplus, by_value=True)
     if any(node is None for node in found.values()):
         return None
-    others = [t for t in saved_operands(found["d_log"]) if t is not None and not torch.equal(t, softplus)]
-    values = {"factor": others[0]} if len(others) == 1 else {}  # kept where Lambda needs a gradient
+    factor = other_operand(found["d_log"], softplus)  # kept where Lambda needs a gradient
+    values = {} if factor is None else {"factor": factor}
     for key in _GATES:
         rows = saved(found[f"d_{key}"], "_saved_batch1")  # kept where the weight needs a gradient
         if rows is not None:

@@ -78,6 +78,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import Node
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
 from dpexp.privacy.rules import (
@@ -90,7 +91,7 @@ from dpexp.privacy.rules import (
     register_rule,
 )
 from dpexp.privacy.rules.conv import conv_grads
-from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, saved
+from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, other_operand, product_with, saved
 from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
 
 _HF = "transformers.models"
@@ -493,21 +494,86 @@ def _delta_parts(module: nn.Module) -> tuple[str, str] | None:
     return None if form is None else (form.out, form.norm)
 
 
+def _chunked_nodes(
+    module: nn.Module, call: tuple, output: Any, boundary: list, function: str
+) -> list[Node] | None:
+    """The call's graph (:func:`~dpexp.privacy.rules.graph.call_nodes`) around the modeling file's chunked
+    ``function``, which loops over a chunk's positions and over the chunks: the search allows for both."""
+    chunk = inspect.signature(getattr(sys.modules[type(module).__module__], function)).parameters[
+        "chunk_size"
+    ]
+    return call_nodes(output, boundary, steps=call[0].shape[1] + chunk.default)
+
+
+def _conv_graph(
+    module: nn.Module, nodes: list[Node] | None, found: dict[str, Node], values: dict[str, torch.Tensor]
+) -> GraphReads | None:
+    """``found`` and ``values`` with the causal convolution's node, found by the ``conv1d`` weight it keeps
+    (``d_conv``: its output gradient is that of ``conv1d``'s own (B, C, T + K - 1) output, before the causal
+    cut and the activation), and the input it kept (``x`` (B, C, T), where the weight needs a gradient);
+    None where the graph lacks the node."""
+    weight = module.conv1d.weight
+    node = None if nodes is None else kept_as(nodes, "ConvolutionBackward0", "_saved_weight", weight)
+    if node is None:
+        return None
+    x = saved(node, "_saved_input")
+    return GraphReads(values | ({} if x is None else {"x": x.detach()}), found | {"d_conv": node})
+
+
+def _conv_read(module: nn.Module, qkv: torch.Tensor, reads: dict[str, Any]) -> dict[str, PerExampleGrad]:
+    """``conv1d.*``'s per-example gradients from the gradient read at its output (:func:`_conv_graph`): the
+    depthwise convolution's own rule on the convolution's input ``qkv`` (B, T, C), checked against the one
+    the node kept."""
+    conv = module.conv1d
+    x = qkv.detach().transpose(1, 2).to(conv.weight.dtype)
+    if "x" in reads:
+        _same(module, "the convolution's input", reads["x"], x)
+    with torch.no_grad():
+        return {f"conv1d.{name}": grad for name, grad in conv_grads(conv, x, reads["d_conv"]).items()}
+
+
+def _decay(module: nn.Module) -> torch.Tensor:
+    """``-exp(A_log)`` (heads,) as a delta net computes it, in float32."""
+    return -module.A_log.detach().float().exp()
+
+
+def delta_graph(module: nn.Module, call: tuple, output: Any, boundary: list) -> GraphReads | None:
+    """The decay's product ``g = -exp(A_log) * softplus(a + dt_bias)`` (``d_g``), found by the factor
+    ``-exp(A_log)`` it keeps (by value), and its other factor (``softplus``, where kept), with the
+    convolution's node and input (:func:`_conv_graph`); None where the graph lacks either product."""
+    nodes = _chunked_nodes(module, call, output, boundary, _DELTA_RULE)
+    decay = _decay(module)
+    product = None if nodes is None else product_with(nodes, decay, by_value=True)
+    if product is None:
+        return None
+    softplus = other_operand(product, decay)
+    return _conv_graph(module, nodes, {"d_g": product}, {} if softplus is None else {"softplus": softplus})
+
+
 @register_rule(
     *DELTA_NETS,
     check=_check_calling("gated-delta-rule", {"A_log", "dt_bias"}, _DELTA_RULE, _delta_parts),
-    call=CallLayout(scan_inputs, first_output, keeps=_delta_keeps),
+    call=CallLayout(scan_inputs, first_output, keeps=_delta_keeps, graph=delta_graph),
     claims=("conv1d",),
 )
 def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """Per-example gradients of ``A_log``, ``dt_bias`` and ``conv1d.*`` of a gated delta net by the module's
-    own delta rule on the recomputed convolution and gates (module docstring, :data:`DELTA_FORMS`); ``dy``
-    (B, T, d_model) the gradient of the mixer's output. ``A_log`` passes through float32 and the gate's input
-    ``a`` is float32, as in the module."""
-    hidden, _, kept = call  # the convolution's input comes masked
+    """Per-example gradients of ``A_log``, ``dt_bias`` and ``conv1d.*`` of a gated delta net (module
+    docstring, :data:`DELTA_FORMS`); ``dy`` (B, T, d_model) the gradient of the mixer's output. Where the
+    call's graph gave the gradients at the convolution's output and at ``g`` (:func:`delta_graph`), with
+    ``s = softplus(a + dt_bias)`` recomputed from the kept ``a`` (checked against the product's factor),
+
+        d A_log_i = -exp(A_log) sum_t dg_{i,t} s_{i,t},    d dt_bias_i = -exp(A_log) sum_t dg_{i,t} s'_{i,t},
+
+    and the convolution's own rule (:func:`_conv_read`): the delta rule, its norm and ``out_proj`` are
+    autograd's own (stop 65; they ran again before). Else (autocast, hooks on saved tensors) the module's own
+    delta rule on the recomputed convolution and gates with per-example copies. ``A_log`` passes through
+    float32 and the gate's input ``a`` is float32, as in the module."""
+    hidden, _, kept = call[:3]  # the convolution's input comes masked
     form = _delta_form(module)
     seen = _kept(module, kept, _delta_keeps(module))
     qkv, a, beta = form.inputs(module, seen)
+    if len(call) > 3:
+        return _delta_read(module, qkv, a, call[3])
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
     leaves = {
@@ -537,29 +603,36 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
         return _grads(leaves, getattr(module, form.out), normed.to(dtype), dy)
 
 
+def _delta_read(
+    module: nn.Module, qkv: torch.Tensor, a: torch.Tensor, reads: dict[str, Any]
+) -> dict[str, PerExampleGrad]:
+    """:func:`delta_rule_grads`' formulas on the gradients read off the graph; ``a`` (B, T, heads). In a
+    float64 mixer ``A_log``'s gradient passes through float32 (the module's ``A_log.float()``), and is given
+    in float32, what it is accurate to (as :func:`_grads`' ``rounded``)."""
+    decay = _decay(module)
+    with torch.no_grad():
+        pre = a.detach().float() + module.dt_bias.detach()  # the module's promotion
+        softplus = F.softplus(pre)
+        if "softplus" in reads:
+            _same(module, "the decay's softplus factor", reads["softplus"], softplus)
+        d_g = reads["d_g"].to(softplus.dtype)  # (B, T, heads)
+        d_log = (d_g * softplus).sum(1).to(decay.dtype) * decay  # through -exp(A_log.float())
+        d_pre = torch.ops.aten.softplus_backward(d_g * decay.to(d_g.dtype), pre, 1.0, 20.0)  # F.softplus's
+        grads: dict[str, PerExampleGrad] = {
+            "A_log": Dense(d_log if module.A_log.dtype == torch.float64 else d_log.to(module.A_log.dtype)),
+            "dt_bias": Dense(d_pre.sum(1).to(module.dt_bias.dtype)),
+        }
+    return grads | _conv_read(module, qkv, reads)
+
+
 def _kimi_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
     taps = {name: (f"{name}_proj", "output") for name in "qkvb"}
     return taps | {"g": ("forget_gate", "output"), "norm": ("o_norm", "input")}
 
 
 def kimi_graph(module: nn.Module, call: tuple, output: Any, boundary: list) -> GraphReads | None:
-    """The causal convolution's node, found by the ``conv1d`` weight it keeps (``d_conv``: its output
-    gradient is that of ``conv1d``'s own (B, C, T + K - 1) output, before the causal cut and the
-    activation), and the input it kept (``x`` (B, C, T), where the weight needs a gradient); None where the
-    graph lacks the node. The chunked delta rule loops over a chunk's positions and over the chunks: the
-    search allows for both."""
-    attend = getattr(sys.modules[type(module).__module__], _KIMI_RULE)
-    chunk = inspect.signature(attend).parameters["chunk_size"].default
-    nodes = call_nodes(output, boundary, steps=call[0].shape[1] + chunk)
-    node = (
-        None
-        if nodes is None
-        else kept_as(nodes, "ConvolutionBackward0", "_saved_weight", module.conv1d.weight)
-    )
-    if node is None:
-        return None
-    x = saved(node, "_saved_input")
-    return GraphReads({} if x is None else {"x": x.detach()}, {"d_conv": node})
+    """The convolution's node and input (:func:`_conv_graph`); None where the graph lacks them."""
+    return _conv_graph(module, _chunked_nodes(module, call, output, boundary, _KIMI_RULE), {}, {})
 
 
 @register_rule(
@@ -582,13 +655,7 @@ def kimi_delta_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     dtype = _dtype(module.conv1d.weight)
     qkv = torch.cat([seen["q"], seen["k"], seen["v"]], dim=-1).to(dtype)
     if len(call) > 3:
-        reads = call[3]
-        x = qkv.detach().transpose(1, 2)
-        if "x" in reads:
-            _same(module, "the convolution's input", reads["x"], x)
-        with torch.no_grad():
-            grads = conv_grads(module.conv1d, x.to(module.conv1d.weight.dtype), reads["d_conv"])
-        return {f"conv1d.{name}": grad for name, grad in grads.items()}
+        return _conv_read(module, qkv, call[3])
     leaves = _conv_leaves(module.conv1d, batch)
     attend = getattr(sys.modules[type(module).__module__], _KIMI_RULE)
     recorded, gate = seen["norm"]  # the norm's arguments: the attention's output and the gate, per head
