@@ -61,6 +61,15 @@ owns ``A_log`` and ``dt_bias`` (its own rule, :mod:`dpexp.privacy.rules.forget_g
 has only the convolution to take, through the module's own ``chunk_kimi_delta_attention`` with ``g`` and
 ``beta`` as recorded.
 
+**Read off the graph** (stop 65). The delta nets and the Kimi attention need no recomputation where the
+call's autograd graph holds what their gradients need (:mod:`dpexp.privacy.rules.graph`): the convolution's
+output gradient at the one convolution node that keeps ``conv1d``'s weight (its per-example gradient is then
+the depthwise convolution's own rule, :func:`~dpexp.privacy.rules.conv.conv_grads`), and a delta net's
+``dg`` at the one product that keeps ``-exp(A_log)`` (by value), from which ``A_log``'s and ``dt_bias``'s
+follow in closed form (:func:`delta_rule_grads`). The chunked function, the norm and ``out_proj`` are then
+autograd's own, run once. Where the graph lacks these nodes (autocast, hooks on saved tensors) the rules
+recompute as above.
+
 Refused, with the cause: a key/value cache (the recomputation starts from no state), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
 ``out_proj`` (the rule reads their weights), norms with submodules, trainable parameters the rule does not
