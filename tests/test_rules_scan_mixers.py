@@ -364,10 +364,14 @@ def test_a_delta_net_of_an_unknown_form_is_refused_at_construction():
 )
 def test_glm5_next_delta_attention_matches_oracle(lower_bound, strategy, clipping):
     """GLM-5-Next's Kimi Delta Attention and forget gate (sigmoid-bounded, or Kimi's softplus) take their
-    rules, and since stop 64 its hyper-connections (``rules/hyper_connections.py``): none on the fallback."""
+    rules, and since stop 64 its hyper-connections (``rules/hyper_connections.py``): none on the fallback.
+    The connections compute in float32, batched: their scales' gradients (about 1e-6) differ from the
+    oracle's one example at a time by up to 1e-10 absolute (5e-11 seen), hence the floor, as in
+    ``test_rules_moe.py``."""
+    torch.manual_seed(0)
     model = glm5_next(lower_bound).train()
     assert unsupported_modules(model) == {}
-    check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6)
+    check_clipped_step(model, lm_loss, _batch(), MICRO, strategy, clipping, rel=1e-6, floor=1e-10)
 
 
 def test_a_forget_gate_whose_forward_differs_is_refused(monkeypatch):
