@@ -736,6 +736,7 @@ NEW_CASES = [
     "nemotron_h",  # experts without a gate behind a sigmoid router, beside a Mamba-2 mixer
     "falcon_h1",  # attention beside a Mamba-2 mixer with µP multipliers, gated without its norm
     "qwen3_next",  # a gated delta net with q, k, v, z and b, a interleaved per key head, beside MoE blocks
+    "kimi_linear",  # the Kimi Delta Attention: its convolution's gradient read off the call's graph
     "zamba",  # Mamba's scan in heads, each with its own x_proj and dt_proj, beside a shared attention block
     "inkling",  # a normed embedding; a sigmoid router over routed and shared experts with a global scale
     "lfm2_moe",  # a short convolution, a sigmoid router choosing by scores plus its block's expert bias
@@ -787,6 +788,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
         "nemotron_h",
         "falcon_h1",
         "qwen3_next",
+        "kimi_linear",
         "zamba",
         "inkling",
         "lfm2_moe",
@@ -818,6 +820,7 @@ def _new_case(name: str, size: int, gen: torch.Generator) -> tuple[nn.Module, Lo
             "nemotron_h": engine_models.nemotron_h,
             "falcon_h1": engine_models.falcon_h1,
             "qwen3_next": engine_models.qwen3_next,
+            "kimi_linear": engine_models.kimi_linear,
             "zamba": engine_models.zamba,
             "inkling": engine_models.inkling,
             "lfm2_moe": engine_models.lfm2_moe,
