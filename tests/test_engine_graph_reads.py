@@ -14,7 +14,7 @@ import torch
 
 from dpexp.privacy import PrivacyEngine
 from dpexp.privacy.capture import Use
-from tests.engine_models import _padded_text, doge, hyper_connected, lm_loss
+from tests.engine_models import _padded_text, doge, dory, hyper_connected, inkling, lm_loss, recurrent_gemma
 from tests.oracle import check_clipped_step
 from tests.recurrent_models import make_recurrent_case
 from tests.timm_cnn_models import make_timm_case
@@ -70,3 +70,27 @@ def test_a_first_layer_above_frozen_embeddings_is_read_and_exact(name):
     # Doge's eager softmax and HY-V4's connections are float32 (test_rules_decoder_modules.py's tolerances)
     tolerance = {"rel": 1e-6, "floor": 1e-9} if name == "doge" else {"rel": 1e-5}
     check_clipped_step(model, lm_loss, batch, [[0, 1, 2], [3, 4, 5]], "bk", "per_layer", **tolerance)
+
+
+REFUSED_UNDER_HOOKS = {  # a model -> its module whose rule only reads, as the refusal names it and its rule
+    "doge": (doge, r"DogeDecoderLayer: .*off its autograd graph.*freeze input_"),
+    "hy_v4": (lambda: hyper_connected("hy_v4"), r"HYV4Hyper\w+: the hyper-connection rule reads .*freeze"),
+    "dory": (dory, r"DoryAttention: the nGPT rule reads .*hooks on saved tensors"),
+    "inkling": (inkling, r"InklingRelativeLogits: the relative-logits rule reads .*freeze proj"),
+    "recurrent_gemma": (recurrent_gemma, r"RecurrentGemmaRglru: the RG-LRU rule reads .*freeze the RG-LRU"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_UNDER_HOOKS))
+def test_a_rule_that_only_reads_the_graph_refuses_under_hooks_on_saved_tensors(name):
+    """The nodes are found by what they keep; under hooks on saved tensors (activation checkpointing,
+    offloading) nothing is read (reading would run the hooks' unpacking early), and a rule with no
+    recomputation to fall back on refuses its module at the backward, naming the fix. (The rules that
+    recompute instead: ``test_rules_scan_mixers.py``, ``test_rules_graph.py``.)"""
+    build, match = REFUSED_UNDER_HOOKS[name]
+    model = build().train()
+    engine = PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = lm_loss(model, _padded_text(6, 8, 40, torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match=match):
+        engine.backward(loss)

@@ -1,8 +1,8 @@
 """Doge's own parameters by rule: its attention's dynamic-mask ``A`` (``rules/dynamic_mask.py``, one
 forward-mode run of the module) and its decoder layer's residual scales (``rules/residual_scale.py``, read off
 the layer's graph); every strategy x clipping mode with keys past the kept window masked is in
-``test_rules_decoder_modules.py``. Here every key kept, and the refusals of what the rules cannot run again or
-read."""
+``test_rules_decoder_modules.py``. Here every key kept, and the refusals of what the rules cannot run again
+(of a graph without the reads: ``test_engine_graph_reads.py``)."""
 
 from __future__ import annotations
 
@@ -36,17 +36,6 @@ def test_another_attention_implementation_is_refused_at_the_call():
     model.config._attn_implementation = "sdpa"
     with pytest.raises(ValueError, match=r"\(DogeAttention\): attention implementation 'sdpa'.*'eager'"):
         engine.backward(lm_loss(model, batch()))
-
-
-def test_residual_products_missing_from_the_graph_are_refused():
-    """Activation checkpointing's hooks on saved tensors: the graph reads stand down, and the layer, which
-    has no recomputation, is refused with the fix."""
-    model = doge()
-    engine = _engine(model)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss = lm_loss(model, batch())
-    with pytest.raises(ValueError, match=r"DogeDecoderLayer: .*off its autograd graph.*freeze input_"):
-        engine.backward(loss)
 
 
 def test_another_own_parameter_is_refused_at_construction():

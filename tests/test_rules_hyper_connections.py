@@ -2,8 +2,8 @@
 post and the Sinkhorn-projected comb) and HY-V4's (pre and post) connections and final heads, with the
 gradients at each group's scaled logits read off the call's graph. Tiny models against the oracle, the scales
 and biases drawn (HY-V4's in every strategy x clipping mode in ``test_rules_decoder_modules.py``), frozen
-parts, and the refusals of a forward the rule does not follow, of a graph without the reads and of
-parameters it does not know."""
+parts, and the refusals of a forward the rule does not follow and of parameters it does not know (of a graph
+without the reads: ``test_engine_graph_reads.py``)."""
 
 from __future__ import annotations
 
@@ -89,17 +89,6 @@ def test_a_forward_the_rule_does_not_follow_is_refused(monkeypatch):
     loss = lm_loss(model, batch())
     monkeypatch.setattr(modeling_hy_v4.torch, "sigmoid", original)
     with pytest.raises(RuntimeError, match=r"HYV4Hyper\w+: .*group 0's sigmoid does not reproduce"):
-        engine.backward(loss)
-
-
-def test_hooks_on_saved_tensors_are_refused():
-    """The products are found by the scales they keep; under hooks on saved tensors (activation
-    checkpointing, offloading) nothing is read, and the module is refused with the fix."""
-    model = hyper_connected("hy_v4")
-    engine = _engine(model)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss = lm_loss(model, batch())
-    with pytest.raises(ValueError, match=r"HYV4Hyper\w+: the hyper-connection rule reads .*freeze"):
         engine.backward(loss)
 
 

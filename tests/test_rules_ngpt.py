@@ -1,8 +1,8 @@
 """nGPT's learnt scales by rule (``rules/ngpt.py``): Dory's decoder-layer rates, MLP and attention scaling
 factors, with the gradients inside the call read off its graph. A tiny Dory whose recurrent layer is called
 twice against the oracle (every strategy x clipping mode is in ``test_rules_decoder_modules.py``), under
-sdpa, frozen scales, and the refusals of a forward the rule does not reproduce and of a graph without the
-reads."""
+sdpa, frozen scales, and the refusal of a forward the rule does not reproduce (of a graph without the reads:
+``test_engine_graph_reads.py``)."""
 
 from __future__ import annotations
 
@@ -124,17 +124,6 @@ def test_an_output_gate_the_rule_does_not_reproduce_is_refused(monkeypatch):
     loss = lm_loss(model, batch())
     monkeypatch.setattr(modeling_dory.torch, "sigmoid", original)
     with pytest.raises(RuntimeError, match=r"DoryAttention: .*output gate does not reproduce.*freeze sqk"):
-        engine.backward(loss)
-
-
-def test_hooks_on_saved_tensors_are_refused():
-    """The scaled queries' product is found by what it keeps; under hooks on saved tensors (activation
-    checkpointing, offloading) nothing is read."""
-    model = dory()
-    engine = _engine(model)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss = lm_loss(model, batch())
-    with pytest.raises(ValueError, match=r"DoryAttention: the nGPT rule reads .*hooks on saved tensors"):
         engine.backward(loss)
 
 

@@ -1,8 +1,8 @@
 """Inkling's relative logits by rule (``rules/relative_logits.py``): the gradient at the product of the
 relative states and the profile bank read off the call's graph. Inkling whole against the oracle, texts longer
 than the bank's extent (distances past it masked), is in ``test_rules_inkling_moe.py``; here a frozen bank,
-the per-example gradients against autograd one example at a time, and the refusals of a graph without the
-product and of parameters the rule does not know."""
+the per-example gradients against autograd one example at a time, and the refusal of parameters the rule does
+not know (of a graph without the product: ``test_engine_graph_reads.py``)."""
 
 from __future__ import annotations
 
@@ -66,17 +66,6 @@ def test_per_example_grads_match_autograd_one_example_at_a_time():
         one = module(states[i : i + 1], positions, positions)
         (want,) = torch.autograd.grad(one, module.proj, dy[i : i + 1])
         torch.testing.assert_close(grads["proj"].instantiate()[i], want, rtol=1e-12, atol=1e-12)
-
-
-def test_hooks_on_saved_tensors_are_refused():
-    """The product is found by the bank it keeps; under hooks on saved tensors (activation checkpointing,
-    offloading) nothing is read, and the module is refused with the fix."""
-    model = inkling().train()
-    engine = _engine(model)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss = lm_loss(model, _batch())
-    with pytest.raises(ValueError, match=r"InklingRelativeLogits: the relative-logits rule reads .*freeze"):
-        engine.backward(loss)
 
 
 def test_another_own_parameter_is_refused_at_construction():

@@ -2,7 +2,8 @@
 and at its log decay's product read off the call's graph. RecurrentGemma whole against the oracle in every
 strategy and clipping mode without the fallback, to 1e-10 where only it trains; a decay
 parameter past softplus's threshold; frozen layers below it (its input anchored); and the refusals of a
-recomputation that does not reproduce the call, of hooks on saved tensors and of unknown parameters."""
+recomputation that does not reproduce the call and of unknown parameters (of hooks on saved tensors:
+``test_engine_graph_reads.py``)."""
 
 from __future__ import annotations
 
@@ -108,15 +109,6 @@ def test_a_forward_the_recomputation_does_not_reproduce_is_refused(monkeypatch):
         RuntimeError, match=r"RecurrentGemmaRglru: .*log decay's factor -8 r does not reproduce"
     ):
         engine.backward(lm_loss(model, padded_lm_batch()))
-
-
-def test_hooks_on_saved_tensors_are_refused():
-    model = recurrent_gemma().train()
-    engine = _engine(model)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss = lm_loss(model, padded_lm_batch())
-    with pytest.raises(ValueError, match=r"RecurrentGemmaRglru: the RG-LRU rule reads .*freeze"):
-        engine.backward(loss)
 
 
 def test_another_own_parameter_is_refused_at_construction():
