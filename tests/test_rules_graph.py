@@ -1,6 +1,8 @@
 """What :mod:`dpexp.privacy.rules.graph` finds in a call's autograd graph: ``nn.MultiheadAttention``'s packed
 projection, whatever op ``F.linear`` recorded, the attention kernel's kept output, and nothing where the
-structure is not there (a weight used twice, autocast's copies, a call without a graph)."""
+structure is not there (a weight used twice, autocast's copies, a call without a graph); the helpers the
+RG-LRU and delta-net rules added in stop 65 (a loop's steps, a weight kept itself, a product's other
+operand)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpexp.privacy.rules.graph import call_nodes, kept_attention_output, kept_product_below, matmul_with
+from dpexp.privacy.rules.graph import (
+    call_nodes,
+    kept_as,
+    kept_attention_output,
+    kept_product_below,
+    matmul_with,
+    other_operand,
+    product_with,
+)
 
 
 def _attention(batch_first: bool, trainable: bool, contiguous: bool = True):
@@ -110,3 +120,46 @@ def test_no_graph_no_nodes():
     assert call_nodes(h, []) is None
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # as under a checkpoint
         assert call_nodes(h, [steps[99]]) is None
+
+
+def test_a_loop_over_time_is_searched_with_its_steps():
+    """A call that loops over T steps (a recurrence's scan) holds a few nodes a step: past the limit without
+    ``steps``, found whole with them (16 more nodes allowed a step)."""
+    x = torch.randn(2, 3, requires_grad=True)
+    h = x * 1.0
+    for _ in range(150):  # two nodes a step: 300 in all, past the 256 a call may hold
+        h = h * 0.5 + 1.0
+    assert call_nodes(h, [x]) is None
+    assert len(call_nodes(h, [x], steps=150)) == 301
+
+
+def test_a_block_diagonal_weight_is_found_by_what_its_product_keeps():
+    """``kept_as``: the one ``baddbmm`` keeping the (H, n, m) weight itself (the RG-LRU's gates); not a
+    copy of it, and none where two products keep it."""
+    weight = torch.randn(2, 3, 4, requires_grad=True)
+    bias = torch.zeros(2, 1, 4)
+    rows = torch.randn(2, 5, 3, requires_grad=True)
+    one = torch.baddbmm(bias, rows, weight)
+    node = kept_as(call_nodes(one, [rows]), "BaddbmmBackward0", "_saved_batch2", weight)
+    assert node is one.grad_fn
+    copied = torch.baddbmm(bias, rows, weight.clone())
+    assert kept_as(call_nodes(copied, [rows]), "BaddbmmBackward0", "_saved_batch2", weight) is None
+    twice = torch.baddbmm(bias, rows, weight) + torch.baddbmm(bias, rows * 2, weight)
+    assert kept_as(call_nodes(twice, [rows]), "BaddbmmBackward0", "_saved_batch2", weight) is None
+
+
+@pytest.mark.parametrize("trainable", [True, False])
+def test_the_other_operand_of_a_product_found_by_value(trainable):
+    """``other_operand``: beside the factor a product was found by (by value: formed anew in the forward),
+    the operand it multiplied, where autograd kept it (the factor needs a gradient), else None."""
+    lam = torch.randn(4, requires_grad=trainable)
+    gate = torch.randn(2, 3, 4, requires_grad=True)
+    out = (-8.0 * gate) * F.softplus(lam)
+    factor = F.softplus(lam).detach()
+    node = product_with(call_nodes(out, [gate]), factor, by_value=True)
+    assert node is not None
+    other = other_operand(node, factor)
+    if trainable:
+        torch.testing.assert_close(other, -8.0 * gate.detach())
+    else:
+        assert other is None
