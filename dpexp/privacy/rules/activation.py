@@ -4,7 +4,8 @@ axis the slope is broadcast along, has as many values as the slopes, so it is he
 ``XIELUActivation`` (xIELU, Huang et al. 2024; Apertus' MLPs), with its two scalar parameters, likewise.
 
 Also which activations act on each value alone (:func:`activation_refusal`): the rules of modules that apply
-one inside (experts' gates, BiT's norm) take its derivative elementwise, and refuse another."""
+one inside (experts' gates, BiT's norm) take its derivative elementwise, and refuse another; and softplus's
+derivative (:func:`softplus_backward`) for the rules that carry a gradient through one (decay rates)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ def activation_refusal(act: Any, whose: str, otherwise: str) -> tuple[str, str] 
         f"{whose} activation {name} is not one it knows to act elementwise",
         f"Use one of {sorted(known_names)}, or {otherwise}.",
     )
+
+
+def softplus_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad * softplus'(x)`` for ``F.softplus`` at its defaults (beta 1, threshold 20: above it softplus is
+    the identity, derivative 1), as autograd takes it: ``grad`` and ``x`` of one shape."""
+    return torch.ops.aten.softplus_backward(grad, x, 1.0, 20.0)
 
 
 @register_rule(nn.PReLU)

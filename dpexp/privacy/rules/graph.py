@@ -99,34 +99,36 @@ def matmul_with(nodes: Iterable[Node], weight: torch.Tensor) -> Node | None:
     or more than one. Its output gradient is that of ``a @ weight.T`` (plus a bias), ``a``'s leading
     dimensions flattened or not."""
     transposed = weight.t()
-    matches = []
-    for node in nodes:
-        kept = saved(node, "_saved_mat2")
-        if (
-            kept is not None
-            and kept.dtype == transposed.dtype
-            and kept.data_ptr() == transposed.data_ptr()
-            and kept.shape[-2:] == transposed.shape
-            and kept.stride()[-2:] == transposed.stride()
-            and all(stride == 0 for stride in kept.stride()[:-2])
-        ):
-            matches.append(node)
-    return matches[0] if len(matches) == 1 else None
+    return _the_one(nodes, None, "_saved_mat2", transposed, broadcast=True)
 
 
 def kept_as(nodes: Iterable[Node], node_class: str, name: str, tensor: torch.Tensor) -> Node | None:
     """The one node of class ``node_class`` among ``nodes`` that keeps ``tensor`` itself as its saved
     ``name`` (the same storage, offset, shape and strides: ``BaddbmmBackward0``'s ``_saved_batch2``, a
     block-diagonal weight (H, n, m) multiplying each head's rows); None if there is none or more than one."""
+    return _the_one(nodes, node_class, name, tensor, broadcast=False)
+
+
+def _the_one(
+    nodes: Iterable[Node], node_class: str | None, name: str, tensor: torch.Tensor, broadcast: bool
+) -> Node | None:
+    """The one node (of class ``node_class``, any if None) whose saved ``name`` is ``tensor`` itself: the
+    same dtype, storage, offset, shape and strides, or with ``broadcast`` those of ``tensor`` in its last
+    dimensions and leading dimensions of stride 0 (``tensor`` expanded). None if none or several."""
     matches = []
     for node in nodes:
-        kept = saved(node, name) if type(node).__name__ == node_class else None
+        if node_class is not None and type(node).__name__ != node_class:
+            continue
+        kept = saved(node, name)
+        if kept is None or kept.dtype != tensor.dtype or kept.data_ptr() != tensor.data_ptr():
+            continue
+        lead = kept.dim() - tensor.dim()
+        if (lead > 0 and not broadcast) or lead < 0:
+            continue
         if (
-            kept is not None
-            and kept.dtype == tensor.dtype
-            and kept.data_ptr() == tensor.data_ptr()
-            and kept.shape == tensor.shape
-            and kept.stride() == tensor.stride()
+            kept.shape[lead:] == tensor.shape
+            and kept.stride()[lead:] == tensor.stride()
+            and all(stride == 0 for stride in kept.stride()[:lead])
         ):
             matches.append(node)
     return matches[0] if len(matches) == 1 else None

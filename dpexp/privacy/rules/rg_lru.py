@@ -14,8 +14,9 @@ Each parameter enters through one of these three products, so with ``dres_g`` (H
     d W_{g,h,i} = sum_t x_{i,t,h} (x) dres_{g,h,(i,t)},    d b_{g,h,i} = sum_t dres_{g,h,(i,t)},
     d Lambda_i = softplus'(Lambda) * sum_t dlog_{i,t} * (-8 r_{i,t}),
 
-the weights' a :class:`~dpexp.privacy.per_example.Routed` with every (head, example, position) row routed
-to its head's block (the norm pair by pair, never the (H, n, n) matrix per example; Bu et al. 2023, eq. 2).
+the weights' gradients a :class:`~dpexp.privacy.per_example.Routed` with every (head, example, position) row
+routed to its head's block (the norm pair by pair, never the (H, n, n) matrix per example; Bu et al. 2023,
+eq. 2).
 The three gradients are read off the call's graph: the two ``baddbmm`` nodes that keep each weight itself
 (:func:`~dpexp.privacy.rules.graph.kept_as`) and the one product that keeps ``softplus(Lambda)``
 (:func:`~dpexp.privacy.rules.graph.product_with`, by value); the scan, the reset at each text's start and the
@@ -44,6 +45,7 @@ from dpexp.privacy.rules import (
     register_rule,
     unknown_parameters,
 )
+from dpexp.privacy.rules.activation import softplus_backward
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, other_operand, product_with, saved
 from dpexp.privacy.rules.submodule_values import read_call, reproduced
 
@@ -124,7 +126,6 @@ def rg_lru_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, 
         for key, d_res in (("input", d_input), ("recurrent", d_recurrent)):
             grads[f"{_GATES[key]}_bias"] = Dense(d_res.unflatten(1, (batch, steps)).sum(2).transpose(0, 1))
         d_softplus = (reads["d_log"].to(lam.dtype) * decay.to(lam.dtype)).sum(1)  # (B, d)
-        # softplus's own derivative (beta 1, threshold 20: F.softplus's defaults, the forward's call)
-        d_lam = torch.ops.aten.softplus_backward(d_softplus, lam.detach().expand_as(d_softplus), 1.0, 20.0)
+        d_lam = softplus_backward(d_softplus, lam.detach().expand_as(d_softplus))  # the forward's F.softplus
         grads["recurrent_param"] = Dense(d_lam)
         return grads

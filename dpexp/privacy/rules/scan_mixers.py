@@ -99,6 +99,7 @@ from dpexp.privacy.rules import (
     refuse,
     register_rule,
 )
+from dpexp.privacy.rules.activation import softplus_backward
 from dpexp.privacy.rules.conv import conv_grads
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, other_operand, product_with, saved
 from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
@@ -626,7 +627,7 @@ def _delta_read(
             _same(module, "the decay's softplus factor", reads["softplus"], softplus)
         d_g = reads["d_g"].to(softplus.dtype)  # (B, T, heads)
         d_log = (d_g * softplus).sum(1).to(decay.dtype) * decay  # through -exp(A_log.float())
-        d_pre = torch.ops.aten.softplus_backward(d_g * decay.to(d_g.dtype), pre, 1.0, 20.0)  # F.softplus's
+        d_pre = softplus_backward(d_g * decay.to(d_g.dtype), pre)  # the module's F.softplus
         grads: dict[str, PerExampleGrad] = {
             "A_log": Dense(d_log if module.A_log.dtype == torch.float64 else d_log.to(module.A_log.dtype)),
             "dt_bias": Dense(d_pre.sum(1).to(module.dt_bias.dtype)),
