@@ -35,7 +35,7 @@ from dpexp.privacy import accounting
 from dpexp.runtime import debug_requested, is_project_error, one_line, process_code_version
 from dpexp.training.loop import run_training
 from dpexp.training.resume import resumed_config
-from dpexp.training.signals import SIGNALS, RunInterrupted
+from dpexp.training.signals import SIGNALS, RunInterrupted, announce
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's conf/ (editable install)
 GROUPS = ("task", "model", "clip", "accountant", "noise", "optim")
@@ -51,10 +51,9 @@ def _note_signal(signum: int, _frame: object = None) -> None:
     signal (the runs in progress get it themselves, as the process group does) instead of dying, which would
     make joblib abort its pool and kill the runs before they reach a step boundary."""
     if not STOPPED:
-        print(
+        announce(
             f"{signal.Signals(signum).name} received: the runs in progress stop at their next step boundary "
-            "and no further run starts",
-            file=sys.stderr,
+            "and no further run starts"
         )
     STOPPED.append(signum)
 

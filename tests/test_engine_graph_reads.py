@@ -94,3 +94,76 @@ def test_a_rule_that_only_reads_the_graph_refuses_under_hooks_on_saved_tensors(n
         loss = lm_loss(model, _padded_text(6, 8, 40, torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match=match):
         engine.backward(loss)
+
+
+class _Gain(torch.nn.Module):
+    """``y = x * w`` over (B, T, d); with ``side``, a side branch ``x * 2`` its output never uses (kept as an
+    attribute, the engine's check of state carried between calls refuses it from the second call on)."""
+
+    def __init__(self, width: int, side: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, width, dtype=torch.float64))
+        self.keeps_side = side
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.keeps_side:
+            self.side = x * 2
+        return x * self.weight
+
+
+def _gain_model(side: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), _Gain(4, side), torch.nn.Linear(4, 2)).double()
+
+
+def _gain_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch["x"]).square().sum((1, 2))
+
+
+def _registered_gain(monkeypatch, graph) -> None:
+    """A rule for :class:`_Gain` on the values its ``graph`` reads (``x``, the call's input)."""
+    from dpexp.privacy import rules
+    from dpexp.privacy.per_example import Dense
+
+    monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))  # the registration ends with the test
+
+    def inputs(module, args, kwargs):
+        return (args[0],)
+
+    @rules.register_rule(_Gain, call=rules.CallLayout(inputs, rules.first_output, graph=graph))
+    def gain_grads(module, call, dy):
+        return {"weight": Dense((dy * call[-1]["x"]).sum(1))}
+
+
+def test_a_rule_that_reads_values_only_gets_its_call_with_the_outputs_gradient(monkeypatch):
+    """A graph read with no node to wait for (here the input, kept as a value) is handed to the rule with
+    the outputs' gradient, and the oracle agrees; before, the call waited for nodes that did not exist and
+    its gradients were never formed (counted as zero: stop 66, found on Mamba-2 once the engine had
+    released its parameters)."""
+    from dpexp.privacy.rules.graph import GraphReads
+
+    _registered_gain(
+        monkeypatch, lambda module, call, output, boundary: GraphReads({"x": call[0].detach()}, {})
+    )
+    batch = {"x": torch.randn(6, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))}
+    for micro in ([[0, 1, 2, 3, 4, 5]], [[0, 1, 2], [3, 4, 5]]):
+        check_clipped_step(_gain_model(), _gain_loss, batch, micro, "bk", "flat")
+
+
+def test_a_node_read_that_never_gets_its_gradient_is_refused(monkeypatch):
+    """A rule that waits for a node no gradient reaches (here the call's unused side branch) would never
+    form its gradients: the engine refuses the backward, naming the layer, instead of counting them as
+    zero."""
+    from dpexp.privacy.rules.graph import GraphReads
+
+    def graph(module, call, output, boundary):
+        return GraphReads({"x": call[0].detach()}, {"side": module.side.grad_fn})
+
+    _registered_gain(monkeypatch, graph)
+    model = _gain_model(side=True)
+    engine = PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+    batch = {"x": torch.randn(6, 5, 3, dtype=torch.float64)}
+    with pytest.raises(
+        RuntimeError, match=r"layers \['1'\]: their outputs got a gradient but not every node"
+    ):
+        engine.backward(_gain_loss(model, batch))

@@ -383,3 +383,91 @@ def test_a_forget_gate_whose_forward_differs_is_refused(monkeypatch):
     monkeypatch.setattr(gate, "forward", lambda self, h: 0.5 * forward(self, h))
     with pytest.raises(RuntimeError, match=r"KimiLinearForgetGate: the rule's recomputation of the gate"):
         _first_step(kimi_linear())
+
+
+MAMBA2_BUILDS = {
+    "mamba2": mamba2,
+    "bamba": bamba,
+    "nemotron_h": nemotron_h,
+    "granite_hybrid": granite_hybrid,
+    "zamba2": zamba2,
+    "falcon_h1": falcon_h1,
+    "falcon_h1_norm": lambda: falcon_h1(rms_norm=True),
+}
+
+
+def _no_recomputation(*args, **kwargs):
+    raise AssertionError("the Mamba-2 scan was recomputed")
+
+
+@pytest.mark.parametrize("name", list(MAMBA2_BUILDS))
+def test_mamba2_mixers_read_their_gradients_off_the_graph(name, monkeypatch):
+    """Every Mamba-2 form reads its gradients at the scan's products (``A dt`` by ``-exp(A_log)``, ``D x``
+    by ``D``), its softplus and its convolution: the scan never runs again (its recomputation made to fail
+    here), and the oracle agrees."""
+    from dpexp.privacy.rules import scan_mixers
+
+    monkeypatch.setattr(scan_mixers, "_ssd_recomputed", _no_recomputation)
+    torch.manual_seed(0)
+    check_clipped_step(
+        MAMBA2_BUILDS[name]().train(), lm_loss, _batch(), MICRO, "ghost", "per_layer", rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("frozen", [("A_log",), ("D",), ("dt_bias",), ("conv1d.weight", "conv1d.bias")])
+def test_a_mamba2_mixer_with_frozen_parameters_reads_the_others_off_the_graph(frozen, monkeypatch):
+    """Only the nodes of trainable parameters are looked for: with one of them frozen (its node may keep
+    nothing for it, or not exist), the others are still read, and the oracle agrees."""
+    from dpexp.privacy.rules import scan_mixers
+
+    monkeypatch.setattr(scan_mixers, "_ssd_recomputed", _no_recomputation)
+    torch.manual_seed(0)
+    model = mamba2().train()
+    for mixer in _mixers(model):
+        for name in frozen:
+            mixer.get_parameter(name).requires_grad_(False)
+    check_clipped_step(model, lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-6)
+
+
+def test_a_mamba2_mixer_recomputes_where_the_graph_gives_nothing(monkeypatch):
+    """Under hooks on saved tensors (activation checkpointing, offloading) nothing is read off the graph:
+    the rule runs the module's scan on per-example copies, and the oracle agrees."""
+    from dpexp.privacy.rules import scan_mixers
+
+    calls = []
+    original = scan_mixers._ssd_recomputed
+    monkeypatch.setattr(scan_mixers, "_ssd_recomputed", lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        check_clipped_step(falcon_h1().train(), lm_loss, _batch(), MICRO, "bk", "flat", rel=1e-6)
+    assert calls
+
+
+def _doubled_time_step(scan):
+    return lambda x, dt, *a, **k: scan(x, 2 * dt, *a, **k)
+
+
+def _narrower_limit(scan):
+    return lambda *a, **k: scan(*a, **{**k, "dt_limit": (0.0, 0.05)})
+
+
+@pytest.mark.parametrize(
+    "function,change,refusal",
+    [
+        ("mamba2_chunk_scan", _doubled_time_step, "the time step's softplus input"),
+        ("mamba2_chunk_scan", _narrower_limit, "the time step"),
+        ("causal_conv1d_fn", lambda conv: lambda x, w, b, **k: conv(x, w, b) * 0.5, "the skip's input"),
+    ],
+)
+def test_a_mamba2_mixer_whose_forward_differs_is_refused_where_the_graph_is_read(
+    monkeypatch, function, change, refusal
+):
+    """The values the read nodes kept (at the first step: the engine has not released the parameters yet)
+    are checked against their recomputation from ``in_proj``'s output, which establishes whose example
+    each row is: a scan given another time step (here doubled), clamped to other limits, or a convolution
+    that differs (here scaled) is refused, not read."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    monkeypatch.setattr(modeling_mamba2, function, change(getattr(modeling_mamba2, function)))
+    with pytest.raises(RuntimeError, match=f"Mamba2Mixer: the rule's recomputation of {refusal} does not"):
+        _first_step(mamba2().train())

@@ -235,6 +235,14 @@ class Forward:
 
     uses: list[Use] = field(default_factory=list)
     model_calls: int = 0  # forwards of the engine's model (not just of its layers)
+    # (layer name, its outputs' gradient while it waits for the nodes its rule reads) of each use whose rule
+    # reads the call's graph: empty again once the nodes' gradients have come (:meth:`unread`)
+    reading: list[tuple[str, list[torch.Tensor]]] = field(default_factory=list)
+
+    def unread(self) -> list[str]:
+        """After a backward: the layers whose outputs got their gradient but some node their rule reads
+        did not, so their gradients were never formed (the graph reads do not hold)."""
+        return sorted({name for name, waiting in self.reading if waiting})
 
     @property
     def path(self) -> tuple:
@@ -597,7 +605,14 @@ class Capture:
 
             return self._through_outputs(output, on_grads)
         use.args = (*inputs, dict(reads.values))
+        if not reads.nodes:  # values only: the rule runs on the outputs' gradient
+
+            def on_values(grads: tuple[torch.Tensor, ...]) -> None:
+                self._deliver(use, layout.output_grad(layer.module, _aligned(floating, grads)))
+
+            return self._through_outputs(output, on_values)
         waiting: list[torch.Tensor] = []  # the outputs' gradient until the nodes' arrive, in every pass
+        self.forward.reading.append((layer.name, waiting))
         arrived: set[str] = set()
         keys = tuple(reads.nodes)  # the hooks must not hold the nodes: a node -> hook -> node cycle runs
         # through autograd's C++ graph, which Python's collector cannot see, and would keep every step's

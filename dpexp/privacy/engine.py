@@ -37,7 +37,7 @@ from dpexp.privacy.adaptive import (
     update_thresholds_from_norms,
 )
 from dpexp.privacy.aggregation import SingleProcess, StepAggregation
-from dpexp.privacy.capture import Capture, Use, discover_layers, parameter_layout
+from dpexp.privacy.capture import Capture, Forward, Use, discover_layers, parameter_layout
 from dpexp.privacy.clipping import CLIP_FUNCTIONS, ClipFunction, Clipper, StrategyName, make_strategy
 from dpexp.privacy.grouping import ClippingMode, default_thresholds, partition
 from dpexp.privacy.individual import IndividualPrivacy, check_group_indices
@@ -329,6 +329,7 @@ class PrivacyEngine:
             self._phase = "first"
             self._clipper.begin(forward, self._batch_size, scales=scales)
             total.backward(retain_graph=passes > 1)
+            _check_read(forward)
             if probing:
                 self._verifier.after_first_pass()
             self._clipper.finish_pending()
@@ -336,6 +337,7 @@ class PrivacyEngine:
                 self._phase = "second"
                 self._clipper.begin(forward, self._batch_size, second=True)
                 total.backward()
+                _check_read(forward)
         except VerificationError as error:
             self._refusal = error  # sums of this step may be partial: no step is taken from here on
             raise
@@ -599,6 +601,19 @@ class PrivacyEngine:
         for p in self._params.values():
             p.requires_grad_(True)
         return self.model
+
+
+def _check_read(forward: Forward) -> None:
+    """Refuse a backward after which a layer's rule still waits for gradients it reads inside the call
+    (:meth:`~dpexp.privacy.capture.Forward.unread`): its per-example gradients were never formed, and
+    finishing its groups without them would count them as zero."""
+    unread = forward.unread()
+    if unread:
+        raise RuntimeError(
+            f"layers {unread}: their outputs got a gradient but not every node inside the call that their "
+            "rules read, so their per-example gradients were never formed; the rules' graph reads do not "
+            "hold for this model (report it with the model's type), or freeze those layers"
+        )
 
 
 def _cloned(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

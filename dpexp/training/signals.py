@@ -10,8 +10,10 @@ evaluating, writing the record) the signal stops the run at once. Either way the
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,10 +21,21 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-log = logging.getLogger(__name__)
-
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DUPLICATE_WINDOW = 0.5  # seconds: the same signal again within this of the last is one request twice
+
+
+def announce(text: str) -> None:
+    """Write the line ``text`` to stderr from a signal handler. Not through logging or ``print``: the
+    handler runs between two bytecodes of the main code, which may be inside a write to the same buffered
+    stream, where a second write raises ``RuntimeError: reentrant call`` (logging then prints a traceback
+    of its own and drops the line); a write to the file descriptor has no such state. Where stderr has no
+    descriptor (captured in-process), the stream's own write, the line dropped if the stream is busy."""
+    try:
+        os.write(sys.stderr.fileno(), f"{text}\n".encode(errors="replace"))
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        with contextlib.suppress(RuntimeError):
+            sys.stderr.write(f"{text}\n")
 
 
 class RunInterrupted(BaseException):
@@ -94,7 +107,7 @@ class InterruptGuard:
         self._last = (signum, now)
         if self._in_step and self._pending is None:
             self._pending = signum
-            log.warning("%s received: stopping after this step (send it again to stop at once)", name)
+            announce(f"{name} received: stopping after this step (send it again to stop at once)")
             return
-        log.warning("%s received: stopping now", name)
+        announce(f"{name} received: stopping now")
         raise RunInterrupted(signum, mid_step=self._in_step)

@@ -70,9 +70,12 @@ class CallLayout:
     autograd graph the call built between its input tensors ``boundary`` and its ``output``
     (:mod:`dpexp.privacy.rules.graph`): values at the call, and the nodes whose output gradients the rule
     needs (``nn.MultiheadAttention``'s input projections). The capture then hands the call to the engine
-    when the last of those gradients arrives, after the outputs' in the same backward pass, and the tuple
-    gains a last entry ``{**values, key: each node's gradient}``. None: the graph lacks the structure, and
-    the rule gets the tuple as it is.
+    when the last of those gradients arrives, after the outputs' in the same backward pass (with no nodes,
+    with the outputs'), and the tuple gains a last entry ``{**values, key: each node's gradient}``; the
+    engine refuses a backward after which a call still waits for one. None: the graph lacks the structure,
+    and the rule gets the tuple as it is. What autograd keeps depends on what needs a gradient: from the
+    second step on the engine's parameters do not (it forms their gradients itself), so a value a node keeps
+    only for a parameter's gradient is there at the first step alone.
     """
 
     inputs: Callable[[nn.Module, tuple, dict[str, Any]], tuple]

@@ -37,10 +37,11 @@ weights (claimed); ``in_proj``, the gated RMSNorm ``norm`` and ``out_proj`` are 
 ``P = in_proj(x)`` split into the gate ``z``, the convolution's input ``xBC`` and the time step ``dt``:
 ``(x, B, C) = mask * act(conv1d(xBC))``, then the module's own chunked scan function (``mamba2_chunk_scan``
 of its modeling file: ``h_t = exp(delta_t A) h_{t-1} + delta_t x_t B_t^T``, ``y_t = h_t C_t + D x_t``,
-``delta = clamp(softplus(dt + dt_bias))``, per head), then ``norm(y, z)`` and ``out_proj``. The rule calls
-that same scan function with the per-example copies shaped (B, 1, heads), which its broadcasting takes as
-one parameter per example, checks its output against the norm's input in the module's call, and runs the
-norm's forward on it to reach ``out_proj``'s input. Falcon-H1's mixer (``FalconH1Mixer.forward``) scales ``P``
+``delta = clamp(softplus(dt + dt_bias))``, per head), then ``norm(y, z)`` and ``out_proj``. The rule reads
+its gradients off the call's graph (below); where it cannot, it calls that same scan function with the
+per-example copies shaped (B, 1, heads), which its broadcasting takes as one parameter per example, checks
+its output against the norm's input in the module's call, and runs the norm's forward on it to reach
+``out_proj``'s input. Falcon-H1's mixer (``FalconH1Mixer.forward``) scales ``P``
 by its µP multipliers (the buffer ``mup_vector``) and, without its norm (``mamba_rms_norm`` false), gates the
 scan's output as ``y * silu(z)``; the rule follows both and checks at ``out_proj``'s input then.
 
@@ -66,9 +67,10 @@ call's autograd graph holds what their gradients need (:mod:`dpexp.privacy.rules
 output gradient at the one convolution node that keeps ``conv1d``'s weight (its per-example gradient is then
 the depthwise convolution's own rule, :func:`~dpexp.privacy.rules.conv.conv_grads`), and a delta net's
 ``dg`` at the one product that keeps ``-exp(A_log)`` (by value), from which ``A_log``'s and ``dt_bias``'s
-follow in closed form (:func:`delta_rule_grads`). The chunked function, the norm and ``out_proj`` are then
-autograd's own, run once. Where the graph lacks these nodes (autocast, hooks on saved tensors) the rules
-recompute as above.
+follow in closed form (:func:`delta_rule_grads`). Mamba-2's (stop 66) likewise: the scan's products
+``A dt`` (found by ``-exp(A_log)``) and ``D x`` (by ``D``), its one softplus and the convolution
+(:func:`ssd_grads`). The chunked function, the norm and ``out_proj`` are then autograd's own, run once.
+Where the graph lacks these nodes (autocast, hooks on saved tensors) the rules recompute as above.
 
 Refused, with the cause: a key/value cache (the recomputation starts from no state), the fused kernels' path
 (``mamba_ssm`` installed in training: ``x_proj`` or ``norm`` is then never called), a wrapped ``x_proj`` or
@@ -337,23 +339,122 @@ def _ssd_keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
     return {"P": ("in_proj", "output"), "y": ("norm", "input") if normed else ("out_proj", "input")}
 
 
+def ssd_graph(module: nn.Module, call: tuple, output: Any, boundary: list) -> GraphReads | None:
+    """The nodes of the scan's parameters in the call's graph, each found by what it keeps: the
+    discretisation ``A dt`` (``d_a``, (B, T, heads)) by its factor ``A = -exp(A_log)`` (by value); the time
+    step's one softplus (``d_softplus``, at ``F.softplus``'s defaults); the skip ``D x`` (``d_d``) by ``D``
+    itself; and the convolution's (:func:`_conv_graph`). With them the values they keep where autograd kept
+    them (where the parameter needs a gradient: not once the engine has released it), checked by the rule
+    against its recomputation: ``dt``, the softplus' input ``pre`` and ``x`` (``skip``: (B, T', heads,
+    head_dim), padded to whole chunks). None where the graph lacks one of the nodes."""
+    nodes = call_nodes(output, boundary)
+    if nodes is None:
+        return None
+    decay, skip = _decay(module), module.D[..., None]  # the scan's A and D[..., None]
+    step_node = product_with(nodes, decay, by_value=True)
+    skip_node = product_with(nodes, skip)
+    softplus = [node for node in nodes if type(node).__name__ == "SoftplusBackward0"]
+    if step_node is None or skip_node is None or len(softplus) != 1:
+        return None
+    if (softplus[0]._saved_beta, softplus[0]._saved_threshold) != (1, 20):
+        return None
+    found = {"d_a": step_node, "d_softplus": softplus[0], "d_d": skip_node}
+    kept = {
+        "dt": other_operand(step_node, decay),
+        "pre": saved(softplus[0], "_saved_self"),
+        "skip": other_operand(skip_node, skip),
+    }
+    return _conv_graph(module, nodes, found, {key: t.detach() for key, t in kept.items() if t is not None})
+
+
 @register_rule(
     *MAMBA2_MIXERS,
     check=_check_calling(
         "state-space-duality", {"A_log", "D", "dt_bias"}, _SCAN, lambda _: ("out_proj", "norm")
     ),
-    call=CallLayout(scan_inputs, first_output, keeps=_ssd_keeps),
+    call=CallLayout(scan_inputs, first_output, keeps=_ssd_keeps, graph=ssd_graph),
     claims=("conv1d",),
 )
 def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
-    """Per-example gradients of ``A_log``, ``D``, ``dt_bias`` and ``conv1d.*`` of a Mamba-2 mixer by the
-    module's own scan on per-example copies (module docstring); ``dy`` (B, T, d_model) the gradient of the
-    mixer's output. The scan computes in float32 whatever the mixer's dtype, as in the module."""
-    hidden, arguments, kept = call
-    taps = _ssd_keeps(module)
-    seen = _kept(module, kept, taps)
-    normed = taps["y"][0] == "norm"
-    batch, length = hidden.shape[:2]
+    """Per-example gradients of ``A_log``, ``D``, ``dt_bias`` and ``conv1d.*`` of a Mamba-2 mixer; ``dy``
+    (B, T, d_model) the gradient of the mixer's output. Where the call's graph gave the gradients at the
+    scan's three products and the convolution's output (:func:`ssd_graph`), with ``dt`` and ``x`` the
+    products kept and ``pre = dt_raw + dt_bias`` (each checked against its recomputation from the kept
+    ``in_proj`` output),
+
+        d A_log_i = A sum_t dA_{i,t} dt_{i,t},    d dt_bias_i = sum_t softplus'(pre_{i,t}) dsoftplus_{i,t},
+        d D_i = sum_{t,p} dD_{i,t,p} x_{i,t,p}     (per head),
+
+    and the convolution's own rule (:func:`_conv_read`): the scan, the norm and ``out_proj`` are autograd's
+    own, nothing of them runs again. Else (autocast, hooks on saved tensors) the module's own scan on
+    per-example copies (:func:`_ssd_recomputed`)."""
+    hidden, arguments, kept = call[:3]
+    seen = _kept(module, kept, _ssd_keeps(module))
+    projected = seen["P"] * getattr(module, "mup_vector", 1.0)  # Falcon-H1's µP multipliers (a buffer)
+    if len(call) > 3:
+        return _ssd_read(module, projected, arguments.get("attention_mask"), call[3])
+    return _ssd_recomputed(module, hidden.shape[:2], projected, arguments.get("attention_mask"), seen, dy)
+
+
+def _ssd_read(
+    module: nn.Module, projected: torch.Tensor, mask: torch.Tensor | None, reads: dict[str, Any]
+) -> dict[str, PerExampleGrad]:
+    """:func:`ssd_grads`' formulas on the gradients read off the graph; ``projected`` (B, T, ...) the
+    ``in_proj`` output as the scan takes it apart. ``dt``, ``pre`` and ``x`` are recomputed from it as the
+    scan forms them (``x`` by the module's convolution), and checked against the values the nodes kept
+    where they kept them. ``A_log``'s gradient passes through float32 (the module's ``A_log.float()``) and
+    is given in float32 in a float64 mixer, what it is accurate to (as :func:`_grads`' ``rounded``)."""
+    batch, length = projected.shape[:2]
+    heads = module.num_heads
+    _, xbc, dt = projected.detach().split([module.intermediate_size, module.conv_dim, heads], dim=-1)
+    conv = {f"conv1d.{n}": p.detach().expand(batch, *p.shape) for n, p in module.conv1d.named_parameters()}
+    with torch.no_grad():
+        pre = _checked(
+            module, "the time step's softplus input", reads, "pre", dt + module.dt_bias.to(dt.dtype)
+        )
+        step = torch.clamp(F.softplus(pre), *module.time_step_limit).float()  # the scan's dt, float32
+        step = _checked(module, "the time step", reads, "dt", step)
+        x = _convolved(module, xbc.transpose(1, 2), conv, mask)[..., : module.intermediate_size]
+        x = F.pad(
+            x.reshape(batch, length, heads, -1).float(), (0, 0, 0, 0, 0, reads["d_d"].shape[1] - length)
+        )
+        x = _checked(module, "the skip's input", reads, "skip", x)
+        decay = _decay(module)
+        d_log = (reads["d_a"] * step).sum(1).to(decay.dtype) * decay  # through -exp(A_log.float())
+        rounded = module.A_log.dtype == torch.float64  # given in float32, as _grads' ``rounded``
+        d_pre = softplus_backward(reads["d_softplus"], pre)  # the scan's F.softplus
+        grads: dict[str, PerExampleGrad] = {
+            "A_log": Dense(d_log if rounded else d_log.to(module.A_log.dtype)),
+            "dt_bias": Dense(d_pre.sum(1).to(module.dt_bias.dtype)),
+            "D": Dense((reads["d_d"] * x).sum((1, 3)).to(module.D.dtype)),
+        }
+    return grads | _conv_read(module, xbc, reads)
+
+
+def _checked(
+    module: nn.Module, what: str, reads: dict[str, Any], key: str, recomputed: torch.Tensor
+) -> torch.Tensor:
+    """The value a node kept under ``key``, checked against its recomputation; the recomputation where the
+    node kept none."""
+    if key not in reads:
+        return recomputed
+    _same(module, what, reads[key], recomputed)
+    return reads[key]
+
+
+def _ssd_recomputed(
+    module: nn.Module,
+    size: torch.Size,
+    projected: torch.Tensor,
+    mask: torch.Tensor | None,
+    seen: dict[str, Any],
+    dy: torch.Tensor,
+) -> dict[str, PerExampleGrad]:
+    """The module's own scan function on per-example copies (module docstring), from the ``in_proj``
+    output ``projected``; ``size`` (B, T). The scan computes in float32 whatever the mixer's dtype, as in
+    the module."""
+    batch, length = size
+    normed = _ssd_keeps(module)["y"][0] == "norm"
     dtype = _dtype(module.A_log)
     heads, head_dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
     leaves = {
@@ -362,11 +463,10 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
         "dt_bias": per_example_copies(module.dt_bias, batch),
         **_conv_leaves(module.conv1d, batch),
     }
-    projected = seen["P"] * getattr(module, "mup_vector", 1.0)  # Falcon-H1's µP multipliers (a buffer)
     z, xbc, dt = projected.to(dtype).split([module.intermediate_size, module.conv_dim, heads], dim=-1)
     scan = getattr(sys.modules[type(module).__module__], _SCAN)
     with torch.enable_grad():
-        xbc = _convolved(module, xbc.transpose(1, 2), leaves, arguments.get("attention_mask"))
+        xbc = _convolved(module, xbc.transpose(1, 2), leaves, mask)
         x, b, c = xbc.split([module.intermediate_size, groups * state, groups * state], dim=-1)
         y = scan(  # the copies as (B, 1, heads): one parameter per example under the scan's broadcasting
             x.reshape(batch, length, heads, head_dim),
