@@ -796,6 +796,48 @@ class Branching(nn.Module):
         return self.a(x) if float(x.sum()) > 0 else self.b(x)
 
 
+class _FailingBackward(torch.autograd.Function):
+    """The identity whose backward raises: a backward that fails part-way, as an out-of-memory would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("no memory left for this backward")
+
+
+class _Breaks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.broken = nn.Linear(3, 4), nn.Linear(4, 2), False
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(_FailingBackward.apply(h) if self.broken else h)
+
+
+@pytest.mark.parametrize("strategy", ["bk", "ghost"])
+def test_a_backward_that_fails_part_way_leaves_the_engine_refusing_every_step(strategy):
+    """The second micro-batch's backward fails after ``b``'s gradients reached the clipper and before
+    ``a``'s did: the step's sums are partial, so neither the optimizer's step nor another backward runs."""
+    model = _Breaks()
+    engine = _engine(model, batch_size=8, strategy=strategy)
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.backward(model(torch.randn(4, 3)).sum(1))
+    model.broken = True
+    with pytest.raises(RuntimeError, match="no memory left"):
+        engine.backward(model(torch.randn(4, 3)).sum(1))
+    with pytest.raises(VerificationError, match=r"failed part-way \(RuntimeError: no memory left"):
+        optimizer.step()
+    model.broken = False
+    with pytest.raises(VerificationError, match="refused this model earlier"):
+        engine.backward(model(torch.randn(4, 3)).sum(1))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 def test_an_unverified_path_through_the_layers_is_refused_unless_every_step_is_verified():
     positive, negative = torch.rand(4, 3), -torch.rand(4, 3)
     model = Branching()
