@@ -338,7 +338,7 @@ class PrivacyEngine:
                 self._clipper.begin(forward, self._batch_size, second=True)
                 total.backward()
                 _check_read(forward)
-        except Exception as error:  # sums of this step may be partial: no step is taken from here on
+        except BaseException as error:  # sums of this step may be partial: no step is taken from here on
             self._refusal = error if isinstance(error, VerificationError) else _failed_backward(error)
             raise
         finally:
@@ -616,9 +616,10 @@ def _check_read(forward: Forward) -> None:
         )
 
 
-def _failed_backward(error: Exception) -> VerificationError:
-    """The refusal kept after a backward that raised ``error`` part-way: some groups' clipped sums of the
-    step may be formed and others not, and a step on them would release a gradient nobody chose."""
+def _failed_backward(error: BaseException) -> VerificationError:
+    """The refusal kept after a backward that raised ``error`` part-way (an interrupt too): some groups'
+    clipped sums of the step may be formed and others not, and a step on them would release a gradient
+    nobody chose."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return VerificationError(
         f"a backward of this engine failed part-way ({type(error).__name__}: {first}), so this step's sums "
