@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 
-from dpexp.privacy import PrivacyEngine
+from dpexp.privacy import PrivacyEngine, VerificationError
 from dpexp.privacy.capture import Use
 from tests.engine_models import _padded_text, doge, dory, hyper_connected, inkling, lm_loss, recurrent_gemma
 from tests.oracle import check_clipped_step
@@ -162,8 +162,11 @@ def test_a_node_read_that_never_gets_its_gradient_is_refused(monkeypatch):
     _registered_gain(monkeypatch, graph)
     model = _gain_model(side=True)
     engine = PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0, noise_multiplier=0.0)
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
     batch = {"x": torch.randn(6, 5, 3, dtype=torch.float64)}
     with pytest.raises(
-        RuntimeError, match=r"layers \['1'\]: their outputs got a gradient but not every node"
+        VerificationError, match=r"layers \['1'\]: their outputs got a gradient but not every node"
     ):
         engine.backward(_gain_loss(model, batch))
+    with pytest.raises(VerificationError, match=r"refused this model earlier: layers \['1'\]"):
+        optimizer.step()

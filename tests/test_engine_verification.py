@@ -796,6 +796,53 @@ class Branching(nn.Module):
         return self.a(x) if float(x.sum()) > 0 else self.b(x)
 
 
+class _FailingBackward(torch.autograd.Function):
+    """The identity whose backward raises ``error``: a backward that stops part-way, as an out-of-memory
+    or a Ctrl-C would."""
+
+    @staticmethod
+    def forward(ctx, x, error):
+        ctx.error = error
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ctx.error
+
+
+class _Breaks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.error = nn.Linear(3, 4), nn.Linear(4, 2), None
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h if self.error is None else _FailingBackward.apply(h, self.error))
+
+
+@pytest.mark.parametrize("error", [RuntimeError("no memory left"), KeyboardInterrupt("no memory left")])
+@pytest.mark.parametrize("strategy", ["bk", "ghost"])
+def test_a_backward_that_fails_part_way_leaves_the_engine_refusing_every_step(strategy, error):
+    """The second micro-batch's backward stops after ``b``'s gradients reached the clipper and before
+    ``a``'s did: the step's sums are partial, so neither the optimizer's step nor another backward runs."""
+    model = _Breaks()
+    engine = _engine(model, batch_size=8, strategy=strategy)
+    optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.backward(model(torch.randn(4, 3)).sum(1))
+    model.error = error
+    with pytest.raises(type(error), match="no memory left"):
+        engine.backward(model(torch.randn(4, 3)).sum(1))
+    name = type(error).__name__
+    with pytest.raises(VerificationError, match=rf"failed part-way \({name}: no memory left"):
+        optimizer.step()
+    model.error = None
+    model.broken = False
+    with pytest.raises(VerificationError, match="refused this model earlier"):
+        engine.backward(model(torch.randn(4, 3)).sum(1))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 def test_an_unverified_path_through_the_layers_is_refused_unless_every_step_is_verified():
     positive, negative = torch.rand(4, 3), -torch.rand(4, 3)
     model = Branching()

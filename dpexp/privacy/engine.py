@@ -338,8 +338,8 @@ class PrivacyEngine:
                 self._clipper.begin(forward, self._batch_size, second=True)
                 total.backward()
                 _check_read(forward)
-        except VerificationError as error:
-            self._refusal = error  # sums of this step may be partial: no step is taken from here on
+        except BaseException as error:  # sums of this step may be partial: no step is taken from here on
+            self._refusal = error if isinstance(error, VerificationError) else _failed_backward(error)
             raise
         finally:
             self._phase = "idle"
@@ -609,11 +609,22 @@ def _check_read(forward: Forward) -> None:
     finishing its groups without them would count them as zero."""
     unread = forward.unread()
     if unread:
-        raise RuntimeError(
+        raise VerificationError(
             f"layers {unread}: their outputs got a gradient but not every node inside the call that their "
             "rules read, so their per-example gradients were never formed; the rules' graph reads do not "
             "hold for this model (report it with the model's type), or freeze those layers"
         )
+
+
+def _failed_backward(error: BaseException) -> VerificationError:
+    """The refusal kept after a backward that raised ``error`` part-way (an interrupt too): some groups'
+    clipped sums of the step may be formed and others not, and a step on them would release a gradient
+    nobody chose."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return VerificationError(
+        f"a backward of this engine failed part-way ({type(error).__name__}: {first}), so this step's sums "
+        "may be partial; build a new engine once its cause is fixed"
+    )
 
 
 def _cloned(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

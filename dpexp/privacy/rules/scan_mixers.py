@@ -635,9 +635,9 @@ def _conv_read(module: nn.Module, qkv: torch.Tensor, reads: dict[str, Any]) -> d
     depthwise convolution's own rule on the convolution's input ``qkv`` (B, T, C), checked against the one
     the node kept."""
     conv = module.conv1d
-    x = qkv.detach().transpose(1, 2).to(conv.weight.dtype)
-    if "x" in reads:
-        _same(module, "the convolution's input", reads["x"], x)
+    x = _checked(
+        module, "the convolution's input", reads, "x", qkv.detach().transpose(1, 2).to(conv.weight.dtype)
+    )
     with torch.no_grad():
         return {f"conv1d.{name}": grad for name, grad in conv_grads(conv, x, reads["d_conv"]).items()}
 
@@ -722,9 +722,7 @@ def _delta_read(
     decay = _decay(module)
     with torch.no_grad():
         pre = a.detach().float() + module.dt_bias.detach()  # the module's promotion
-        softplus = F.softplus(pre)
-        if "softplus" in reads:
-            _same(module, "the decay's softplus factor", reads["softplus"], softplus)
+        softplus = _checked(module, "the decay's softplus factor", reads, "softplus", F.softplus(pre))
         d_g = reads["d_g"].to(softplus.dtype)  # (B, T, heads)
         d_log = (d_g * softplus).sum(1).to(decay.dtype) * decay  # through -exp(A_log.float())
         d_pre = softplus_backward(d_g * decay.to(d_g.dtype), pre)  # the module's F.softplus
