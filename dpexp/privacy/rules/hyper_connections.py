@@ -24,11 +24,12 @@ at the one product that keeps ``s_g`` for its backward (:func:`~dpexp.privacy.ru
 parameter's own entry, or, where the module takes a float32 copy of a float64 parameter, a tensor equal to
 it); whatever follows the product (the sigmoid, the Sinkhorn iterations, the streams' products) is autograd's
 own, nothing of it runs again. The capture keeps ``input_norm``'s input and output (``keeps``); the rule
-recomputes ``mixes`` (one product with ``fn``, the forward's own) and refuses a module whose forward it does
-not follow: each group's ``sigmoid(u_g)`` (or softmax) must reproduce one of the values the call's sigmoid (or
-softmax) nodes kept. Before these rules the exact fallback recomputed each module per example
-(``deepseek_v4`` and ``hy_v4`` entries of ``bench_suite=sweep_fallbacks``; GLM-5-Next's, stop 52: 95 ms of a
-2.4 s private step).
+recomputes ``mixes`` (one product with ``fn``, the forward's own; under autocast in the dtype recorded at
+the call, as DeepSeek-V4's projection runs in it, where HY-V4 turns autocast off) and refuses a module whose
+forward it does not follow: each group's ``sigmoid(u_g)`` (or softmax) must reproduce one of the values the
+call's sigmoid (or softmax) nodes kept. Before these rules the exact fallback recomputed each module per
+example (``deepseek_v4`` and ``hy_v4`` entries of ``bench_suite=sweep_fallbacks``; GLM-5-Next's, stop 52:
+95 ms of a 2.4 s private step).
 """
 
 from __future__ import annotations
@@ -57,21 +58,23 @@ from dpexp.privacy.rules.submodule_values import read_call, reproduced
 class _Form:
     """A hyper-connection module's parameters (projection, biases, scales), its groups' functions in the
     order of the projection's rows (``"sigmoid"``: N rows, ``"softmax"``: N x N rows, a softmax over the last
-    N), and whether ``input_norm`` returns the normalised input (else its factor ``rsqrt(...)``)."""
+    N), whether ``input_norm`` returns the normalised input (else its factor ``rsqrt(...)``), and whether the
+    module turns autocast off around its projection (HY-V4's; DeepSeek-V4's runs in autocast's dtype)."""
 
     params: tuple[str, str, str]
     groups: tuple[str, ...]
     normalises: bool
+    autocast_off: bool
 
 
 _CONNECTION = ("fn", "base", "scale")
 _HEAD = ("hc_fn", "hc_base", "hc_scale")
 _FORMS = {
-    "DeepseekV4HyperConnection": _Form(_CONNECTION, ("sigmoid", "sigmoid", "softmax"), True),
-    "DeepseekV4HyperHead": _Form(_HEAD, ("sigmoid",), True),
-    "Glm5NextTextHyperConnection": _Form(_CONNECTION, ("sigmoid", "sigmoid", "softmax"), True),
-    "HYV4HyperConnection": _Form(_CONNECTION, ("sigmoid", "sigmoid"), False),
-    "HYV4HyperHead": _Form(_HEAD, ("sigmoid",), False),
+    "DeepseekV4HyperConnection": _Form(_CONNECTION, ("sigmoid", "sigmoid", "softmax"), True, False),
+    "DeepseekV4HyperHead": _Form(_HEAD, ("sigmoid",), True, False),
+    "Glm5NextTextHyperConnection": _Form(_CONNECTION, ("sigmoid", "sigmoid", "softmax"), True, False),
+    "HYV4HyperConnection": _Form(_CONNECTION, ("sigmoid", "sigmoid"), False, True),
+    "HYV4HyperHead": _Form(_HEAD, ("sigmoid",), False, True),
 }
 _NODES = {"sigmoid": "SigmoidBackward0", "softmax": "SoftmaxBackward0"}
 _KEEPS = {"flat": ("input_norm", "input"), "normed": ("input_norm", "output")}
@@ -100,9 +103,14 @@ def _check(module: nn.Module) -> None:
 
 
 def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(streams (B, T, N, d),)``, to which the capture appends the kept values and the graph's reads."""
+    """``(streams (B, T, N, d), autocast's dtype)``, to which the capture appends the kept values and the
+    graph's reads. The dtype, recorded at the call (the rule runs in the backward pass, outside autocast),
+    is the one the projection runs in where autocast is on and the module leaves it on; else None (the
+    projection in float32, the module's ``.float()``)."""
     (streams,) = forward_arguments(module, args, kwargs).values()
-    return (streams,)
+    device = streams.device.type
+    on = torch.is_autocast_enabled(device) and not _form(module).autocast_off
+    return streams, torch.get_autocast_dtype(device) if on else None
 
 
 def _sizes(module: nn.Module) -> list[int]:
@@ -158,12 +166,16 @@ def hyper_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
     """``fn`` (an Outer of (B, T, K) and (B, T, N d)), ``base`` (B, K) and ``scale`` (B, groups) by the module
     docstring's formulas; ``dy`` unused (the gradients inside the call are read)."""
     form, fix, n = _form(module), _fix(module), module.hc_mult
-    _, kept, reads = read_call(module, call, _KEEPS, "hyper-connection", fix)
+    (_, dtype), kept, reads = read_call(module, call, _KEEPS, "hyper-connection", fix, inputs=2)
     fn, base, scale = (getattr(module, name) for name in form.params)
     with torch.no_grad():
-        flat, normed, weight = kept["flat"], kept["normed"], fn.detach().float()
+        flat, normed = kept["flat"], kept["normed"]
+        weight = fn.detach().float() if dtype is None else fn.detach().to(dtype)
         a = normed if form.normalises else flat * normed
-        mixes = F.linear(a, weight) if form.normalises else F.linear(flat, weight) * normed  # the forward's
+        if form.normalises:  # the forward's products, in its dtype
+            mixes = F.linear(a if dtype is None else a.to(dtype), weight)
+        else:
+            mixes = F.linear(flat, weight) * normed
         parts = mixes.split(_sizes(module), dim=-1)
         biases = base.detach().split(_sizes(module))
         du, scale_grads, left = [], [], []
