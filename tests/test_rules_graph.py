@@ -107,6 +107,28 @@ def test_a_weight_used_twice_or_copied_is_not_found():
     assert matmul_with(call_nodes(copied, [a]), weight) is None
 
 
+def test_autocasts_copy_of_a_weight_is_found_only_with_cast():
+    """Under CPU bf16 autocast a product or convolution keeps the weight's bf16 copy: found with ``cast``
+    (equal in value to the weight cast), never a float32 copy of the same dtype, another weight's copy, or
+    one of two products with the weight."""
+    weight = torch.randn(4, 6, requires_grad=True)
+    a, b = torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copied = F.linear(a, weight)
+        twice = F.linear(a, weight) + F.linear(b, weight)
+        other = F.linear(a, weight + 1.0)
+        conv_weight = torch.randn(6, 1, 3, requires_grad=True)
+        conv = F.conv1d(a.T[None], conv_weight, groups=6)
+    assert matmul_with(call_nodes(copied, [a]), weight) is None
+    assert matmul_with(call_nodes(copied, [a]), weight, cast=True) is copied.grad_fn
+    assert matmul_with(call_nodes(twice, [a, b]), weight, cast=True) is None
+    assert matmul_with(call_nodes(other, [a]), weight, cast=True) is None
+    assert matmul_with(call_nodes(F.linear(a, weight.clone()), [a]), weight, cast=True) is None
+    nodes = call_nodes(conv, [a])
+    assert kept_as(nodes, "ConvolutionBackward0", "_saved_weight", conv_weight) is None
+    assert kept_as(nodes, "ConvolutionBackward0", "_saved_weight", conv_weight, cast=True) is conv.grad_fn
+
+
 def test_no_graph_no_nodes():
     """An output without a graph (nothing requires a gradient) has no nodes; the search stops at the call's
     inputs, and gives up past its limit (it left the call through an input it was not given)."""

@@ -588,6 +588,14 @@ class Capture:
             inputs = layout.inputs(layer.module, args, kwargs)
         except ValueError as error:
             raise ValueError(f"layer {layer.name!r} ({type(layer.module).__name__}): {error}") from None
+        if layout.output:
+            if not torch.is_tensor(output):
+                returned = type(output).__name__
+                raise ValueError(
+                    f"layer {layer.name!r} ({type(layer.module).__name__}) returned a {returned}, where its "
+                    "rule checks itself against one tensor output; register a rule for its call"
+                )
+            inputs = (*inputs, output.detach())
         if layout.keeps is not None:  # this call's values (the lists are refilled by the next call)
             inputs = (*inputs, {key: list(values) for key, values in self._kept[id(layer.module)].items()})
         use = Use(layer, inputs, {}, _versions(inputs, {}))

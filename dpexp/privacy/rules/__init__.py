@@ -60,6 +60,10 @@ class CallLayout:
     with it, on the strength of the same probe (:class:`LayerRule`); the layout refuses a call whose
     entries do not share the main input's leading size.
 
+    ``output``: the tuple gains the call's output (a tensor, detached), against which a rule that recomputes
+    the module checks itself (the forget gates of :mod:`dpexp.privacy.rules.forget_gate`); the engine
+    refuses the call if it changes in place before its backward.
+
     ``keeps(module)`` names values of the module's submodules the rule needs from the call itself
     (key -> (submodule name, "input" or "output"); an input is the submodule's argument tuple): the capture
     keeps what they receive or return during the module's training call, and the tuple gains a last entry,
@@ -81,6 +85,7 @@ class CallLayout:
     inputs: Callable[[nn.Module, tuple, dict[str, Any]], tuple]
     output_grad: Callable[[nn.Module, list[torch.Tensor | None]], torch.Tensor]
     rows: tuple[int, ...] = (0,)
+    output: bool = False
     keeps: Callable[[nn.Module], dict[str, tuple[str, str]]] | None = None
     graph: Callable[[nn.Module, tuple, Any, list[torch.Tensor]], GraphReads | None] | None = None
 

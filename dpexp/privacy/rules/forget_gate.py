@@ -7,65 +7,75 @@ are layers of their own. For one example, with ``f`` the projections' output (T,
     g = -exp(A_log) * softplus(f + dt_bias)                  (softplus(z) = z above 20)
     g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))    (Bailing's ``safe_gate``, GLM-5-Next's bound)
 
-The rule keeps the gate's output, recomputes ``f`` from the input with the projections' weights (read, not
-called: no second use of theirs is recorded), computes ``g`` with one copy of ``A_log`` and ``dt_bias`` per
-example in the module's own precisions, checks it against the output, and takes the copies' gradients of
-``<g, dy>`` in one backward: example i's copy enters only example i's gate.
+The rule keeps the gate's output and what its last projection returns in the call (``f``, as the forward
+formed it: under autocast too, where the projections run in autocast's dtype), computes ``g`` from ``f`` with
+one copy of ``A_log`` and ``dt_bias`` per example in the module's own precisions, checks it against the
+output, and takes the copies' gradients of ``<g, dy>`` in one backward: example i's copy enters only example
+i's gate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dpexp.privacy.per_example import Dense, PerExampleGrad
-from dpexp.privacy.rules import per_example_copies, qualified_name, refuse, register_rule
-from dpexp.privacy.rules.submodule_values import reproduced, unfollowed
+from dpexp.privacy.rules import (
+    CallLayout,
+    first_output,
+    forward_arguments,
+    per_example_copies,
+    qualified_name,
+    refuse,
+    register_rule,
+)
+from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
 
 _HF = "transformers.models"
 _FIX = "Otherwise freeze A_log and dt_bias (requires_grad=False)."
 
 
-def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
-
-
-def _low_rank(module: nn.Module, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``f + dt_bias`` (B, T, heads, d) in float32 through the low-rank ``f_b_proj(f_a_proj(x))``."""
-    f = _linear(module.f_b_proj, _linear(module.f_a_proj, x))
-    return (f.float() + b.float()[:, None]).view(*x.shape[:2], -1, module.head_dim)
+def _shifted(module: nn.Module, f: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``f + dt_bias`` (B, T, heads, d) in float32 for the projections' output ``f`` (B, T, heads * d)."""
+    return (f.float() + b.float()[:, None]).view(*f.shape[:2], -1, module.head_dim)
 
 
 def _softplus(z: torch.Tensor) -> torch.Tensor:
     return torch.where(z > 20.0, z, torch.log(1.0 + torch.exp(z)))  # as Kimi's and GLM-5-Next's modules
 
 
-def _kimi(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _kimi(
+    module: nn.Module, f: torch.Tensor, a: torch.Tensor, b: torch.Tensor, _: torch.dtype
+) -> torch.Tensor:
     """Kimi Linear's gate (float32) for the copies ``a`` (B, 1, 1, heads, 1) and ``b`` (B, heads * d)."""
-    return -a[:, 0].float().exp() * _softplus(_low_rank(module, x, b))
+    return -a[:, 0].float().exp() * _softplus(_shifted(module, f, b))
 
 
-def _glm5_next(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _glm5_next(
+    module: nn.Module, f: torch.Tensor, a: torch.Tensor, b: torch.Tensor, _: torch.dtype
+) -> torch.Tensor:
     """GLM-5-Next's gate (float32; sigmoid-bounded where it has ``safe_gate_lower_bound``) for the copies
     ``a`` (B, heads) and ``b`` (B, heads * d)."""
-    z = _low_rank(module, x, b)
+    z = _shifted(module, f, b)
     decay = a.float().exp()[:, None, :, None]
     if module.safe_gate_lower_bound is not None:
         return module.safe_gate_lower_bound * torch.sigmoid(decay * z)
     return -decay * _softplus(z)
 
 
-def _bailing(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Bailing-hybrid's gate for the copies ``a`` (B, heads) and ``b`` (B, heads * d), cast to ``x``'s
-    dtype as the module's."""
-    z = _linear(module.f_proj, x).float().view(*x.shape[:2], -1, module.head_dim)
-    z = z + b.view(b.shape[0], 1, -1, module.head_dim)
+def _bailing(
+    module: nn.Module, f: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Bailing-hybrid's gate for the copies ``a`` (B, heads) and ``b`` (B, heads * d), cast to the dtype of
+    the gate's input ``dtype`` as the module's."""
+    z = f.float().view(*f.shape[:2], -1, module.head_dim) + b.view(b.shape[0], 1, -1, module.head_dim)
     decay = a.exp()[:, None, :, None]
     gate = module.lower_bound * torch.sigmoid(decay * z) if module.safe_gate else -decay * F.softplus(z)
-    return gate.to(x.dtype)
+    return gate.to(dtype)
 
 
 GATES: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {  # type -> (gate, projections)
@@ -85,25 +95,29 @@ def _check(module: nn.Module) -> None:
     refuse(module, "forget-gate", "gate", reason, _FIX)
 
 
-def _keep(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
-    return True  # g: the check of the recomputation
+def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``(hidden_states (B, T, d_model),)``, to which the capture appends the gate's output and ``f``."""
+    return (forward_arguments(module, args, kwargs)["hidden_states"],)
 
 
-@register_rule(*GATES, check=_check, keep_output=_keep)
-def forget_gate_grads(
-    module: nn.Module, x: torch.Tensor, dy: torch.Tensor, output: torch.Tensor | None = None
-) -> dict[str, PerExampleGrad]:
-    """``d A_log`` and ``d dt_bias`` (B, *shape) by the module docstring's recomputation; ``x``
-    (B, T, d_model) the gate's input, ``dy`` (B, T, heads, d) the gradient of its output."""
+def _keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
+    return {"f": (_form(module)[1][-1], "output")}  # the last projection's output
+
+
+@register_rule(*GATES, check=_check, call=CallLayout(_inputs, first_output, output=True, keeps=_keeps))
+def forget_gate_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
+    """``d A_log`` and ``d dt_bias`` (B, *shape) by the module docstring's recomputation from ``f``; ``dy``
+    (B, T, heads, d) the gradient of the gate's output."""
     gate, _ = _form(module)
+    x, output, kept = call
+    f = once(module, kept, _keeps(module), f"register a rule for its type. {_FIX}")["f"].detach()
     batch = x.shape[0]
     copies = {
         "A_log": per_example_copies(module.A_log, batch),
         "dt_bias": per_example_copies(module.dt_bias, batch),
     }
     with torch.enable_grad():
-        g = gate(module, x.detach(), copies["A_log"], copies["dt_bias"])
-    if output is not None:
-        reproduced(module, "the gate", output, g, _FIX)
+        g = gate(module, f, copies["A_log"], copies["dt_bias"], x.dtype)
+    reproduced(module, "the gate", output, g, _FIX)
     grads = torch.autograd.grad(g, list(copies.values()), dy.to(g.dtype))
     return {name: Dense(grad) for name, grad in zip(copies, grads, strict=True)}

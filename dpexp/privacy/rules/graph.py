@@ -91,36 +91,67 @@ def saved(node: Node, name: str) -> torch.Tensor | None:
     return value if torch.is_tensor(value) else None
 
 
-def matmul_with(nodes: Iterable[Node], weight: torch.Tensor) -> Node | None:
+def matmul_with(nodes: Iterable[Node], weight: torch.Tensor, cast: bool = False) -> Node | None:
     """The one matrix product ``a @ weight.T`` among ``nodes``, found by the matrix it keeps for its backward
     being ``weight.T`` itself (the same storage, offset, shape and strides), or ``weight.T`` broadcast over
     leading dimensions of stride 0: ``F.linear`` on a 3-D input records ``mm`` / ``addmm`` of the input
-    flattened, or ``bmm`` with the weight expanded where the input is not contiguous. None if there is none
-    or more than one. Its output gradient is that of ``a @ weight.T`` (plus a bias), ``a``'s leading
-    dimensions flattened or not."""
+    flattened, or ``bmm`` with the weight expanded where the input is not contiguous. ``cast``: or autocast's
+    copy of it (:func:`_the_one`). None if there is none or more than one. Its output gradient is that of
+    ``a @ weight.T`` (plus a bias), ``a``'s leading dimensions flattened or not."""
     transposed = weight.t()
-    return _the_one(nodes, None, "_saved_mat2", transposed, broadcast=True)
+    return _the_one(nodes, None, "_saved_mat2", transposed, broadcast=True, cast=cast)
 
 
-def kept_as(nodes: Iterable[Node], node_class: str, name: str, tensor: torch.Tensor) -> Node | None:
+def kept_as(
+    nodes: Iterable[Node], node_class: str, name: str, tensor: torch.Tensor, cast: bool = False
+) -> Node | None:
     """The one node of class ``node_class`` among ``nodes`` that keeps ``tensor`` itself as its saved
     ``name`` (the same storage, offset, shape and strides: ``BaddbmmBackward0``'s ``_saved_batch2``, a
-    block-diagonal weight (H, n, m) multiplying each head's rows); None if there is none or more than one."""
-    return _the_one(nodes, node_class, name, tensor, broadcast=False)
+    block-diagonal weight (H, n, m) multiplying each head's rows), or with ``cast`` autocast's copy of it
+    (:func:`_the_one`); None if there is none or more than one."""
+    return _the_one(nodes, node_class, name, tensor, broadcast=False, cast=cast)
 
 
 def _the_one(
-    nodes: Iterable[Node], node_class: str | None, name: str, tensor: torch.Tensor, broadcast: bool
+    nodes: Iterable[Node],
+    node_class: str | None,
+    name: str,
+    tensor: torch.Tensor,
+    broadcast: bool,
+    cast: bool = False,
 ) -> Node | None:
     """The one node (of class ``node_class``, any if None) whose saved ``name`` is ``tensor`` itself: the
     same dtype, storage, offset, shape and strides, or with ``broadcast`` those of ``tensor`` in its last
-    dimensions and leading dimensions of stride 0 (``tensor`` expanded). None if none or several."""
+    dimensions and leading dimensions of stride 0 (``tensor`` expanded). With ``cast``, where no node keeps
+    ``tensor`` itself, the one that keeps a copy of it in another floating dtype, equal in value to
+    ``tensor`` cast to that dtype (autocast casts a parameter to its dtype before a product or convolution:
+    the node keeps that copy, laid out as ``tensor``). None if none or several."""
+    found = _matching(nodes, node_class, name, tensor, broadcast, copy=False)
+    if not found and cast:
+        found = _matching(nodes, node_class, name, tensor, broadcast, copy=True)
+    return found[0] if len(found) == 1 else None
+
+
+def _matching(
+    nodes: Iterable[Node],
+    node_class: str | None,
+    name: str,
+    tensor: torch.Tensor,
+    broadcast: bool,
+    copy: bool,
+) -> list[Node]:
+    """:func:`_the_one`'s candidates: nodes keeping ``tensor`` itself, or with ``copy`` a cast copy of it."""
     matches = []
     for node in nodes:
         if node_class is not None and type(node).__name__ != node_class:
             continue
         kept = saved(node, name)
-        if kept is None or kept.dtype != tensor.dtype or kept.data_ptr() != tensor.data_ptr():
+        if kept is None:
+            continue
+        if copy:
+            if kept.dtype == tensor.dtype or not kept.is_floating_point():
+                continue
+        elif kept.dtype != tensor.dtype or kept.data_ptr() != tensor.data_ptr():
             continue
         lead = kept.dim() - tensor.dim()
         if (lead > 0 and not broadcast) or lead < 0:
@@ -129,9 +160,10 @@ def _the_one(
             kept.shape[lead:] == tensor.shape
             and kept.stride()[lead:] == tensor.stride()
             and all(stride == 0 for stride in kept.stride()[:lead])
+            and (not copy or torch.equal(kept[(0,) * lead], tensor.to(kept.dtype)))
         ):
             matches.append(node)
-    return matches[0] if len(matches) == 1 else None
+    return matches
 
 
 def product_with(nodes: Iterable[Node], factor: torch.Tensor, by_value: bool = False) -> Node | None:

@@ -11,10 +11,10 @@ gradient is the product's weight gradient restricted to its rows,
 an :class:`~dpexp.privacy.per_example.Outer` (the ghost norm never forms the (d_rel, R) matrix; Bu et al.
 2023, eq. 2). ``dL`` is the output gradient of the product itself, read off the call's graph at the one
 matrix product that keeps ``P`` for its backward (:func:`~dpexp.privacy.rules.graph.matmul_with`: the same
-storage, offset, shape and strides): autograd's own transpose of the gather by distance and of the mask, so
-the rule copies none of the module's index arithmetic. Where the graph lacks the product (autocast's copy of
-``P``, hooks on saved tensors) the module is refused with the fix. Before this rule the exact fallback
-recomputed the module per example (the audit sweep's ``inkling_text``).
+storage, offset, shape and strides, or under autocast its cast copy): autograd's own transpose of the
+gather by distance and of the mask, so the rule copies none of the module's index arithmetic. Where the
+graph lacks the product (hooks on saved tensors) the module is refused with the fix. Before this rule the
+exact fallback recomputed the module per example (the audit sweep's ``inkling_text``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def relative_logits_graph(module: nn.Module, call: tuple, output: Any, boundary:
     """The product ``r P`` (``d_logits``: its output gradient is ``dL``, rows in ``r``'s order); None where
     the graph lacks it."""
     nodes = call_nodes(output, boundary)
-    product = None if nodes is None else matmul_with(nodes, module.proj.t())
+    product = None if nodes is None else matmul_with(nodes, module.proj.t(), cast=True)
     return None if product is None else GraphReads({}, {"d_logits": product})
 
 

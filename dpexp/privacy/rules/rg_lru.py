@@ -18,14 +18,15 @@ the weights' gradients a :class:`~dpexp.privacy.per_example.Routed` with every (
 routed to its head's block (the norm pair by pair, never the (H, n, n) matrix per example; Bu et al. 2023,
 eq. 2).
 The three gradients are read off the call's graph: the two ``baddbmm`` nodes that keep each weight itself
-(:func:`~dpexp.privacy.rules.graph.kept_as`) and the one product that keeps ``softplus(Lambda)``
-(:func:`~dpexp.privacy.rules.graph.product_with`, by value); the scan, the reset at each text's start and the
-gamma normalisation (an ``autograd.Function`` torch.func cannot run) are autograd's own, nothing of them runs
-again. The rule refuses a module whose ``baddbmm`` did not multiply its input's heads row for row, or whose
-product's other factor is not ``-8 r`` recomputed from the weights (its forward is not the one the rule
-follows), and a call whose graph lacks the three nodes. State carried into the call (``recurrent_states`` a
-training forward left) is check 3's (:mod:`dpexp.privacy.state`). Before this rule the exact fallback
-recomputed the module one example at a time.
+(:func:`~dpexp.privacy.rules.graph.kept_as`; under autocast its cast copy, with ``-8 r`` recomputed in the
+call's autocast state, :mod:`~dpexp.privacy.rules.autocast`) and the one product that keeps
+``softplus(Lambda)`` (:func:`~dpexp.privacy.rules.graph.product_with`, by value); the scan, the reset at each
+text's start and the gamma normalisation (an ``autograd.Function`` torch.func cannot run) are autograd's own,
+nothing of them runs again. The rule refuses a module whose ``baddbmm`` did not multiply its input's heads row
+for row, or whose product's other factor is not ``-8 r`` recomputed from the weights (its forward is not the
+one the rule follows), and a call whose graph lacks the three nodes. State carried into the call
+(``recurrent_states`` a training forward left) is check 3's (:mod:`dpexp.privacy.state`). Before this rule the
+exact fallback recomputed the module one example at a time.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dpexp.privacy.rules import (
     unknown_parameters,
 )
 from dpexp.privacy.rules.activation import softplus_backward
+from dpexp.privacy.rules.autocast import autocast_at, replay
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, other_operand, product_with, saved
 from dpexp.privacy.rules.submodule_values import read_call, reproduced
 
@@ -61,9 +63,11 @@ def _check(module: nn.Module) -> None:
 
 
 def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(activations (B, T, d),)``, to which the capture appends the graph's reads; the positions (the
-    resets) act inside the graph."""
-    return (forward_arguments(module, args, kwargs)["activations"],)
+    """``(activations (B, T, d), autocast state)``, to which the capture appends the graph's reads; the
+    positions (the resets) act inside the graph. The gates' product is recomputed in the call's autocast
+    state (:mod:`~dpexp.privacy.rules.autocast`)."""
+    x = forward_arguments(module, args, kwargs)["activations"]
+    return x, autocast_at(x)
 
 
 def _weight(module: nn.Module, key: str) -> torch.Tensor:
@@ -78,7 +82,7 @@ def rg_lru_graph(module: nn.Module, call: tuple, output: Any, boundary: list) ->
     if nodes is None:
         return None
     found = {
-        f"d_{key}": kept_as(nodes, "BaddbmmBackward0", "_saved_batch2", _weight(module, key))
+        f"d_{key}": kept_as(nodes, "BaddbmmBackward0", "_saved_batch2", _weight(module, key), cast=True)
         for key in _GATES
     }
     with torch.no_grad():
@@ -99,7 +103,7 @@ def rg_lru_graph(module: nn.Module, call: tuple, output: Any, boundary: list) ->
 def rg_lru_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """The gates' weights (Routed rows (H B T, n)) and biases (B, H, n) and ``recurrent_param`` (B, d) by the
     module docstring's formulas; ``dy`` unused (the gradients inside the call are read)."""
-    (x,), _, reads = read_call(module, call, None, "RG-LRU", _FIX)
+    (x, autocast), _, reads = read_call(module, call, None, "RG-LRU", _FIX, inputs=2)
     lam = module.recurrent_param
     batch, steps, width = x.shape
     heads = module.num_attention_heads
@@ -108,8 +112,9 @@ def rg_lru_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, 
         for key in _GATES:
             if f"rows_{key}" in reads:
                 reproduced(module, f"the {key} gate's input rows", reads[f"rows_{key}"], rows, _FIX)
-        res = torch.baddbmm(module.recurrent_gate_bias[:, None, :], rows, module.recurrent_gate_weight)
-        decay = _DECAY * torch.sigmoid(res.transpose(0, 1).reshape(batch, steps, width))
+        with replay(autocast):
+            res = torch.baddbmm(module.recurrent_gate_bias[:, None, :], rows, module.recurrent_gate_weight)
+            decay = _DECAY * torch.sigmoid(res.transpose(0, 1).reshape(batch, steps, width))
         if "factor" in reads:
             reproduced(module, "the log decay's factor -8 r", reads["factor"], decay, _FIX)
         left = rows.reshape(-1, rows.shape[-1]).to(lam.dtype)

@@ -102,6 +102,7 @@ from dpexp.privacy.rules import (
     register_rule,
 )
 from dpexp.privacy.rules.activation import softplus_backward
+from dpexp.privacy.rules.autocast import Autocast, autocast_at, replay
 from dpexp.privacy.rules.conv import conv_grads
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_as, other_operand, product_with, saved
 from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
@@ -179,10 +180,11 @@ def _check_calling(
 
 
 def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(hidden_states (B, T, d_model), arguments)``: the main input and the call's arguments by name (where
-    the rule finds the padding mask: a tensor of the tuple would count as an input of the verified path,
-    which would then differ between micro-batches with and without padding); the capture appends the values
-    the rule keeps (``keeps``). A call with a cache is refused (the rule recomputes from no state)."""
+    """``(hidden_states (B, T, d_model), arguments, autocast)``: the main input, the call's arguments by name
+    (where the rule finds the padding mask: a tensor of the tuple would count as an input of the verified
+    path, which would then differ between micro-batches with and without padding) and its autocast state (in
+    which a recomputation runs, :mod:`~dpexp.privacy.rules.autocast`); the capture appends the values the
+    rule keeps (``keeps``). A call with a cache is refused (the rule recomputes from no state)."""
     call = forward_arguments(module, args, kwargs)
     if any(call.get(name) is not None for name in ("cache", "cache_params")):
         raise ValueError(
@@ -190,7 +192,7 @@ def scan_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
             "start from; call the model with use_cache=False in training, or freeze the mixer's own "
             "parameters and its conv1d"
         )
-    return call["hidden_states"], call
+    return call["hidden_states"], call, autocast_at(call["hidden_states"])
 
 
 def _kept(module: nn.Module, kept: dict[str, list[Any]], taps: dict[str, tuple[str, str]]) -> dict[str, Any]:
@@ -266,7 +268,7 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
     """Per-example gradients of ``A_log``, ``D``, ``conv1d.*`` and ``dt_proj.*`` of a Mamba mixer by the
     recomputation of the module docstring; ``dy`` (B, T, d_model) the gradient of the mixer's output.
     ``A_log``, ``D`` and ``dt_proj``'s bias pass through float32 as in the module."""
-    hidden, arguments, kept = call
+    hidden, arguments, autocast, kept = call
     seen = _kept(module, kept, _selective_keeps(module))
     batch = hidden.shape[0]
     dtype = _dtype(module.A_log)
@@ -279,21 +281,23 @@ def selective_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> di
     }
     if dt_proj.bias is not None:
         leaves["dt_proj.bias"] = per_example_copies(dt_proj.bias, batch)
-    p, z = seen["P"].to(dtype).transpose(1, 2).chunk(2, dim=1)  # (B, d, T) each
+    p, z = seen["P"].transpose(1, 2).chunk(2, dim=1)  # (B, d, T) each; the gate in the module's dtype
+    p = p.to(dtype)
     rank, state = module.time_step_rank, module.ssm_state_size
-    with torch.enable_grad():
+    with torch.enable_grad(), replay(autocast):
         u = _convolved(module, p, leaves, arguments.get("attention_mask"))  # (B, T, d)
-        _same(module, "x_proj's input", seen["u"][0], u)
+        _same(module, "x_proj's input", seen["u"][0], u, autocast)
         s, b, c = F.linear(u, module.x_proj.weight.to(dtype)).split([rank, state, state], dim=-1)
         if hasattr(module, NORMS[0]):  # Falcon-Mamba's, Jamba's: called outside the model's hooks
             s, b, c = (getattr(module, name).forward(t) for name, t in zip(NORMS, (s, b, c), strict=True))
         delta = torch.einsum("bdr,btr->bdt", leaves["dt_proj.weight"].to(dtype), s)
-        if "dt_proj.bias" in leaves:
-            delta = delta + leaves["dt_proj.bias"].float().to(dtype)[:, :, None]
+        if "dt_proj.bias" in leaves:  # in float32, then in delta's dtype (autocast's), as the module adds it
+            delta = delta + leaves["dt_proj.bias"].float().to(delta.dtype)[:, :, None]
         y = _selective_scan(
             u.transpose(1, 2), F.softplus(delta), leaves["A_log"], leaves["D"], b[:, None], c[:, None], z
         )
-        _same(module, "out_proj's input", seen["y"][0], y)
+        _same(module, "out_proj's input", seen["y"][0], y, autocast)
+    with torch.enable_grad():
         return _grads(leaves, module.out_proj, y, dy, rounded=("A_log", "D", "dt_proj.bias"))
 
 
@@ -311,9 +315,10 @@ def _selective_scan(
     ``y_t = (<h_t, C_t> + D u_t) * silu(z_t)``, returned as (B, T, d) in ``delta``'s dtype. ``u``, ``delta``,
     ``z``: (B, d, T); ``a_log`` (B, d, n); ``d`` (B, d); ``b``, ``c``: (B, G, T, n), block g of the d / G
     channels reading ``b[:, g]`` and ``c[:, g]`` (Mamba: G = 1; Zamba: a block per head). ``A``, ``D``,
-    ``B`` and ``u`` pass through float32 as in the modules' scan. The loop keeps one state per step, so its
-    backward is linear in T."""
-    dtype = delta.dtype
+    ``B`` and ``u`` pass through float32 as in the modules' scan, the state in ``A_log``'s precision (under
+    autocast too, where the products with ``C`` run in autocast's dtype). The loop keeps one state per step,
+    so its backward is linear in T."""
+    dtype = _dtype(a_log)
     batch, width, length = u.shape
     groups, state = b.shape[1], b.shape[-1]
     a = -torch.exp(a_log.float().to(dtype))
@@ -388,22 +393,28 @@ def ssd_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, Per
     and the convolution's own rule (:func:`_conv_read`): the scan, the norm and ``out_proj`` are autograd's
     own, nothing of them runs again. Else (autocast, hooks on saved tensors) the module's own scan on
     per-example copies (:func:`_ssd_recomputed`)."""
-    hidden, arguments, kept = call[:3]
+    hidden, arguments, autocast, kept = call[:4]
     seen = _kept(module, kept, _ssd_keeps(module))
     projected = seen["P"] * getattr(module, "mup_vector", 1.0)  # Falcon-H1's µP multipliers (a buffer)
-    if len(call) > 3:
-        return _ssd_read(module, projected, arguments.get("attention_mask"), call[3])
-    return _ssd_recomputed(module, hidden.shape[:2], projected, arguments.get("attention_mask"), seen, dy)
+    if len(call) > 4:
+        return _ssd_read(module, projected, arguments.get("attention_mask"), autocast, call[4])
+    mask = arguments.get("attention_mask")
+    return _ssd_recomputed(module, hidden.shape[:2], projected, mask, autocast, seen, dy)
 
 
 def _ssd_read(
-    module: nn.Module, projected: torch.Tensor, mask: torch.Tensor | None, reads: dict[str, Any]
+    module: nn.Module,
+    projected: torch.Tensor,
+    mask: torch.Tensor | None,
+    autocast: Autocast,
+    reads: dict[str, Any],
 ) -> dict[str, PerExampleGrad]:
     """:func:`ssd_grads`' formulas on the gradients read off the graph; ``projected`` (B, T, ...) the
     ``in_proj`` output as the scan takes it apart. ``dt``, ``pre`` and ``x`` are recomputed from it as the
-    scan forms them (``x`` by the module's convolution), and checked against the values the nodes kept
-    where they kept them. ``A_log``'s gradient passes through float32 (the module's ``A_log.float()``) and
-    is given in float32 in a float64 mixer, what it is accurate to (as :func:`_grads`' ``rounded``)."""
+    scan forms them (``x`` by the module's convolution, in the call's ``autocast`` state), and checked
+    against the values the nodes kept where they kept them. ``A_log``'s gradient passes through float32 (the
+    module's ``A_log.float()``) and is given in float32 in a float64 mixer, what it is accurate to (as
+    :func:`_grads`' ``rounded``)."""
     batch, length = projected.shape[:2]
     heads = module.num_heads
     _, xbc, dt = projected.detach().split([module.intermediate_size, module.conv_dim, heads], dim=-1)
@@ -414,7 +425,8 @@ def _ssd_read(
         )
         step = torch.clamp(F.softplus(pre), *module.time_step_limit).float()  # the scan's dt, float32
         step = _checked(module, "the time step", reads, "dt", step)
-        x = _convolved(module, xbc.transpose(1, 2), conv, mask)[..., : module.intermediate_size]
+        with replay(autocast):
+            x = _convolved(module, xbc.transpose(1, 2), conv, mask)[..., : module.intermediate_size]
         x = F.pad(
             x.reshape(batch, length, heads, -1).float(), (0, 0, 0, 0, 0, reads["d_d"].shape[1] - length)
         )
@@ -447,12 +459,13 @@ def _ssd_recomputed(
     size: torch.Size,
     projected: torch.Tensor,
     mask: torch.Tensor | None,
+    autocast: Autocast,
     seen: dict[str, Any],
     dy: torch.Tensor,
 ) -> dict[str, PerExampleGrad]:
     """The module's own scan function on per-example copies (module docstring), from the ``in_proj``
     output ``projected``; ``size`` (B, T). The scan computes in float32 whatever the mixer's dtype, as in
-    the module."""
+    the module; the convolution and the scan's products in the call's ``autocast`` state."""
     batch, length = size
     normed = _ssd_keeps(module)["y"][0] == "norm"
     dtype = _dtype(module.A_log)
@@ -463,9 +476,10 @@ def _ssd_recomputed(
         "dt_bias": per_example_copies(module.dt_bias, batch),
         **_conv_leaves(module.conv1d, batch),
     }
-    z, xbc, dt = projected.to(dtype).split([module.intermediate_size, module.conv_dim, heads], dim=-1)
+    z, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, heads], dim=-1)
+    xbc, dt = xbc.to(dtype), dt.to(dtype)  # the gate in the module's dtype
     scan = getattr(sys.modules[type(module).__module__], _SCAN)
-    with torch.enable_grad():
+    with torch.enable_grad(), replay(autocast):
         xbc = _convolved(module, xbc.transpose(1, 2), leaves, mask)
         x, b, c = xbc.split([module.intermediate_size, groups * state, groups * state], dim=-1)
         y = scan(  # the copies as (B, 1, heads): one parameter per example under the scan's broadcasting
@@ -482,12 +496,13 @@ def _ssd_recomputed(
         ).reshape(batch, length, -1)
         if not normed:
             out = y * F.silu(z)
-            _same(module, "out_proj's input", seen["y"][0], out)
-            return _grads(leaves, module.out_proj, out, dy)
-        recorded, gate = seen["y"]  # the norm's arguments: the scan's output and the gate
-        _same(module, "the norm's input", recorded, y)
-        out = module.norm.forward(y.to(recorded.dtype), gate)  # outside the model's hooks
-        return _grads(leaves, module.out_proj, out.to(dtype), dy)
+            _same(module, "out_proj's input", seen["y"][0], out, autocast)
+        else:
+            recorded, gate = seen["y"]  # the norm's arguments: the scan's output and the gate
+            _same(module, "the norm's input", recorded, y, autocast)
+            out = module.norm.forward(y.to(recorded.dtype), gate).to(dtype)  # outside the model's hooks
+    with torch.enable_grad():
+        return _grads(leaves, module.out_proj, out, dy)
 
 
 _ZAMBA = f"{_HF}.zamba.modeling_zamba.ZambaMambaMixer"
@@ -520,7 +535,7 @@ def zamba_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     outputs concatenated into ``out_proj``'s input, recomputed with the copies and checked against it; ``dy``
     (B, T, d_model) the gradient of the mixer's output. Without the rule the exact fallback took 2.2x the
     non-private step and 4.8x its memory (``fallbacks`` suite, entry ``zamba``)."""
-    hidden, arguments, kept = call
+    hidden, arguments, autocast, kept = call
     seen = _kept(module, kept, _zamba_keeps(module))
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
@@ -528,15 +543,16 @@ def zamba_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     rank, state = module.time_step_rank, module.ssm_state_size
     leaves = {name: per_example_copies(getattr(module, name), batch) for name in _ZAMBA_OWN}
     leaves |= _conv_leaves(module.conv1d, batch)
-    projected = seen["P"].to(dtype).transpose(1, 2).reshape(batch, -1, 2, length)  # (B, d, 2, T)
-    p, z = projected[:, :, 0], projected[:, :, 1]
-    with torch.enable_grad():
+    projected = seen["P"].transpose(1, 2).reshape(batch, -1, 2, length)  # (B, d, 2, T)
+    p, z = projected[:, :, 0].to(dtype), projected[:, :, 1]  # the gate in the module's dtype
+    with torch.enable_grad(), replay(autocast):
         u = _convolved(module, p, leaves, arguments.get("attention_mask")).transpose(1, 2)  # (B, d, T)
         heads_u = u.reshape(batch, heads, head_dim, length)
         ssm = torch.einsum("bhkp,bhpt->bhkt", leaves["x_proj_weight"].to(dtype), heads_u)
         s, b, c = ssm.split([rank, state, state], dim=2)  # (B, H, r or n, T)
         delta = torch.einsum("bhpr,bhrt->bhpt", leaves["dt_proj_weight"].to(dtype), s)
-        delta = delta + leaves["dt_proj_bias"].float().to(dtype)[..., None]  # float32 as in the module
+        # float32, then delta's dtype (autocast's), as in the module
+        delta = delta + leaves["dt_proj_bias"].float().to(delta.dtype)[..., None]
         y = _selective_scan(
             u,
             F.softplus(delta).reshape(batch, -1, length),
@@ -546,7 +562,8 @@ def zamba_scan_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
             c.transpose(2, 3),
             z,
         )
-        _same(module, "out_proj's input", seen["y"][0], y)
+        _same(module, "out_proj's input", seen["y"][0], y, autocast)
+    with torch.enable_grad():
         return _grads(leaves, module.out_proj, y, dy, rounded=("A_log", "D", "dt_proj_bias"))
 
 
@@ -623,7 +640,9 @@ def _conv_graph(
     cut and the activation), and the input it kept (``x`` (B, C, T), where the weight needs a gradient);
     None where the graph lacks the node."""
     weight = module.conv1d.weight
-    node = None if nodes is None else kept_as(nodes, "ConvolutionBackward0", "_saved_weight", weight)
+    if nodes is None:
+        return None
+    node = kept_as(nodes, "ConvolutionBackward0", "_saved_weight", weight, cast=True)  # autocast's: its copy
     if node is None:
         return None
     x = saved(node, "_saved_input")
@@ -678,12 +697,12 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     autograd's own (stop 65; they ran again before). Else (autocast, hooks on saved tensors) the module's own
     delta rule on the recomputed convolution and gates with per-example copies. ``A_log`` passes through
     float32 and the gate's input ``a`` is float32, as in the module."""
-    hidden, _, kept = call[:3]  # the convolution's input comes masked
+    hidden, _, autocast, kept = call[:4]  # the convolution's input comes masked
     form = _delta_form(module)
     seen = _kept(module, kept, _delta_keeps(module))
     qkv, a, beta = form.inputs(module, seen)
-    if len(call) > 3:
-        return _delta_read(module, qkv, a, call[3])
+    if len(call) > 4:
+        return _delta_read(module, qkv, a, call[4])
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.A_log)
     leaves = {
@@ -693,7 +712,7 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     }
     rule = getattr(sys.modules[type(module).__module__], _DELTA_RULE)
     recorded, gate = seen["norm"]  # the norm's arguments: the delta rule's output and the gate, per head
-    with torch.enable_grad():
+    with torch.enable_grad(), replay(autocast):
         qkv = _convolved(module, qkv.to(dtype).transpose(1, 2), leaves, None)
         q, k, v = qkv.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
         g = -leaves["A_log"].float().exp()[:, None] * F.softplus(a.float() + leaves["dt_bias"][:, None])
@@ -708,8 +727,9 @@ def delta_rule_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
             use_qk_l2norm_in_kernel=True,
         )
         out = out.reshape(-1, module.head_v_dim)
-        _same(module, "the norm's input", recorded, out)
+        _same(module, "the norm's input", recorded, out, autocast)
         normed = getattr(module, form.norm).forward(out.to(recorded.dtype), gate).reshape(batch, length, -1)
+    with torch.enable_grad():
         return _grads(leaves, getattr(module, form.out), normed.to(dtype), dy)
 
 
@@ -757,17 +777,17 @@ def kimi_delta_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
     2,580 ms ``kimi_linear`` step before); else (autocast, hooks on saved tensors) the convolution recomputed
     with the copies, then the module's own ``chunk_kimi_delta_attention`` with the forget gate's and
     ``b_proj``'s recorded outputs (layers of their own, constants here), its gated norm and ``o_proj``."""
-    hidden, _, kept = call[:3]  # the convolution's input comes masked
+    hidden, _, autocast, kept = call[:4]  # the convolution's input comes masked
     seen = _kept(module, kept, _kimi_keeps(module))
     batch, length = hidden.shape[:2]
     dtype = _dtype(module.conv1d.weight)
     qkv = torch.cat([seen["q"], seen["k"], seen["v"]], dim=-1).to(dtype)
-    if len(call) > 3:
-        return _conv_read(module, qkv, call[3])
+    if len(call) > 4:
+        return _conv_read(module, qkv, call[4])
     leaves = _conv_leaves(module.conv1d, batch)
     attend = getattr(sys.modules[type(module).__module__], _KIMI_RULE)
     recorded, gate = seen["norm"]  # the norm's arguments: the attention's output and the gate, per head
-    with torch.enable_grad():
+    with torch.enable_grad(), replay(autocast):
         qkv = _convolved(module, qkv.transpose(1, 2), leaves, None)
         q, k, v = (t.reshape(batch, length, -1, module.head_dim) for t in qkv.split(module.qkv_dim, dim=-1))
         out, _ = attend(
@@ -780,15 +800,25 @@ def kimi_delta_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[s
             output_final_state=False,
             use_qk_l2norm_in_kernel=True,
         )
-        _same(module, "the norm's input", recorded, out)
+        _same(module, "the norm's input", recorded, out, autocast)
         normed = module.o_norm.forward(out.to(recorded.dtype), gate).reshape(batch, length, -1)
+    with torch.enable_grad():
         return _grads(leaves, module.o_proj, normed.to(dtype), dy)
 
 
-def _same(module: nn.Module, what: str, recorded: torch.Tensor, recomputed: torch.Tensor) -> None:
+def _same(
+    module: nn.Module,
+    what: str,
+    recorded: torch.Tensor,
+    recomputed: torch.Tensor,
+    autocast: Autocast | None = None,
+) -> None:
     """:func:`~dpexp.privacy.rules.submodule_values.reproduced` to float32's precision at best: the modules
     round ``A``, ``D``, ``B`` and ``u`` (Falcon-Mamba's norms also ``s``, ``B``, ``C``; Mamba-2's scan all of
     it) to float32 whatever their dtype, and a recomputation equal to float64's rounding may round them the
-    other way."""
+    other way. Under ``autocast`` to its dtype's: a float32 value formed from its products (a sum of them
+    in another order) may differ by their rounding."""
     coarse = torch.float32 if recorded.dtype == torch.float64 else recorded.dtype
+    if autocast is not None and autocast.dtype is not None:
+        coarse = autocast.dtype
     reproduced(module, what, recorded.to(coarse), recomputed.to(coarse), _FIX)

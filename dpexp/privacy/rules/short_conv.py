@@ -34,6 +34,7 @@ from dpexp.privacy.rules import (
     refuse,
     register_rule,
 )
+from dpexp.privacy.rules.autocast import autocast_at, replay
 from dpexp.privacy.rules.submodule_values import once, reproduced, unfollowed
 
 _HF = "transformers.models"
@@ -52,15 +53,15 @@ def _check(module: nn.Module) -> None:
 
 
 def short_conv_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(hidden_states (B, T, d),)``, to which the capture appends the kept values; a call with a cache is
-    refused (the rule's convolution starts from no state)."""
+    """``(hidden_states (B, T, d), the call's autocast state)``, to which the capture appends the kept
+    values; a call with a cache is refused (the rule's convolution starts from no state)."""
     call = forward_arguments(module, args, kwargs)
     if given_cache(call):
         raise ValueError(
             f"{type(module).__name__} was given a cache, from which the rule's convolution does not start; "
             "call the model with use_cache=False in training, or freeze its conv"
         )
-    return (call["hidden_states"],)
+    return call["hidden_states"], autocast_at(call["hidden_states"])
 
 
 @register_rule(
@@ -72,18 +73,21 @@ def short_conv_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
 def short_conv_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, PerExampleGrad]:
     """``conv.weight`` (B, d, 1, k) and ``conv.bias`` (B, d) per example by the formula of the module
     docstring; ``dy`` (B, T, d) the gradient of the block's output."""
-    _, kept = call
+    _, autocast, kept = call
     seen = once(module, kept, _KEEPS, f"register a rule for its type. {_FIX}")
     conv = module.conv
-    kernel = conv.kernel_size[0]
+    kernel, dtype = conv.kernel_size[0], conv.weight.dtype
     with torch.no_grad():
         b, c, x = seen["P"].transpose(1, 2).chunk(3, dim=1)  # (B, d, T) each
-        u = b * x
-        length = u.shape[-1]
-        v = F.conv1d(u, conv.weight, conv.bias, padding=kernel - 1, groups=u.shape[1])[..., :length]
+        with replay(autocast):  # the call's precisions
+            u = b * x
+            length = u.shape[-1]
+            v = F.conv1d(u, conv.weight, conv.bias, padding=kernel - 1, groups=u.shape[1])[..., :length]
+            y = c * v
         recorded = seen["y"][0]  # out_proj's input (B, T, d)
-        reproduced(module, "out_proj's input", recorded, (c * v).transpose(1, 2), _FIX)
-        dv = c * (dy.to(recorded.dtype) @ module.out_proj.weight).transpose(1, 2)  # (B, d, T)
+        reproduced(module, "out_proj's input", recorded, y.transpose(1, 2), _FIX)
+        u, c = u.to(dtype), c.to(dtype)  # the gradients in the weights' dtype
+        dv = c * (dy.to(dtype) @ module.out_proj.weight).transpose(1, 2)  # (B, d, T)
         patches = F.pad(u, (kernel - 1, 0)).unfold(-1, kernel, 1)  # (B, d, T, k): u[t + j - (k - 1)]
         grads = {"conv.weight": Dense(torch.einsum("bct,bctj->bcj", dv, patches).unsqueeze(2))}
         if conv.bias is not None:

@@ -1,0 +1,61 @@
+"""Rules that recompute part of their module's forward, under CPU bfloat16 autocast (``rules/autocast.py``):
+the recomputation runs in the autocast state recorded at the call, so it reproduces the call and the
+gradients are those of the computation autocast ran. Each family against the oracle under the same autocast
+(``tests/oracle.py``'s ``check_autocast_step``); before, each was refused under autocast as a forward the rule
+does not follow, or failed with a dtype error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import engine_models
+from tests.engine_models import lm_loss
+from tests.oracle import check_autocast_step
+from tests.test_rules_decoder_modules import batch
+
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
+
+MICRO = [[0, 1, 2], [3, 4, 5]]
+FAMILIES = {  # builder of tests/engine_models.py -> the rules it exercises under autocast
+    "lfm2": "short_conv: the convolution replayed",
+    "lfm2_moe": "short_conv: the convolution replayed",
+    "mamba": "scan_mixers: the selective scan replayed",
+    "falcon_mamba": "scan_mixers: the selective scan replayed, with norms",
+    "jamba": "scan_mixers: the selective scan replayed, with norms",
+    "zamba": "scan_mixers: Zamba's heads replayed",
+    "mamba2": "scan_mixers: Mamba-2's graph reads, the convolution found by its autocast copy",
+    "nemotron_h": "scan_mixers: Mamba-2's graph reads",
+    "falcon_h1": "scan_mixers: Mamba-2's graph reads, the skip's input replayed",
+    "qwen3_5": "scan_mixers: the gated delta net's graph reads",
+    "qwen3_next": "scan_mixers: the gated delta net's graph reads",
+    "olmo_hybrid": "scan_mixers: the gated delta net's graph reads",
+    "kimi_linear": "scan_mixers and forget_gate: the delta attention's graph reads, the gate from f",
+    "bailing_hybrid": "forget_gate: the gate from the kept f",
+    "glm5_next": "forget_gate and hyper_connections",
+    "recurrent_gemma": "rg_lru: the gates' products by their autocast copies, -8 r replayed",
+    "inkling": "relative_logits: the product by its autocast copy",
+}
+RECOMPUTED = ["mamba2", "falcon_h1", "qwen3_5", "kimi_linear"]  # the scan mixers' paths without graph reads
+
+
+def _step(name: str, strategy: str, clipping: str) -> None:
+    torch.manual_seed(0)
+    model = getattr(engine_models, name)().float().train()
+    check_autocast_step(model, lm_loss, batch(), MICRO, strategy, clipping)
+
+
+@pytest.mark.parametrize(("strategy", "clipping"), [("bk", "per_layer"), ("ghost", "flat")])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_rules_match_the_oracle_under_autocast(name, strategy, clipping):
+    _step(name, strategy, clipping)
+
+
+@pytest.mark.parametrize("name", RECOMPUTED)
+def test_scan_mixers_recomputed_in_the_calls_autocast_state_match_the_oracle(name, monkeypatch):
+    """Where the call's graph gives no reads (hooks on saved tensors, here no nodes found at all), the
+    Mamba-2, delta-net and Kimi rules recompute the mixer in the autocast state recorded at the call."""
+    from dpexp.privacy.rules import scan_mixers
+
+    monkeypatch.setattr(scan_mixers, "call_nodes", lambda *args, **kwargs: None)
+    _step(name, "bk", "per_layer")
