@@ -78,14 +78,16 @@ def test_bfloat16_autocast_is_close_to_the_oracle_under_the_same_autocast(name, 
     call: before, it recomputed them in float32 and refused the model as a forward it does not follow);
     HY-V4's turn autocast off (recomputed in float32 although autocast is on at the call). The oracle runs
     each example alone under the same autocast; what is left is bf16's rounding, batched against one example
-    at a time (the update moves by 10-70% in the connections between bf16 and float32)."""
+    at a time (the update moves by 10-70% in the connections between bf16 and float32). Individual biases'
+    entries differ by up to 7% (their examples' gradients cancel in the clipped mean): the connections'
+    parameters are compared as a whole."""
+    torch.manual_seed(0)
     model = hyper_connected(name).float()
 
     def autocast_loss(m, b):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return lm_loss(m, b).float()
 
-    torch.manual_seed(0)
     grads = per_example_grads(model, autocast_loss, batch())
     partition = _engine(copy.deepcopy(model), clipping=clipping).groups
     thresholds = group_norms(grads, partition).median(0).values.clamp_min(1e-12).tolist()  # unrouted: any
@@ -94,11 +96,9 @@ def test_bfloat16_autocast_is_close_to_the_oracle_under_the_same_autocast(name, 
         model, autocast_loss, batch(), MICRO, batch_size=6, strategy=strategy, clipping=clipping,
         thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
-    got, want = (torch.cat([d[n].flatten() for n in expected]) for d in (delta, expected))
-    assert (got - want).norm() / want.norm() < 1e-2
-    if name == "deepseek_v4":  # (HY-V4's connection biases cancel to 1% of an example's gradient in float32)
-        for n in (n for n in expected if "hc" in n):
-            assert (delta[n] - expected[n]).norm() / expected[n].norm() < 3e-2, n
+    for names in (list(expected), [n for n in expected if "hc" in n]):  # all, the connections'
+        got, want = (torch.cat([d[n].flatten() for n in names]) for d in (delta, expected))
+        assert (got - want).norm() / want.norm() < 1e-2, f"{len(names)} parameters"
 
 
 def _engine(model: nn.Module, **kwargs) -> PrivacyEngine:

@@ -97,7 +97,8 @@ def _check(module: nn.Module) -> None:
 
 def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``(hidden_states (B, T, d_model),)``, to which the capture appends the gate's output and ``f``."""
-    return (forward_arguments(module, args, kwargs)["hidden_states"],)
+    (hidden,) = forward_arguments(module, args, kwargs).values()  # the gate's one argument
+    return (hidden,)
 
 
 def _keeps(module: nn.Module) -> dict[str, tuple[str, str]]:
