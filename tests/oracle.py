@@ -139,6 +139,16 @@ def check_clipped_step(
         assert diff < rel * want.norm() + floor, f"{strategy}/{clipping}: {param} error {diff:.2e}"
 
 
+def under_bf16_autocast(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` run under CPU bfloat16 autocast, its losses returned in float32."""
+
+    def autocast_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_fn(model, batch).float()
+
+    return autocast_loss
+
+
 def check_autocast_step(
     model: nn.Module,
     loss_fn: LossFn,
@@ -154,10 +164,7 @@ def check_autocast_step(
     example's (the update itself moves by far more between bf16 and float32)."""
     from dpexp.privacy import PrivacyEngine
 
-    def autocast_loss(m: nn.Module, b: Batch) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return loss_fn(m, b).float()
-
+    autocast_loss = under_bf16_autocast(loss_fn)
     size = sum(len(index) for index in micro_batches)
     partition = PrivacyEngine(
         copy.deepcopy(model), batch_size=size, sample_size=10 * size, max_grad_norm=1.0, noise_multiplier=0.0,

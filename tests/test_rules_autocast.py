@@ -2,16 +2,26 @@
 the recomputation runs in the autocast state recorded at the call, so it reproduces the call and the
 gradients are those of the computation autocast ran. Each family against the oracle under the same autocast
 (``tests/oracle.py``'s ``check_autocast_step``); before, each was refused under autocast as a forward the rule
-does not follow, or failed with a dtype error."""
+does not follow, or failed with a dtype error. And the DP property under autocast for one family of each
+rule: one example alone, clipped in every group, moves the release by at most its bound."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
+from dpexp.privacy import PrivacyEngine
 from tests import engine_models
 from tests.engine_models import lm_loss
-from tests.oracle import check_autocast_step
+from tests.oracle import (
+    check_autocast_step,
+    engine_update,
+    group_norms,
+    per_example_grads,
+    under_bf16_autocast,
+)
 from tests.test_rules_decoder_modules import batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0", "ignore:.*torch.func fallback")
@@ -59,3 +69,32 @@ def test_scan_mixers_recomputed_in_the_calls_autocast_state_match_the_oracle(nam
 
     monkeypatch.setattr(scan_mixers, "call_nodes", lambda *args, **kwargs: None)
     _step(name, "bk", "per_layer")
+
+
+SENSITIVITY = ["lfm2", "mamba", "mamba2", "bailing_hybrid", "recurrent_gemma", "inkling"]
+
+
+@pytest.mark.parametrize("name", SENSITIVITY)
+def test_one_example_under_autocast_moves_the_sum_by_at_most_its_bound(name):
+    """Each of two examples alone under bf16 autocast, clipped in every group (C_k a tenth of its smallest
+    norm under the same autocast): the released sum has norm at most ``sqrt(sum_k C_k^2)`` up to float32
+    rounding (as ``test_sensitivity.py``'s autocast test for the layers that need no recomputation)."""
+    torch.manual_seed(0)
+    model = getattr(engine_models, name)().float().train()
+    data, loss = batch(), under_bf16_autocast(lm_loss)
+    engine = PrivacyEngine(
+        copy.deepcopy(model), batch_size=2, sample_size=10, max_grad_norm=1.0, noise_multiplier=0.0,
+        clipping="per_layer",
+    )  # fmt: skip
+    groups = engine.groups
+    pristine = copy.deepcopy(model)  # before any forward: RecurrentGemma keeps tensors of it
+    norms = group_norms(per_example_grads(model, loss, data), groups)
+    thresholds = (norms.min(0).values / 10).clamp_min(1e-12).tolist()
+    bound = sum(c * c for c in thresholds) ** 0.5
+    for i in range(2):
+        delta, _ = engine_update(
+            pristine, loss, {k: v[i : i + 1] for k, v in data.items()}, [[0]], batch_size=1,
+            clipping="per_layer", thresholds=thresholds, max_grad_norm=1.0,
+        )  # fmt: skip
+        released = torch.cat([d.double().flatten() for d in delta.values()]).norm()
+        assert released <= bound * (1 + 1e-5), f"example {i}: {released / bound - 1:.2e} over the bound"
