@@ -112,12 +112,18 @@ def check_clipped_step(
     groups: int | None = None,
     rel: float = 1e-9,
     floor: float = 1e-14,
+    autocast: bool = False,
 ) -> None:
     """One engine step at the median group norms as thresholds (so clipped and unclipped examples both occur)
     equals the oracle's clipped mean, parameter by parameter, to ``rel`` relative error above an absolute
-    ``floor`` (parameters whose true gradient vanishes, such as attention's key bias)."""
+    ``floor`` (parameters whose true gradient vanishes, such as attention's key bias). With ``autocast``, a
+    float32 ``model``'s loss runs under CPU bfloat16 autocast for the oracle (each example alone) and the
+    engine alike, and the whole update is compared, to ``rel`` of its norm: what is left is bf16's rounding
+    of a batched computation against one example's (the update itself moves by far more between bf16 and
+    float32)."""
     from dpexp.privacy import PrivacyEngine
 
+    loss_fn = under_bf16_autocast(loss_fn) if autocast else loss_fn
     size = sum(len(index) for index in micro_batches)
     partition = PrivacyEngine(
         copy.deepcopy(model), batch_size=size, sample_size=10 * size, max_grad_norm=1.0, noise_multiplier=0.0,
@@ -134,6 +140,11 @@ def check_clipped_step(
         pristine, loss_fn, batch, micro_batches, batch_size=size, strategy=strategy, clipping=clipping,
         groups=groups, thresholds=thresholds, max_grad_norm=1.0,
     )  # fmt: skip
+    if autocast:
+        got, want = (torch.cat([d[n].flatten() for n in expected]) for d in (delta, expected))
+        error = float((got - want).norm() / want.norm())
+        assert error < rel, f"{strategy}/{clipping}: update error {error:.2e} of its norm"
+        return
     for param, want in expected.items():
         diff = (delta[param] - want).norm()
         assert diff < rel * want.norm() + floor, f"{strategy}/{clipping}: {param} error {diff:.2e}"
@@ -147,38 +158,3 @@ def under_bf16_autocast(loss_fn: LossFn) -> LossFn:
             return loss_fn(model, batch).float()
 
     return autocast_loss
-
-
-def check_autocast_step(
-    model: nn.Module,
-    loss_fn: LossFn,
-    batch: Batch,
-    micro_batches: list[list[int]],
-    strategy: str,
-    clipping: str,
-    rel: float = 1e-2,
-) -> None:
-    """One engine step of a float32 ``model`` whose loss runs under CPU bfloat16 autocast equals the oracle's
-    clipped mean under the same autocast (each example run alone), at the median group norms as thresholds,
-    to ``rel`` of the update's norm: what is left is bf16's rounding of a batched computation against one
-    example's (the update itself moves by far more between bf16 and float32)."""
-    from dpexp.privacy import PrivacyEngine
-
-    autocast_loss = under_bf16_autocast(loss_fn)
-    size = sum(len(index) for index in micro_batches)
-    partition = PrivacyEngine(
-        copy.deepcopy(model), batch_size=size, sample_size=10 * size, max_grad_norm=1.0, noise_multiplier=0.0,
-        clipping=clipping,
-    ).groups  # fmt: skip
-    pristine = copy.deepcopy(model)
-    grads = per_example_grads(model, autocast_loss, batch)
-    norms = group_norms(grads, partition)
-    thresholds = norms.median(0).values.clamp_min(1e-12).tolist()
-    expected = clipped_mean(grads, partition, thresholds, batch_size=size)
-    delta, _ = engine_update(
-        pristine, autocast_loss, batch, micro_batches, batch_size=size, strategy=strategy, clipping=clipping,
-        thresholds=thresholds, max_grad_norm=1.0,
-    )  # fmt: skip
-    got, want = (torch.cat([d[n].flatten() for n in expected]) for d in (delta, expected))
-    error = float((got - want).norm() / want.norm())
-    assert error < rel, f"{strategy}/{clipping}: update error {error:.2e} of its norm"
