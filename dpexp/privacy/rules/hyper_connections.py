@@ -24,17 +24,17 @@ at the one product that keeps ``s_g`` for its backward (:func:`~dpexp.privacy.ru
 parameter's own entry, or, where the module takes a float32 copy of a float64 parameter, a tensor equal to
 it); whatever follows the product (the sigmoid, the Sinkhorn iterations, the streams' products) is autograd's
 own, nothing of it runs again. The capture keeps ``input_norm``'s input and output (``keeps``); the rule
-recomputes ``mixes`` (one product with ``fn``, the forward's own; under autocast in the dtype recorded at
-the call, as DeepSeek-V4's projection runs in it, where HY-V4 turns autocast off) and refuses a module whose
-forward it does not follow: each group's ``sigmoid(u_g)`` (or softmax) must reproduce one of the values the
-call's sigmoid (or softmax) nodes kept. Before these rules the exact fallback recomputed each module per
-example (``deepseek_v4`` and ``hy_v4`` entries of ``bench_suite=sweep_fallbacks``; GLM-5-Next's, stop 52:
-95 ms of a 2.4 s private step).
+recomputes ``mixes`` (one product with ``fn``, the forward's own; in the call's autocast state,
+:mod:`~dpexp.privacy.rules.autocast`, as DeepSeek-V4's projection runs in it, where HY-V4 turns autocast off)
+and refuses a module whose forward it does not follow: each group's ``sigmoid(u_g)`` (or softmax) must
+reproduce one of the values the call's sigmoid (or softmax) nodes kept. Before these rules the exact fallback
+recomputed each module per example (``deepseek_v4`` and ``hy_v4`` entries of ``bench_suite=sweep_fallbacks``;
+GLM-5-Next's, stop 52: 95 ms of a 2.4 s private step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from dpexp.privacy.rules import (
     register_rule,
     unknown_parameters,
 )
+from dpexp.privacy.rules.autocast import autocast_at, replay
 from dpexp.privacy.rules.graph import GraphReads, call_nodes, kept_by_each, product_with
 from dpexp.privacy.rules.submodule_values import read_call, reproduced
 
@@ -103,14 +104,10 @@ def _check(module: nn.Module) -> None:
 
 
 def _inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """``(streams (B, T, N, d), autocast's dtype)``, to which the capture appends the kept values and the
-    graph's reads. The dtype, recorded at the call (the rule runs in the backward pass, outside autocast),
-    is the one the projection runs in where autocast is on and the module leaves it on; else None (the
-    projection in float32, the module's ``.float()``)."""
+    """``(streams (B, T, N, d), the call's autocast state)``, to which the capture appends the kept values
+    and the graph's reads."""
     (streams,) = forward_arguments(module, args, kwargs).values()
-    device = streams.device.type
-    on = torch.is_autocast_enabled(device) and not _form(module).autocast_off
-    return streams, torch.get_autocast_dtype(device) if on else None
+    return streams, autocast_at(streams)
 
 
 def _sizes(module: nn.Module) -> list[int]:
@@ -166,16 +163,15 @@ def hyper_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> dict[str, P
     """``fn`` (an Outer of (B, T, K) and (B, T, N d)), ``base`` (B, K) and ``scale`` (B, groups) by the module
     docstring's formulas; ``dy`` unused (the gradients inside the call are read)."""
     form, fix, n = _form(module), _fix(module), module.hc_mult
-    (_, dtype), kept, reads = read_call(module, call, _KEEPS, "hyper-connection", fix, inputs=2)
+    (_, autocast), kept, reads = read_call(module, call, _KEEPS, "hyper-connection", fix, inputs=2)
     fn, base, scale = (getattr(module, name) for name in form.params)
     with torch.no_grad():
-        flat, normed = kept["flat"], kept["normed"]
-        weight = fn.detach().float() if dtype is None else fn.detach().to(dtype)
+        flat, normed, weight = kept["flat"], kept["normed"], fn.detach().float()
         a = normed if form.normalises else flat * normed
-        if form.normalises:  # the forward's products, in its dtype
-            mixes = F.linear(a if dtype is None else a.to(dtype), weight)
-        else:
-            mixes = F.linear(flat, weight) * normed
+        if form.autocast_off:  # HY-V4's modules turn it off around their products
+            autocast = replace(autocast, dtype=None)
+        with replay(autocast):  # the forward's products, in its precisions
+            mixes = F.linear(a, weight) if form.normalises else F.linear(flat, weight) * normed
         parts = mixes.split(_sizes(module), dim=-1)
         biases = base.detach().split(_sizes(module))
         du, scale_grads, left = [], [], []

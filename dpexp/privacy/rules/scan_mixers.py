@@ -312,12 +312,12 @@ def _selective_scan(
 ) -> torch.Tensor:
     """Mamba's selective scan (Gu & Dao 2023, Algorithm 2) with one parameter copy per example, written out:
     ``h_t = exp(delta_t A) * h_{t-1} + delta_t B_t u_t`` (``A = -exp(A_log)``, ``h_0 = 0``) and
-    ``y_t = (<h_t, C_t> + D u_t) * silu(z_t)``, returned as (B, T, d) in ``delta``'s dtype. ``u``, ``delta``,
-    ``z``: (B, d, T); ``a_log`` (B, d, n); ``d`` (B, d); ``b``, ``c``: (B, G, T, n), block g of the d / G
-    channels reading ``b[:, g]`` and ``c[:, g]`` (Mamba: G = 1; Zamba: a block per head). ``A``, ``D``,
-    ``B`` and ``u`` pass through float32 as in the modules' scan, the state in ``A_log``'s precision (under
-    autocast too, where the products with ``C`` run in autocast's dtype). The loop keeps one state per step,
-    so its backward is linear in T."""
+    ``y_t = (<h_t, C_t> + D u_t) * silu(z_t)``, returned as (B, T, d) in ``A_log``'s precision. ``u``,
+    ``delta``, ``z``: (B, d, T); ``a_log`` (B, d, n); ``d`` (B, d); ``b``, ``c``: (B, G, T, n), block g of the
+    d / G channels reading ``b[:, g]`` and ``c[:, g]`` (Mamba: G = 1; Zamba: a block per head). ``A``,
+    ``D``, ``B`` and ``u`` pass through float32 as in the modules' scan, the state in ``A_log``'s precision
+    (under autocast too, where the products with ``C`` run in autocast's dtype). The loop keeps one state per
+    step, so its backward is linear in T."""
     dtype = _dtype(a_log)
     batch, width, length = u.shape
     groups, state = b.shape[1], b.shape[-1]
