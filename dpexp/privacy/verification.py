@@ -309,8 +309,9 @@ def check_use(use: Use, dy: torch.Tensor, batch_size: int) -> list[Layout]:
     layer, tensors = use.layer, use.tensors
     if [t._version for t in tensors] != use.versions:
         raise RuntimeError(
-            f"the input of layer {layer.name!r} was modified in place after the layer used it; "
-            "per-example gradients would be wrong. Disable in-place operations (e.g. inplace=True)."
+            f"a tensor of layer {layer.name!r}'s call (an input, or the output its rule checks itself "
+            "against) was modified in place after the call; per-example gradients would be wrong. Disable "
+            "in-place operations (e.g. inplace=True)."
         )
     if layer.shared and not (use.args and torch.is_tensor(use.args[0])):
         # a shared table read as a whole, or called on tensors without an example dimension only (position
