@@ -199,6 +199,42 @@ def deberta() -> nn.Module:
     return model
 
 
+def funnel(attention_type: str = "relative_shift", dropout: float = 0.0) -> nn.Module:
+    """Tiny random Funnel Transformer (Dai et al. 2020) classifier: two blocks of one layer with the sequence
+    pooled between them (the second block's queries pooled, its keys not: the relative shift of 2), the class
+    token kept apart (``separate_cls``); its relative attention's own parameters ``r_w_bias``, ``r_r_bias``,
+    ``r_kernel``, ``r_s_bias`` and ``seg_embed`` (zeros at init) drawn at random. ``attention_type``:
+    ``relative_shift`` (A.2.1) or ``factorized`` (A.2.2); ``dropout``: every dropout's rate (the position
+    encodings' too)."""
+    from transformers import FunnelConfig, FunnelForSequenceClassification
+
+    config = FunnelConfig(
+        vocab_size=40, block_sizes=[1, 1], d_model=16, n_head=2, d_head=8, d_inner=24, num_labels=2,
+        attention_type=attention_type, hidden_dropout=dropout, attention_dropout=dropout,
+        activation_dropout=dropout, pad_token_id=1,
+    )  # fmt: skip
+    model = FunnelForSequenceClassification(config).double().eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "FunnelRelMultiheadAttention":
+                for name in ("r_w_bias", "r_r_bias", "r_kernel", "r_s_bias", "seg_embed"):
+                    getattr(module, name).normal_(0.0, 0.5)
+    return model
+
+
+def segments_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """:func:`seq_classification_loss` of a text pair (``token_type_ids`` (B, T), 0 then 1) plus a fixed
+    weighting of the last hidden states at every position: a classifier reads the class token alone, whose
+    query row the Funnel's last block masks out of its positional and token-type terms."""
+    out = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        token_type_ids=batch["token_type_ids"], output_hidden_states=True,
+    )  # fmt: skip
+    last = out.hidden_states[-1]
+    weights = torch.randn(last.shape[1:], generator=torch.Generator().manual_seed(1), dtype=last.dtype)
+    return F.cross_entropy(out.logits, batch["labels"], reduction="none") + (last * weights).flatten(1).sum(1)
+
+
 def roberta() -> nn.Module:
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
@@ -1407,6 +1443,13 @@ def make_case(name: str, batch_size: int = 6, seed: int = 0):
         batch["labels"] = torch.randint(0, 2, (batch_size,), generator=gen)
         model = {"roberta": roberta, "bert": bert, "deberta": deberta}[name]()
         return model, seq_classification_loss, batch
+    if name in ("funnel", "funnel_factorized"):
+        batch = _padded_text(batch_size, 10, 40, gen)
+        batch["labels"] = torch.randint(0, 2, (batch_size,), generator=gen)
+        second = torch.randint(3, 8, (batch_size, 1), generator=gen)  # where each second segment starts
+        batch["token_type_ids"] = (torch.arange(10)[None, :] >= second).long()
+        model = funnel("factorized" if name == "funnel_factorized" else "relative_shift")
+        return model, segments_loss, batch
     if name in ("roberta_infilling", "bert_infilling"):
         batch = _padded_text(batch_size, 10, 40, gen)
         positions = torch.randint(1, 5, (batch_size,), generator=gen)  # inside every text (>= 5 tokens)
@@ -1448,4 +1491,6 @@ CASES = [
     "lfm2",
     "roberta_infilling",
     "bert_infilling",
+    "funnel",
+    "funnel_factorized",
 ]

@@ -600,6 +600,7 @@ def _labels(gen: torch.Generator, size: int, classes: int) -> torch.Tensor:
 
 
 LM_PADDING = {"input_ids": 1, "attention_mask": 0, "labels": -100}  # labels -100: no loss
+PAIR_PADDING = {"input_ids": 1, "attention_mask": 0, "token_type_ids": 0}  # a text pair's (Funnel)
 
 # engine_models cases: class-label key and classes, float inputs, padding-only example
 _ENGINE_CASE_INPUTS: dict[str, dict] = {
@@ -633,6 +634,8 @@ _ENGINE_CASE_INPUTS: dict[str, dict] = {
     "bert": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
     "roberta_infilling": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
     "bert_infilling": {"class_label": ("labels", 2), "padding": {"input_ids": 1, "attention_mask": 0}},
+    "funnel": {"class_label": ("labels", 2), "padding": PAIR_PADDING},
+    "funnel_factorized": {"class_label": ("labels", 2), "padding": PAIR_PADDING},
 }
 
 # the cases whose contract allows a refusal, and the names such a refusal must mention

@@ -333,6 +333,7 @@ from dpexp.privacy.rules import (  # noqa: E402,F401
     embedding_bag,
     expert_modules,
     forget_gate,
+    funnel_attention,
     grn,
     grouped_linear,
     hyper_connections,
