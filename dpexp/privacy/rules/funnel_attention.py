@@ -123,8 +123,8 @@ def funnel_attention_grads(module: nn.Module, call: tuple, dy: torch.Tensor) -> 
     with torch.no_grad():
         dtype = module.r_w_bias.dtype
         scores = scores.to(dtype)
-        q = kept["q"].to(dtype).view(batch, length, heads, width) * scale
-        k = kept["k"].to(dtype).view(batch, context, heads, width)
+        q = kept["q"].to(dtype).reshape(batch, length, heads, width) * scale
+        k = kept["k"].to(dtype).reshape(batch, context, heads, width)
         masked = scores if cls_mask is None else scores * cls_mask.to(dtype)
         content = scale * torch.einsum("bnj,bjnd->bnd", scores.sum(2), k)
         if module.config.attention_type == "factorized":
