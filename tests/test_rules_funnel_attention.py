@@ -1,8 +1,8 @@
-"""Funnel Transformer's relative attention by rule (``rules/funnel_attention.py``): the gradient at its
-scores read off the call's graph, its five own parameters in closed form. The two Funnel cases (relative
-shift and factorized) are in ``test_engine_oracle`` (every strategy x clipping mode, padding, two
-micro-batches) and in the sensitivity tests; here the rule alone (the fallback must not be taken), the class
-token not kept apart, dropout in training, bf16 autocast, frozen parameters, the module called without
+"""Funnel Transformer's relative attention by rule (``rules/funnel_attention.py``): the gradient at its scores
+read off the call's graph, its five own parameters in closed form. The two Funnel cases (relative shift and
+factorized) are in ``test_engine_oracle`` (every strategy x clipping mode, padding, two micro-batches) and in
+the sensitivity tests; here the rule alone (the fallback must not be taken), the class token not kept apart,
+dropout in training, bf16 autocast, LoRA on the projections, frozen parameters, the module called without
 token types against autograd one example at a time, and the refusals."""
 
 from __future__ import annotations
@@ -68,6 +68,22 @@ def test_rule_matches_oracle_under_autocast(case):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*torch.func fallback")
         check_clipped_step(model.float(), loss, batch, MICRO, "bk", "per_layer", rel=1e-2, autocast=True)
+
+
+def test_lora_on_the_projections_matches_oracle():
+    """LoRA (peft) on ``q_head`` and ``k_head``, the attention's own parameters trained beside it: the rule
+    reads the wrapped projections' outputs, adapters included."""
+    from peft import LoraConfig, get_peft_model
+
+    model, loss, batch = make_case("funnel")
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_head", "k_head"], init_lora_weights=False)
+    model = get_peft_model(model, config).double().eval()
+    for attention in _attentions(model):
+        for name in OWN:
+            getattr(attention, name).requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*torch.func fallback")
+        check_clipped_step(model, loss, batch, MICRO, "bk", "per_layer")
 
 
 def test_some_parameters_frozen_match_oracle():
