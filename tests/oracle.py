@@ -158,3 +158,29 @@ def under_bf16_autocast(loss_fn: LossFn) -> LossFn:
             return loss_fn(model, batch).float()
 
     return autocast_loss
+
+
+def read_by_hand(
+    module: nn.Module, args: tuple, out: torch.Tensor, carriers: list[torch.Tensor], dy: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """What the capture hands a graph-reading rule for one call, taken by hand: the values its layout's
+    ``graph`` reads off the call and the output gradient of each node it names, after backpropagating ``dy``
+    from ``out`` (``carriers``: the call's inputs that carry the examples). Tests of a rule on a module alone,
+    against autograd one example at a time, call the rule with these."""
+    from dpexp.privacy.rules import rule_for
+
+    graph = rule_for(module).call.graph(module, args, out, carriers)
+    assert graph is not None, f"{type(module).__name__}: its layout found nothing to read in this call"
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Callable:
+        def hook(_grad_inputs: tuple, grad_outputs: tuple) -> None:
+            seen[name] = grad_outputs[0]
+
+        return hook
+
+    for name, node in graph.nodes.items():
+        node.register_hook(keep(name))
+    out.backward(dy)
+    assert seen.keys() == graph.nodes.keys(), "a node the layout names was not on the backward pass"
+    return {**graph.values, **seen}
