@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -173,14 +174,11 @@ def read_by_hand(
     assert graph is not None, f"{type(module).__name__}: its layout found nothing to read in this call"
     seen: dict[str, torch.Tensor] = {}
 
-    def keep(name: str) -> Callable:
-        def hook(_grad_inputs: tuple, grad_outputs: tuple) -> None:
-            seen[name] = grad_outputs[0]
+    def keep(name: str, grad_outputs: tuple[torch.Tensor, ...]) -> None:
+        seen[name] = grad_outputs[0]
 
-        return hook
-
-    for name, node in graph.nodes.items():
-        node.register_hook(keep(name))
+    for name, node in graph.nodes.items():  # as the capture reads them: a pre-hook on each node
+        node.register_prehook(partial(keep, name))
     out.backward(dy)
     assert seen.keys() == graph.nodes.keys(), "a node the layout names was not on the backward pass"
     return {**graph.values, **seen}
