@@ -2,14 +2,17 @@
 # `make test`: the selected tests as N pytest processes at once (N = SHARDS, default 2, one per core), each
 # running the tests whose node id hashes to its index (tests/conftest.py, --shard=I/N), with one torch
 # thread. Part 0 prints as it goes; the others' output is printed whole when they have ended. The exit
-# status is the first non-zero one. Arguments are passed to every pytest (e.g. `-m ""` for the whole suite).
+# status is the first non-zero one. Each part ends with its 15 slowest tests (the default suite's ~10-minute
+# budget is kept by marking the slowest `slow`). Arguments are passed to every pytest (e.g. `-m ""` for the
+# whole suite).
 set -u
 PY=${PY:-.venv/bin/python}
 N=${SHARDS:-2}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 part() {
-    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --shard="$1/$N" "${@:2}"
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --durations=15 \
+        --shard="$1/$N" "${@:2}"
 }
 pids=()
 for ((i = 1; i < N; i++)); do
