@@ -26,10 +26,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "shard_together(name): the tests of this name run in one --shard, so that the costly module fixture "
+        "they share is made once (not once in every process)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``--shard=I/N`` keeps the tests whose node id hashes to I modulo N: N processes, I = 0..N-1, together
     run each test exactly once (by its name, whatever order each process collects in), every module's costly
-    tests spread over them."""
+    tests spread over them. Tests marked ``shard_together(name)`` hash by that name instead."""
     shard = config.getoption("--shard")
     if shard is None:
         return
@@ -38,7 +46,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(f"--shard={shard}: expected I/N with 0 <= I < N, e.g. --shard=0/2")
     kept, deselected = [], []
     for item in items:
-        (kept if zlib.crc32(item.nodeid.encode()) % int(count) == int(index) else deselected).append(item)
+        marker = item.get_closest_marker("shard_together")
+        key = f"shard_together:{marker.args[0]}" if marker else item.nodeid
+        (kept if zlib.crc32(key.encode()) % int(count) == int(index) else deselected).append(item)
     config.hook.pytest_deselected(items=deselected)
     items[:] = kept
 

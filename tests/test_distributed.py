@@ -187,8 +187,12 @@ class Wide(torch.nn.Module):
         return self.b(self.a(x))
 
 
-def _noise_worker(rank: int, port: int, sigma: float, secure: bool, out: str) -> None:
-    parallel = _join_group(rank, port)
+NOISE_SIGMA, NOISE_CLIP = 1.5, 2.0
+
+
+def _step_noise(parallel: DataParallel, rank: int, secure: bool) -> torch.Tensor:
+    """The noise of one step of an 8500-parameter model on the ranks of ``parallel`` (checked equal on both),
+    and that a rank whose model drifts is caught."""
     torch.manual_seed(0)  # the same model on both ranks; the noise comes from torch's global generator
     model = Wide()
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
@@ -196,8 +200,8 @@ def _noise_worker(rank: int, port: int, sigma: float, secure: bool, out: str) ->
         model,
         batch_size=4,
         sample_size=100,
-        max_grad_norm=2.0,
-        noise_multiplier=sigma,
+        max_grad_norm=NOISE_CLIP,
+        noise_multiplier=NOISE_SIGMA,
         clipping="per_layer",
         secure_mode=secure,
         aggregation=parallel,
@@ -215,24 +219,7 @@ def _noise_worker(rank: int, port: int, sigma: float, secure: bool, out: str) ->
             model.b.bias[0] += 1e-6
     with pytest.raises(DistributedError, match=r"the parameters differ across the 2 ranks"):
         parallel.check_same("the parameters", list(model.parameters()))
-    if rank == 0:
-        torch.save(noise, out)
-    parallel.close()
-
-
-@pytest.mark.parametrize("secure", [False, True])
-def test_ddp_noise_is_drawn_once_per_step(tmp_path, secure):
-    """The noise of a step on two ranks has the single-process variance sigma^2 C^2 (8500 coordinates: the
-    sample variance is within 3% of it with overwhelming probability), not twice it (one draw per rank), and
-    every rank applies the same noise (and a rank whose model drifts is caught); also from the secure sampler,
-    which no shared seed could replay."""
-    sigma, clip = 1.5, 2.0
-    out = tmp_path / "noise.pt"
-    assert _spawn(_noise_worker, sigma, secure, str(out)) == [0] * WORLD
-    noise = torch.load(out)
-    variance = float(noise.var())
-    assert variance == pytest.approx((sigma * clip) ** 2, rel=0.1)
-    assert abs(float(noise.mean())) < 0.1
+    return noise
 
 
 class Layers(torch.nn.Sequential):
@@ -240,8 +227,9 @@ class Layers(torch.nn.Sequential):
         super().__init__(*[torch.nn.Linear(2, 2, bias=False) for _ in range(40)])  # K = 40 groups
 
 
-def _count_noise_worker(rank: int, port: int, out: str) -> None:
-    parallel = _join_group(rank, port)
+def _count_noise(parallel: DataParallel) -> dict[str, Any]:
+    """The released clip counts of 25 steps of adaptive per-layer clipping on empty batches (40 groups) on the
+    ranks of ``parallel`` (checked to move their thresholds alike), and the count noise's std."""
     torch.manual_seed(0)
     model = Layers()
     config = {"target_quantile": 0.5, "quantile_lr": 0.01, "budget_fraction": 0.5, "rescale_to_global": False}
@@ -266,18 +254,46 @@ def _count_noise_worker(rank: int, port: int, out: str) -> None:
     gathered = [torch.empty_like(engine.thresholds) for _ in range(WORLD)]
     dist.all_gather(gathered, engine.thresholds)
     assert torch.equal(gathered[0], gathered[1]), "the ranks moved their thresholds differently"
+    return {"counts": counts, "std": engine.count_noise_multiplier}
+
+
+def _noise_worker(rank: int, port: int, out: str) -> None:
+    parallel = _join_group(rank, port)
+    drawn = {secure: _step_noise(parallel, rank, secure) for secure in (False, True)}
+    drawn["counts"] = _count_noise(parallel)
     if rank == 0:
-        torch.save({"counts": counts, "std": engine.count_noise_multiplier}, out)
+        torch.save(drawn, out)
     parallel.close()
 
 
-def test_ddp_adaptive_count_noise_is_drawn_once_per_step(tmp_path):
+@pytest.fixture(scope="module")
+def ddp_noise(tmp_path_factory) -> dict[Any, Any]:
+    """The noise the tests below check, drawn by one pair of processes (a pair costs ~10 s to start)."""
+    out = tmp_path_factory.mktemp("ddp_noise") / "noise.pt"
+    assert _spawn(_noise_worker, str(out)) == [0] * WORLD
+    return torch.load(out)
+
+
+@pytest.mark.shard_together("ddp_noise")
+@pytest.mark.parametrize("secure", [False, True])
+def test_ddp_noise_is_drawn_once_per_step(ddp_noise, secure):
+    """The noise of a step on two ranks has the single-process variance sigma^2 C^2 (8500 coordinates: the
+    sample variance is within 3% of it with overwhelming probability), not twice it (one draw per rank), and
+    every rank applies the same noise (and a rank whose model drifts is caught); also from the secure sampler,
+    which no shared seed could replay."""
+    noise = ddp_noise[secure]
+    assert noise.numel() == 8500
+    assert float(noise.var()) == pytest.approx((NOISE_SIGMA * NOISE_CLIP) ** 2, rel=0.1)
+    assert abs(float(noise.mean())) < 0.1
+
+
+@pytest.mark.shard_together("ddp_noise")
+def test_ddp_adaptive_count_noise_is_drawn_once_per_step(ddp_noise):
     """The released clip counts of adaptive thresholds (He et al. Algorithm 1, line 10) on two ranks carry one
     draw of the count noise, std sigma_b (40 groups x 25 steps: the sample variance within 15% of sigma_b^2),
     not one per rank; both ranks move their thresholds identically."""
-    out = tmp_path / "counts.pt"
-    assert _spawn(_count_noise_worker, str(out)) == [0] * WORLD
-    saved = torch.load(out)
+    saved = ddp_noise["counts"]
+    assert saved["counts"].numel() == 40 * 25
     assert float(saved["counts"].var()) == pytest.approx(saved["std"] ** 2, rel=0.15)
 
 

@@ -11,13 +11,23 @@ import pytest
 from tests.conftest import pytest_collection_modifyitems
 
 
-def _kept(shard: str, nodeids: list[str]) -> tuple[list[str], list[str]]:
+def _item(nodeid: str, together: str | None = None) -> SimpleNamespace:
+    """A collected test as the hook sees it: its node id and its ``shard_together`` marker, if any."""
+    marker = SimpleNamespace(args=(together,)) if together else None
+    return SimpleNamespace(
+        nodeid=nodeid, get_closest_marker=lambda name: marker if name == "shard_together" else None
+    )
+
+
+def _kept(
+    shard: str, nodeids: list[str], together: dict[str, str] | None = None
+) -> tuple[list[str], list[str]]:
     deselected: list[str] = []
     config = SimpleNamespace(
         getoption=lambda name: shard,
         hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(i.nodeid for i in items)),
     )
-    items = [SimpleNamespace(nodeid=nodeid) for nodeid in nodeids]
+    items = [_item(nodeid, (together or {}).get(nodeid)) for nodeid in nodeids]
     pytest_collection_modifyitems(config, items)
     return [item.nodeid for item in items], deselected
 
@@ -34,6 +44,20 @@ def test_the_shards_partition_the_tests_whatever_the_collection_order() -> None:
             parts.append(set(kept))
         assert set().union(*parts) == set(nodeids) and sum(map(len, parts)) == len(nodeids)
     assert _kept(None, nodeids) == (nodeids, [])  # no --shard: everything, untouched
+
+
+def test_tests_marked_shard_together_run_in_one_shard() -> None:
+    """Tests sharing a costly module fixture (``shard_together(name)``) land in one part, so it is made once;
+    the others still spread over every part."""
+    nodeids = [f"tests/test_{m}.py::test_{k}" for m in range(6) for k in range(20)]
+    together = dict.fromkeys(nodeids[:15], "fixture_a") | dict.fromkeys(nodeids[15:30], "fixture_b")
+    for count in (2, 3):
+        parts = [set(_kept(f"{index}/{count}", nodeids, together)[0]) for index in range(count)]
+        assert set().union(*parts) == set(nodeids) and sum(map(len, parts)) == len(nodeids)
+        for name in ("fixture_a", "fixture_b"):
+            marked = {nodeid for nodeid, group in together.items() if group == name}
+            assert sum(1 for part in parts if part & marked) == 1, (count, name)
+        assert all(part - set(together) for part in parts)  # the unmarked tests reach every part
 
 
 @pytest.mark.parametrize("shard", ["2/2", "1", "a/2", "-1/2"])
