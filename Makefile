@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpexp-installed
 
-.PHONY: install test test-all lint bench bench-report tables figures reproduce audit
+.PHONY: install test test-all test-durations lint bench bench-report tables figures reproduce audit
 
 install: $(STAMP)
 
@@ -20,6 +20,11 @@ test: install
 
 test-all: install
 	PY=$(PY) bash scripts/pytest_shards.sh -m ""
+
+# The default suite, each part merging its tests' durations into tests/durations.json, by which --shard
+# balances the heavy tests over the parts (tests/sharding.py): rerun when tests have been added or moved.
+test-durations: install
+	PY=$(PY) bash scripts/pytest_shards.sh --record-durations
 
 lint: install
 	$(PY) -m ruff check .

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # `make test`: the selected tests as N pytest processes at once (N = SHARDS, default 2, one per core), each
-# running the tests whose node id hashes to its index (tests/conftest.py, --shard=I/N), with one torch
-# thread. Part 0 prints as it goes; the others' output is printed whole when they have ended. The exit
-# status is the first non-zero one. Each part ends with its 15 slowest tests (the default suite's ~10-minute
-# budget is kept by marking the slowest `slow`). Arguments are passed to every pytest (e.g. `-m ""` for the
-# whole suite).
+# running its part (--shard=I/N: the heavy tests of tests/durations.json balanced over the parts, the others
+# by a hash of their node id; tests/sharding.py), with one torch thread. Part 0 prints as it goes; the
+# others' output is printed whole when they have ended. The exit status is the first non-zero one. Each part
+# ends with its 15 slowest tests (the default suite's ~10-minute budget is kept by marking the slowest
+# `slow`). Arguments are passed to every pytest (e.g. `-m ""` for the whole suite, `--record-durations`).
 set -u
 PY=${PY:-.venv/bin/python}
 N=${SHARDS:-2}

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 from dpexp.backends import build_backend
 from dpexp.config import ConfigError, _hydra_subdir, _run_dir
@@ -35,7 +34,7 @@ from dpexp.training.hooks import RunHooks
 from dpexp.training.loop import run_training
 from dpexp.training.resume import load_run_config
 from dpexp.training.signals import RunInterrupted
-from tests.conftest import CONF_DIR, REPO_ROOT, TIMING_FIELDS, TINY_RUN
+from tests.conftest import REPO_ROOT, TIMING_FIELDS, TINY_RUN, composed
 from tests.test_checkpoint import identical
 
 WORLD = 2
@@ -48,10 +47,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a rank needs imported, once, by the server its processes are forked from.
+_PRELOAD = ["tests.test_distributed", "tests.test_fsdp", "tests.test_pipeline"]
+
+
+def fresh_processes() -> mp.context.BaseContext:
+    """Processes that start as a fresh interpreter would, minus the imports: forked from one server process
+    (``forkserver``, started once per test process) that imported torch, dpexp and the test modules, instead
+    of a new interpreter each (``spawn``: about 6 s of imports per process). Like spawn, a process inherits
+    nothing of the test process' state; its environment is the server's, so a worker sets its own
+    (:func:`_env`)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 def _spawn(worker: Callable[..., None], *args: Any, join_s: float = JOIN_S) -> list[int]:
     """Run ``worker(rank, port, *args)`` in WORLD fresh processes; their exit codes (each joined under a
     guard of ``join_s`` seconds against a hang, then killed if still alive)."""
-    context = mp.get_context("spawn")
+    context = fresh_processes()
     port = _free_port()
     processes = [context.Process(target=worker, args=(rank, port, *args)) for rank in range(WORLD)]
     for process in processes:
@@ -322,7 +336,7 @@ def error_of_a_failing_pair(worker: Callable[..., None], mode: str, out: Path) -
     """``worker(rank, port, mode, out)`` on two spawned processes whose second crashes or stalls (``mode``):
     the first must not hang but end (exit 0) within JOIN_S, having written its error to ``out``; returns
     that error."""
-    context = mp.get_context("spawn")
+    context = fresh_processes()
     port = _free_port()
     processes = [context.Process(target=worker, args=(r, port, mode, str(out))) for r in range(WORLD)]
     for process in processes:
@@ -364,7 +378,7 @@ class FailAt(RunHooks):
 def _failing_trainer_worker(rank: int, port: int, mode: str, out: str) -> None:
     distributed, failure = mode.split("-")
     _env(rank, port)
-    cfg = _compose([*TINY_RUN, "clip=bk", f"distributed={distributed}", "distributed.timeout_s=5"])
+    cfg = composed([*TINY_RUN, "clip=bk", f"distributed={distributed}", "distributed.timeout_s=5"])
     try:
         run_training(cfg, Path(out).parent / "run", hooks=FailAt(2, failure) if rank == 1 else None)
     except DistributedError as error:
@@ -402,11 +416,6 @@ class _SaveModel(RunHooks):
         return {}
 
 
-def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
-
 TRAINER_RUNS = {
     "zero": [*TINY_RUN, "clip=bk", "privacy.noise_multiplier=0", "batch_size=64"],
     "calibrated": [*TINY_RUN, "clip=adaptive_perlayer", "batch_size=64"],
@@ -418,7 +427,7 @@ def _trainer_worker(rank: int, port: int, root: str, second_port: int) -> None:
         TRAINER_RUNS, TRAINER_RUNS.values(), (port, second_port), strict=True
     ):
         _env(rank, run_port)  # each run starts and ends its own process group
-        cfg = _compose([*overrides, "distributed=ddp"])
+        cfg = composed([*overrides, "distributed=ddp"])
         run_training(cfg, Path(root) / name / "ddp", hooks=_SaveModel(f"{root}/{name}_rank{rank}.pt"))
 
 
@@ -432,7 +441,7 @@ def test_ddp_trainer_equals_one_process(tmp_path):
     assert _spawn(_trainer_worker, str(tmp_path), _free_port()) == [0] * WORLD
     for name, overrides in TRAINER_RUNS.items():
         single = run_training(
-            _compose(overrides), tmp_path / name / "one", hooks=_SaveModel(f"{tmp_path}/{name}_single.pt")
+            composed(overrides), tmp_path / name / "one", hooks=_SaveModel(f"{tmp_path}/{name}_single.pt")
         )
         ddp = json.loads((tmp_path / name / "ddp" / "metrics.json").read_text())
         assert ddp["status"] == "completed" and ddp["config"]["distributed"]["name"] == "ddp"
@@ -483,14 +492,14 @@ def outside_torchrun(monkeypatch):
 def test_distributed_config_is_refused_before_training(outside_torchrun, overrides, env, message):
     for name, value in env.items():
         outside_torchrun.setenv(name, value)
-    cfg = _compose(overrides)
+    cfg = composed(overrides)
     with pytest.raises(ValueError, match=message) as info:
         start_data_parallel(cfg.distributed, torch.device("cpu"))
     assert "\n" not in str(info.value) and not dist.is_initialized()
 
 
 def test_one_process_needs_no_process_group(outside_torchrun):
-    assert start_data_parallel(_compose([]).distributed, torch.device("cpu")) is None
+    assert start_data_parallel(composed([]).distributed, torch.device("cpu")) is None
     assert start_data_parallel(None, torch.device("cpu")) is None  # a run recorded before the group existed
 
 
@@ -499,7 +508,7 @@ def test_only_engine_clips_run_data_parallel():
     for clip in ("opacus", "nonprivate"):
         with pytest.raises(ValueError, match=r"runs in one process: data-parallel training .* needs a dpexp"):
             build_backend(
-                _compose([f"clip={clip}"]).clip,
+                composed([f"clip={clip}"]).clip,
                 model=model,
                 optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                 batch_size=2,
@@ -539,7 +548,7 @@ def assert_torchrun_cli_writes_one_record(tmp_path: Path, distributed: list[str]
     record = json.loads(records[0].read_text())
     assert record["status"] == "completed" and record["steps_done"] == 3
     assert done.stdout.count("metrics: ") == 1
-    single = run_training(_compose([*TINY_RUN, f"clip={clip}"]), tmp_path / "one")
+    single = run_training(composed([*TINY_RUN, f"clip={clip}"]), tmp_path / "one")
     assert record["epsilon"] == single["epsilon"] and record["noise_multiplier"] == single["noise_multiplier"]
 
 
@@ -565,7 +574,7 @@ RESUMED_RUN = ["steps=6", "eval_every=2", "checkpoint.every=3", "progress=false"
 
 
 def _resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
-    cfg = _compose([*RESUMED_RUN, "distributed=ddp"])
+    cfg = composed([*RESUMED_RUN, "distributed=ddp"])
     _env(rank, port)
     run_training(cfg, Path(root) / "whole")
     _env(rank, ports[0])

@@ -31,14 +31,13 @@ from dpexp.training.loop import instantiate, run_training
 from dpexp.training.resume import load_run_config
 from dpexp.training.sharded import full_state, shard_model
 from dpexp.training.signals import InterruptGuard, RunInterrupted
-from tests.conftest import TINY_RUN
+from tests.conftest import TINY_RUN, composed
 from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     ENGINE_CASES,
     N_EXAMPLES,
     RESUMED_RUN,
     WORLD,
     Wide,
-    _compose,
     _env,
     _free_port,
     _join_group,
@@ -184,12 +183,12 @@ def test_the_engine_refuses_parameters_sharded_during_backward(tmp_path):
 def test_fsdp_config_is_checked_before_training(outside_torchrun):  # noqa: F811
     """distributed=fsdp is a valid mode: outside torchrun, or with another world size, it is refused in one
     line with the fix, before any process group exists."""
-    cfg = _compose(["distributed=fsdp"])
+    cfg = composed(["distributed=fsdp"])
     with pytest.raises(ValueError, match=r"distributed=fsdp runs one process per rank under torchrun: "):
         start_data_parallel(cfg.distributed, torch.device("cpu"))
     outside_torchrun.setenv("WORLD_SIZE", "2")
     outside_torchrun.setenv("MASTER_ADDR", "127.0.0.1")
-    cfg = _compose(["distributed=fsdp", "distributed.world_size=4"])
+    cfg = composed(["distributed=fsdp", "distributed.world_size=4"])
     with pytest.raises(ValueError, match=r"distributed.world_size=4 but torchrun started 2") as info:
         start_data_parallel(cfg.distributed, torch.device("cpu"))
     assert "\n" not in str(info.value) and not dist.is_initialized()
@@ -207,7 +206,7 @@ def test_what_fsdp_cannot_run_is_refused_in_one_line(clip, message):
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match=message) as info:
         build_backend(
-            _compose([f"clip={clip}"]).clip,
+            composed([f"clip={clip}"]).clip,
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
             batch_size=2,
@@ -253,7 +252,7 @@ FSDP_RUNS = {
 def _trainer_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
     for name, run_port in zip(FSDP_RUNS, [port, *ports], strict=True):
         _env(rank, run_port)  # each run starts and ends its own process group
-        cfg = _compose([*FSDP_RUNS[name], "distributed=fsdp"])
+        cfg = composed([*FSDP_RUNS[name], "distributed=fsdp"])
         run_training(cfg, Path(root) / name / "fsdp", hooks=_SaveFullModel(f"{root}/{name}_rank{rank}.pt"))
 
 
@@ -267,7 +266,7 @@ def test_fsdp_trainer_equals_one_process(tmp_path):
     assert _spawn(_trainer_worker, str(tmp_path), [_free_port(), _free_port()]) == [0] * WORLD
     for name, overrides in FSDP_RUNS.items():
         single = run_training(
-            _compose(overrides), tmp_path / name / "one", hooks=_SaveModel(f"{tmp_path}/{name}_single.pt")
+            composed(overrides), tmp_path / name / "one", hooks=_SaveModel(f"{tmp_path}/{name}_single.pt")
         )
         fsdp = json.loads((tmp_path / name / "fsdp" / "metrics.json").read_text())
         assert fsdp["status"] == "completed" and fsdp["config"]["distributed"]["name"] == "fsdp"
@@ -292,7 +291,7 @@ SHARDED_RESUMED_RUN = [*RESUMED_RUN, "optim.momentum=0.9"]  # optimizer state sh
 
 
 def _resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
-    cfg = _compose([*SHARDED_RESUMED_RUN, "distributed=fsdp"])
+    cfg = composed([*SHARDED_RESUMED_RUN, "distributed=fsdp"])
     _env(rank, port)
     run_training(cfg, Path(root) / "whole")
     _env(rank, ports[0])
@@ -317,7 +316,7 @@ def test_interrupted_fsdp_run_resumes_as_an_uninterrupted_one(tmp_path):
         "step_00000006.pt",
     ]
     assert final[0]["optimizer"]["state"][0]["momentum_buffer"].shape == final[0]["model"]["0.weight"].shape
-    cfg = _compose(SHARDED_RESUMED_RUN)
+    cfg = composed(SHARDED_RESUMED_RUN)
     task, factory = instantiate(cfg.task, "task"), instantiate(cfg.model, "model")
     task.setup(factory)
     factory.build(task.info).load_state_dict(final[0]["model"])  # strict: the keys and shapes of one process

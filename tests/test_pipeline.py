@@ -21,8 +21,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
 from torch import nn
 
 from dpexp.config import ConfigError
@@ -47,7 +45,7 @@ from dpexp.training.pipeline import (
 from dpexp.training.resume import load_run_config
 from dpexp.training.rng import seed_everything
 from dpexp.training.signals import RunInterrupted
-from tests.conftest import CONF_DIR, SHARED_DATA, TIMING_FIELDS, TINY_RUN
+from tests.conftest import SHARED_DATA, TIMING_FIELDS, TINY_RUN, composed
 from tests.test_checkpoint import identical
 from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     JOIN_S,
@@ -62,6 +60,7 @@ from tests.test_distributed import (  # noqa: F401 (outside_torchrun: a fixture)
     assert_resumed_as_uninterrupted,
     assert_torchrun_cli_writes_one_record,
     error_of_a_failing_pair,
+    fresh_processes,
     outside_torchrun,
 )
 
@@ -203,7 +202,7 @@ def test_pipeline_steps_at_noise_zero_equal_single_process_groupwise_clipping():
 def test_three_stages_equal_single_process_groupwise_clipping():
     """A middle stage receives activations and sends gradients both ways: three stages (fixed thresholds)
     equal one process' group-wise clipping with three groups."""
-    context = mp.get_context("spawn")
+    context = fresh_processes()
     port = _free_port()
     processes = [
         context.Process(target=_equality_worker, args=(r, port, ["fixed"], [2, 4])) for r in range(3)
@@ -370,11 +369,6 @@ PIPELINE_RUNS = {
 }
 
 
-def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
-
 class _StageRecorder(RunHooks):
     """Saves the trained model's state (a stage's part under a pipeline) and records the stage's own epsilon
     (``PipelineStage.get_epsilon``) in the run record."""
@@ -397,13 +391,13 @@ class _StageRecorder(RunHooks):
 def _trainer_worker(rank: int, port: int, root: str, second_port: int) -> None:
     for name, run_port in zip(PIPELINE_RUNS, (port, second_port), strict=True):
         _env(rank, run_port)  # each run starts and ends its own process group
-        cfg = _compose([*PIPELINE_RUNS[name], *SPLIT_RUN])
+        cfg = composed([*PIPELINE_RUNS[name], *SPLIT_RUN])
         run_training(cfg, Path(root) / name / "pipe", hooks=_StageRecorder(f"{root}/{name}_rank{rank}.pt"))
 
 
 def _single_groupwise(overrides: list[str], out: Path, path: str) -> dict:
     """One process, group-wise clipping with groups = the pipeline's stages (their parameter names)."""
-    cfg = _compose(overrides)
+    cfg = composed(overrides)
     cfg.clip.engine.groups = STAGE_PARAMS
     return run_training(cfg, out, hooks=_StageRecorder(path))
 
@@ -444,7 +438,7 @@ def test_pipeline_trainer_equals_single_process_groupwise_clipping(tmp_path):
 
 
 def _initial_head() -> torch.Tensor:
-    cfg = _compose(list(TINY_RUN))
+    cfg = composed(list(TINY_RUN))
     seed_everything(cfg.seed)
     task, factory = instantiate(cfg.task, "task"), instantiate(cfg.model, "model")
     task.setup(factory)
@@ -453,7 +447,7 @@ def _initial_head() -> torch.Tensor:
 
 def _failing_trainer_worker(rank: int, port: int, mode: str, out: str) -> None:
     _env(rank, port)
-    cfg = _compose([*TINY_RUN, "clip=groupwise", *SPLIT_RUN, "distributed.timeout_s=5"])
+    cfg = composed([*TINY_RUN, "clip=groupwise", *SPLIT_RUN, "distributed.timeout_s=5"])
     hooks = FailAt(2, mode) if rank == 1 else None
     try:
         run_training(cfg, Path(out).parent / "run", hooks=hooks)
@@ -486,7 +480,7 @@ PIPELINE_RESUMED_RUN = [
 
 
 def _resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
-    cfg = _compose(PIPELINE_RESUMED_RUN)
+    cfg = composed(PIPELINE_RESUMED_RUN)
     _env(rank, port)
     run_training(cfg, Path(root) / "whole")
     _env(rank, ports[0])
@@ -514,7 +508,7 @@ def test_interrupted_pipeline_run_resumes_as_an_uninterrupted_one(tmp_path):
     assert (
         final[0]["optimizer"][1]["state"][4]["momentum_buffer"].shape == final[0]["model"]["7.weight"].shape
     )
-    cfg = _compose(PIPELINE_RESUMED_RUN)
+    cfg = composed(PIPELINE_RESUMED_RUN)
     task, factory = instantiate(cfg.task, "task"), instantiate(cfg.model, "model")
     task.setup(factory)
     factory.build(task.info).load_state_dict(final[0]["model"])  # strict: the keys and shapes of one process
@@ -555,13 +549,13 @@ def test_torchrun_cli_runs_a_pipeline(tmp_path):
 )
 def test_what_a_stage_cannot_honour_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
-        check_pipeline_config(_compose([*overrides, *SPLIT_RUN]), 2)
+        check_pipeline_config(composed([*overrides, *SPLIT_RUN]), 2)
     assert "\n" not in str(info.value)
 
 
 def test_the_groupwise_clip_runs_on_a_pipeline():
-    check_pipeline_config(_compose(["clip=groupwise", *SPLIT_RUN]), 2)
-    check_pipeline_config(_compose(["clip=groupwise", "clip.engine.groups=null", *SPLIT_RUN]), 2)
+    check_pipeline_config(composed(["clip=groupwise", *SPLIT_RUN]), 2)
+    check_pipeline_config(composed(["clip=groupwise", "clip.engine.groups=null", *SPLIT_RUN]), 2)
 
 
 @pytest.mark.parametrize(
@@ -587,7 +581,7 @@ def test_pipeline_config_is_refused_before_training(outside_torchrun, overrides,
     if env:
         outside_torchrun.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ConfigError, match=message) as info:
-        start_data_parallel(_compose(overrides).distributed, torch.device("cpu"))
+        start_data_parallel(composed(overrides).distributed, torch.device("cpu"))
     assert "\n" not in str(info.value) and not dist.is_initialized()
 
 
@@ -595,7 +589,7 @@ def test_pipeline_on_a_gpu_is_refused(outside_torchrun):  # noqa: F811
     outside_torchrun.setenv("WORLD_SIZE", "2")
     outside_torchrun.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ConfigError, match=r"gloo on the CPU, the run trains on cuda: set device=cpu"):
-        start_data_parallel(_compose(SPLIT_RUN).distributed, torch.device("cuda"))
+        start_data_parallel(composed(SPLIT_RUN).distributed, torch.device("cuda"))
 
 
 @pytest.mark.parametrize(
@@ -782,7 +776,7 @@ def test_lora_pipeline_at_noise_zero_equals_single_process_groupwise_clipping(tm
     split = GPT2_SPLITS[split]
     world = len(split) + 1
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
-    context = mp.get_context("spawn")
+    context = fresh_processes()
     port = _free_port()
     processes = [
         context.Process(target=_lm_stage_worker, args=(r, port, outs[r], arch, split)) for r in range(world)
@@ -875,7 +869,7 @@ E2E_MODELS = {  # extra overrides, the adapters' names
 def _e2e_worker(rank: int, port: int, root: str, arch: str = "gpt2") -> None:
     torch.set_num_threads(1)
     _env(rank, port)
-    run_training(_compose([*E2E_LORA_RUN, *E2E_MODELS[arch][0], *E2E_SPLIT]), Path(root) / "pipe")
+    run_training(composed([*E2E_LORA_RUN, *E2E_MODELS[arch][0], *E2E_SPLIT]), Path(root) / "pipe")
 
 
 GPT2_RESUMED_RUN = [
@@ -890,7 +884,7 @@ GPT2_RESUMED_RUN = [
 
 def _gpt2_resume_worker(rank: int, port: int, root: str, ports: list[int]) -> None:
     torch.set_num_threads(1)
-    cfg = _compose(GPT2_RESUMED_RUN)
+    cfg = composed(GPT2_RESUMED_RUN)
     _env(rank, port)
     run_training(cfg, Path(root) / "whole")
     _env(rank, ports[0])
@@ -936,7 +930,7 @@ def test_e2e_lora_trainer_pipeline_evaluates_as_one_process(tmp_path, arch):
     trained ones."""
     assert _spawn(_e2e_worker, str(tmp_path), arch) == [0] * WORLD
     overrides, names = E2E_MODELS[arch]
-    cfg = _compose([*E2E_LORA_RUN, *overrides])
+    cfg = composed([*E2E_LORA_RUN, *overrides])
     cfg.clip.engine.groups = [
         [name.format(layer=layer, ab=ab) for layer in layers for name in names for ab in "AB"]
         for layers in ((0, 1), (2, 3))
