@@ -57,8 +57,8 @@ OPTIONS = {"experiment": None, "scale": None, "launcher": "basic", "runs": "resu
            "dry_run": "false", "logger": "none", "rows": None, "columns": None, "where": None}  # fmt: skip
 CURVE_FILES = {"epsilon": "curves", "train_time_s": "time", "epoch": "epochs"}  # curves' axis: file suffix
 FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
-RESUMABLE = (INTERRUPTED, FAILED, RUNNING)  # RUNNING here: a record no process holds (a killed run)
-BLOCKING = (DIVERGED, "running_now")
+RESUMABLE = (INTERRUPTED, FAILED, store.KILLED)
+BLOCKING = (DIVERGED, RUNNING)  # RUNNING in the index: a process holds the run now
 
 
 @dataclass

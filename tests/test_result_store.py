@@ -175,21 +175,25 @@ def test_the_index_keeps_the_epsilon_of_every_accountant_as_a_metric(tmp_path: P
     assert {code: s.values for code, s in summary.older.items()} == {store.UNKNOWN_CODE: [2.3]}  # no inf
 
 
-def test_a_running_record_is_running_now_only_while_its_process_holds_the_lock(tmp_path: Path) -> None:
+def test_a_running_record_is_running_only_while_its_process_holds_the_lock(tmp_path: Path) -> None:
+    """The index (and with it reproduce's plan and the tables' counts) calls a record that says running
+    killed unless a process holds its run directory's lock: a table must not count a dead run as running."""
     run = _write_run(tmp_path / "r", {"status": "running", "config": CONFIG})
+    assert store.scan(tmp_path)[0]["status"] == "killed"  # no lock file: nobody ever held it here
     (run / ".lock").touch()
-    assert store.scan(tmp_path)[0]["status"] == "running"  # killed: nobody holds it
+    assert store.scan(tmp_path)[0]["status"] == "killed"  # nobody holds it
     descriptor = os.open(run / ".lock", os.O_RDWR)
     fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        assert store.scan(tmp_path)[0]["status"] == "running_now"
+        assert store.scan(tmp_path)[0]["status"] == "running"
     finally:
         os.close(descriptor)
+    assert store.scan(tmp_path)[0]["status"] == "killed"
 
 
 def test_plan_skips_complete_runs_resumes_unfinished_ones_and_reruns_older_code() -> None:
     points = [
-        Point("x", "offline", (f"seed={seed}",), (("seed", str(seed)),), ("seed",)) for seed in range(5)
+        Point("x", "offline", (f"seed={seed}",), (("seed", str(seed)),), ("seed",)) for seed in range(7)
     ]
     keys = {point: store.config_key(_with(CONFIG, "seed", i)) for i, point in enumerate(points)}
     entries = [
@@ -197,12 +201,14 @@ def test_plan_skips_complete_runs_resumes_unfinished_ones_and_reruns_older_code(
         _entry("runs/1", 1, None, status="interrupted"),
         _entry("runs/2", 2, 0.9, code="old"),
         _entry("runs/3", 3, None, status="diverged"),
+        _entry("runs/5", 5, None, status="killed"),
+        _entry("runs/6", 6, None, status="running"),
     ]
     plan = plan_runs(points, keys, entries, "new")
     assert plan.skip == [points[0]]
-    assert plan.resume == [(points[1], "runs/1")]
+    assert plan.resume == [(points[1], "runs/1"), (points[5], "runs/5")]
     assert plan.launch == [points[2], points[4]]  # older code's run is not this code's: run again
-    assert plan.blocked == [(points[3], "diverged")]
+    assert plan.blocked == [(points[3], "diverged"), (points[6], "running")]
 
 
 def test_code_version_hashes_the_package_but_not_the_readers_of_records(tmp_path: Path) -> None:

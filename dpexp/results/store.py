@@ -17,8 +17,9 @@ config and code on another kind of machine is the same experiment, whose numbers
 
 :func:`summarize` averages a setting's completed runs made by one code version, one run per seed (a rerun
 of the same config and code counts once); runs by other code versions are summarized apart, one summary per
-version (``Summary.older``), never mixed in nor with one another; failed, diverged, interrupted or still
-running ones are counted by status, never averaged.
+version (``Summary.older``), never mixed in nor with one another; failed, diverged, interrupted, killed (a
+record still saying ``running`` whose lock no process holds) or running ones are counted by status, never
+averaged.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import yaml
 
 from dpexp.training.record import COMPLETED, LOCK_FILE, METRICS_FILE, RUNNING
 from dpexp.training.resume import RUNTIME_KEYS
+
+KILLED = "killed"  # an index status: a record saying running whose run directory no process holds
 
 # Keys that do not change what a run computes: the runtime keys a resume may set, plus where the run writes
 # and reads its files and how often the progress bar reports.
@@ -123,8 +126,8 @@ def index_entry(run_dir: Path, record: Mapping[str, Any], root: Path | None = No
     config = run_config(run_dir, record)
     code = record.get("code_version") or {}
     status = record.get("status", RUNNING)
-    if status == RUNNING and is_locked(run_dir):
-        status = "running_now"  # a process is running it; a stale 'running' record is a killed run
+    if status == RUNNING and not is_locked(run_dir):
+        status = KILLED  # the record cannot tell; the lock can: no process is running it
     epsilon = record.get("epsilon") or {}
     return {
         "run_dir": str(run_dir.relative_to(root) if root else run_dir),
