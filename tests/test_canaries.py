@@ -193,22 +193,15 @@ def test_a_model_that_memorised_a_canary_has_high_exposure_an_untrained_one_low(
 
 @pytest.mark.slow
 def test_a_run_records_its_canaries_and_their_exposure(e2e_root: Path, tmp_path: Path) -> None:
-    from hydra import compose, initialize_config_dir
+    from tests.conftest import composed
 
-    from tests.conftest import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "task=e2e", "model=gpt2_tiny", f"data.root={e2e_root}", "model.config.n_layer=1",
-                "model.config.n_embd=16", "model.config.n_head=1", "task.max_new_tokens=4",
-                "task.num_beams=1",
-                "task.canaries={count:2,repetitions:[1,3],vocab_size:4,suffix_length:2,candidates:10,seed:0}",
-                "clip=bk", "steps=2", "batch_size=4", "physical_batch_size=4", "progress=false",
-                "eval_every=null", "privacy.accounting_timeout_s=60",
-            ],
-        )  # fmt: skip
+    cfg = composed([
+        "task=e2e", "model=gpt2_tiny", f"data.root={e2e_root}", "model.config.n_layer=1",
+        "model.config.n_embd=16", "model.config.n_head=1", "task.max_new_tokens=4", "task.num_beams=1",
+        "task.canaries={count:2,repetitions:[1,3],vocab_size:4,suffix_length:2,candidates:10,seed:0}",
+        "clip=bk", "steps=2", "batch_size=4", "physical_batch_size=4", "progress=false",
+        "eval_every=null", "privacy.accounting_timeout_s=60",
+    ])  # fmt: skip
     run_training(cfg, tmp_path)
     data = json.loads((tmp_path / "metrics.json").read_text())
     assert data["status"] == "completed" and data["sample_size"] == len(E2E_ROWS) + 2 * 1 + 2 * 3

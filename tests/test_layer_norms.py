@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -19,7 +18,7 @@ from dpexp.results.tables import RowHistory
 from dpexp.training.checkpoint import checkpoint_path, load_checkpoint
 from dpexp.training.loop import instantiate, run_training
 from dpexp.training.rng import seed_everything
-from tests.conftest import CONF_DIR
+from tests.conftest import CONF_DIR, composed
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -52,8 +51,7 @@ def kept_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two epochs of the digits default (q = 1/3: 3 steps an epoch) keeping epochs 0, 1 and 2."""
     overrides = ["epochs=2", "batch_size=479", "physical_batch_size=479", "progress=false",
                  "eval_every=null", "checkpoint.at_epochs=[0,1,2]"]  # fmt: skip
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = composed(overrides)
     run_dir = tmp_path_factory.mktemp("kept")
     run_training(cfg, run_dir)
     return run_dir
@@ -150,8 +148,7 @@ def test_the_norms_of_a_run_that_froze_layers_are_those_of_the_layers_it_trained
     have no row, the layers it trained keep theirs."""
     overrides = ["epochs=1", "batch_size=479", "physical_batch_size=479", "progress=false", "eval_every=null",
                  "checkpoint.at_epochs=[0,1]", "parameters.freeze=['0.*','1.*']"]  # fmt: skip
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = composed(overrides)
     run_training(cfg, tmp_path)
     kept = layer_norms.checkpoint_norms(tmp_path, examples=4)
     assert kept.layers == ["0 3", "1 4", "2 7"] and all(n.shape == (4, 3) for n in kept.norms)
