@@ -4,6 +4,8 @@ its epochs, for the sampled training examples."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +17,11 @@ from torch import nn
 
 from dpexp.results import layer_norms, tables
 from dpexp.results.tables import RowHistory
+from dpexp.runtime import code_version
 from dpexp.training.checkpoint import checkpoint_path, load_checkpoint
 from dpexp.training.loop import instantiate, run_training
 from dpexp.training.rng import seed_everything
-from tests.conftest import CONF_DIR, composed
+from tests.conftest import CONF_DIR, REPO_ROOT, composed
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -152,3 +155,23 @@ def test_the_norms_of_a_run_that_froze_layers_are_those_of_the_layers_it_trained
     run_training(cfg, tmp_path)
     kept = layer_norms.checkpoint_norms(tmp_path, examples=4)
     assert kept.layers == ["0 3", "1 4", "2 7"] and all(n.shape == (4, 3) for n in kept.norms)
+
+
+def test_the_committed_figure_runs_keep_their_checkpoints_in_git() -> None:
+    """`make figures` on a fresh clone draws He et al.'s Figure 2 from the current code's run, so that run's
+    kept checkpoints must travel with its record: results/runs/.gitignore lets he2023_figure2's checkpoints
+    into git and keeps every other run's out (stop 74 found the current run's left out, and rendering deleted
+    the figure on a fresh clone)."""
+    runs = REPO_ROOT / "results" / "runs"
+    figure_run = runs / "he2023_figure2" / "offline" / "a-run" / "checkpoints" / "step_00000000.pt"
+    other_run = runs / "he2023_table11b" / "offline" / "a-run" / "checkpoints" / "step_00000000.pt"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", str(figure_run), str(other_run)],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert ignored.stdout.split() == [str(other_run)], ignored.stderr
+    source = code_version()["source_hash"]
+    for record in runs.glob(f"he2023_figure2/*/*-{source[:6]}/metrics.json"):
+        config = json.loads(record.read_text())["config"]
+        if config["checkpoint"].get("at_epochs"):
+            assert layer_norms.kept_checkpoints(record.parent)  # refuses, naming them, if any is missing
