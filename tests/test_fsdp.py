@@ -14,6 +14,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -215,6 +217,33 @@ def test_what_fsdp_cannot_run_is_refused_in_one_line(clip, message):
             sharded=True,
         )
     assert "\n" not in str(info.value)
+
+
+_START_UP_PROBE = """
+import sys, tempfile
+import torch, torch.distributed as dist
+import dpexp.train
+from dpexp.privacy.sharding import is_sharded
+print(sorted(m for m in ("torch.distributed.tensor", "torch.distributed.fsdp") if m in sys.modules))
+print(is_sharded(torch.zeros(2)), is_sharded(None))
+from torch.distributed.tensor import DTensor
+store = dist.FileStore(tempfile.mktemp(), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+tensor = DTensor.from_local(torch.ones(4), dist.init_device_mesh("cpu", (1,)), run_check=False)
+print(is_sharded(tensor), is_sharded(torch.nn.Parameter(tensor)), is_sharded(tensor.to_local()))
+dist.destroy_process_group()
+"""
+
+
+def test_start_up_leaves_fsdp_unloaded_and_a_dtensor_is_still_seen():
+    """Importing the trainer imports neither FSDP2 nor DTensor (about a second of every start-up): sharding
+    does. Whether a tensor is sharded is read through the loaded module, so once anyone has imported it a
+    DTensor (a parameter made of one too) is seen as sharded and its local tensor is not."""
+    done = subprocess.run(
+        [sys.executable, "-c", _START_UP_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["[]", "False False", "True True False"]
 
 
 def test_sharded_ranks_stop_after_the_same_step():

@@ -9,15 +9,25 @@ norm spans ranks and no (B,) all-reduce of squared norms is needed (flat clippin
 the engine is only which object is "the parameter": :class:`LiveParameters` looks it up by name when used (the
 verification's autograd check differentiates the unsharded one), and at the step each rank keeps its shard of
 the released full tensor (:func:`local_gradient`).
+
+``torch.distributed.tensor`` is imported by whoever shards (:mod:`dpexp.training.sharded`), not here: it costs
+about a second of every start-up, and no DTensor exists before it is imported (:func:`is_sharded`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+
+
+def is_sharded(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor. Read through ``sys.modules``: a DTensor can only exist once
+    ``torch.distributed.tensor`` has been imported, so an unloaded module means no tensor is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 class LiveParameters(Mapping[str, nn.Parameter]):
@@ -42,7 +52,7 @@ class LiveParameters(Mapping[str, nn.Parameter]):
 def check_unsharded(params: Mapping[str, nn.Parameter]) -> None:
     """Refuse a backward while a parameter is still sharded: the engine clips what autograd differentiates,
     the unsharded parameter of the forward, which FSDP2 keeps only with ``reshard_after_forward=False``."""
-    sharded = [name for name, p in params.items() if isinstance(p, DTensor)]
+    sharded = [name for name, p in params.items() if is_sharded(p)]
     if sharded:
         raise RuntimeError(
             f"parameters {sharded[:3]} are sharded during engine.backward: shard the model with "
@@ -55,8 +65,10 @@ def local_gradient(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """This rank's gradient of ``param`` from the released full-shape gradient ``full`` (the same on every
     rank): ``param``'s own shard as a DTensor of its placements (a local slice, no communication), or
     ``full`` itself for an unsharded parameter."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return full
+    from torch.distributed.tensor import DTensor, Replicate
+
     if tuple(full.shape) != tuple(param.shape):
         raise ValueError(
             f"a gradient of shape {tuple(full.shape)} for a parameter of shape {tuple(param.shape)}"

@@ -32,18 +32,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+
+from dpexp.privacy.sharding import is_sharded
+
+if TYPE_CHECKING:  # imported where used: about a second of every start-up otherwise
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
 
 def shard_model(model: nn.Module) -> FSDPModule:
     """``model`` sharded in place over the default process group as one FSDP2 group, for the engine
     (``PrivacyEngine(..., sharded=True)``): unsharded from the forward to the end of the backward, no
     gradient reduction. Every rank must hold the same parameters (broadcast them first)."""
+    from torch.distributed.fsdp import fully_shard
+
     sharded = fully_shard(model, reshard_after_forward=False)
     sharded.set_requires_gradient_sync(False)
     return sharded
@@ -68,7 +74,7 @@ def full_state(state: Any) -> Any:
     """``state`` (nested dicts, lists and tuples) with every DTensor gathered whole (``full_tensor``, an
     all-gather every rank must run in the same order: the same layout on every rank) and every tensor on the
     CPU."""
-    if isinstance(state, DTensor):
+    if is_sharded(state):
         return state.full_tensor().cpu()
     if isinstance(state, torch.Tensor):
         return state.detach().cpu()
@@ -83,6 +89,8 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's shard of ``full`` as ``like`` is sharded (its mesh and placements): a local slice."""
     if tuple(full.shape) != tuple(like.shape):
         raise ValueError(f"a tensor of shape {tuple(full.shape)} for one of shape {tuple(like.shape)}")
+    from torch.distributed.tensor import DTensor, Replicate
+
     mesh = like.device_mesh
     full = full.to(device=like.device, dtype=like.dtype)
     return DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
@@ -95,7 +103,7 @@ def model_shards(model: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str
     this rank's shard of every sharded entry, the others as they are; for ``model.load_state_dict``."""
     current = model.state_dict()
     return {
-        key: shard_like(value, current[key]) if isinstance(current.get(key), DTensor) else value
+        key: shard_like(value, current[key]) if is_sharded(current.get(key)) else value
         for key, value in full.items()
     }
 
@@ -110,7 +118,7 @@ def optimizer_shards(optimizer: torch.optim.Optimizer, full: Mapping[str, Any]) 
         param = params[int(index)]
         state[index] = {
             key: shard_like(value, param)
-            if isinstance(param, DTensor)
+            if is_sharded(param)
             and isinstance(value, torch.Tensor)
             and value.dim() > 0
             and tuple(value.shape) == tuple(param.shape)
