@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,43 @@ def test_a_bad_pooling_is_refused_naming_the_key_and_infilling_has_no_head_to_po
     factory = HFEncoderFactory("roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA, pooling="mean")
     infilling = factory.build(text_info(objective="infilling"))  # no classification head to pool for
     assert isinstance(infilling, MaskedLMInfilling)
+
+
+def test_the_head_starts_at_the_label_prompts_sentence_embeddings() -> None:
+    options = {"pooling": "mean", "head_init": "label_prompts", "head_scale": 3.0}
+    factory = HFEncoderFactory("roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA, **options)
+    prompts = ("It was terrible .", "It was fine .", "It was great .")
+    info = dataclasses.replace(text_info(num_labels=3, max_length=12), label_prompts=prompts)
+    torch.manual_seed(0)
+    model = factory.build(info)
+    assert model.training  # the embeddings are taken with dropout off, the mode is left as it was
+    model.eval()
+    batch = factory.tokenizer()(list(prompts), padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model.encoder(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    embeddings = (hidden * mask).sum(1) / mask.sum(1)
+    torch.testing.assert_close(model.classifier.weight, 3.0 * F.normalize(embeddings, dim=1))
+    assert torch.count_nonzero(model.classifier.bias) == 0
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.argmax(1).tolist() == [0, 1, 2]  # each prompt is closest to itself (cosine 1)
+    torch.manual_seed(0)
+    random_head = HFEncoderFactory(
+        "roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA, pooling="mean"
+    )
+    assert not torch.allclose(random_head.build(info).classifier.weight, model.classifier.weight)
+
+
+def test_a_head_init_without_a_head_to_start_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"model\.head_init='zero' is not one of random, label_prompts"):
+        HFEncoderFactory("minilm", weights=MINILM, pooling="mean", head_init="zero")
+    with pytest.raises(ValueError, match=r"set model\.pooling=mean or model\.head_init=random"):
+        HFEncoderFactory("minilm", weights=MINILM, pooling="first", head_init="label_prompts")
+    factory = HFEncoderFactory(
+        "roberta_tiny", tokenizer=MINILM, architecture=TINY_ROBERTA, pooling="mean", head_init="label_prompts"
+    )
+    with pytest.raises(ValueError, match=r"task sst2 gives no label prompts; set model\.head_init=random"):
+        factory.build(text_info(num_labels=2, max_length=12))
+    with pytest.raises(ValueError, match=r"task\.objective=infilling .*set model\.head_init=random"):
+        factory.build(text_info(objective="infilling"))

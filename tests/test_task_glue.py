@@ -301,3 +301,33 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path: Path, tiny: HFEncoderFactory
         ValueError, match=r"train\.tsv: not UTF-8 text \(invalid continuation byte: byte 0xe9\)"
     ):
         GlueTask("sst2", data_root=str(tmp_path)).setup(tiny)
+
+
+def test_label_prompts_are_the_template_without_its_sentences(tmp_path: Path, tiny: HFEncoderFactory) -> None:
+    write_sst2(tmp_path / "sst2", n_train=6, n_dev=4)
+    task = GlueTask("sst2", data_root=str(tmp_path))
+    task.setup(tiny)
+    assert task.info.label_prompts == ("It was terrible .", "It was great .")
+    write_mnli(tmp_path / "mnli")
+    pairs = GlueTask(
+        "mnli", data_root=str(tmp_path), template="{s1} ? {mask} ,  {s2}", label_words=["a", "b", "c"]
+    )
+    pairs.setup(tiny)
+    assert pairs.info.label_prompts == ("? a ,", "? b ,", "? c ,")
+
+
+@needs_sst2
+def test_minilm_started_at_the_label_prompts_classifies_sst2_before_any_training() -> None:
+    """The head at the encoder's own embeddings of "It was terrible ." / "It was great ." (model.head_init=
+    label_prompts) classifies SST-2 dev without a step of training: 71.2% over all 872 sentences (50% is
+    chance; a random head is a coin with a bias), here over the first 300."""
+    factory = HFEncoderFactory("minilm", weights=MINILM, pooling="mean", head_init="label_prompts")
+    task = GlueTask("sst2", data_root=str(DATA), subsample=8)
+    task.setup(factory)
+    model = factory.build(task.info).eval()
+    dev = task.eval_sets["accuracy"][:300]
+    with torch.no_grad():
+        batch = task.collate(dev)
+        logits = model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")).logits
+    accuracy = float((logits.argmax(1) == batch["label"]).float().mean())
+    assert accuracy > 0.65

@@ -32,6 +32,7 @@ class TaskInfo:
     max_length: int | None = None  # longest tokenised input the task produces
     input_shape: tuple[int, ...] | None = None  # vision tasks: (C, H, W)
     objective: Objective = "classification"  # infilling: by a masked LM's label words (Li et al. 2022, 3.2)
+    label_prompts: tuple[str, ...] | None = None  # text classification: one public text per label id
     lora: Mapping[str, Any] | None = None  # LoRA adapters the task's paper setup uses (He et al. App. C.2)
 
 

@@ -3,7 +3,9 @@
 * classification: ``AutoModelForSequenceClassification`` (the standard head on the first token, as He et al.
   2023, sec. 5.2), dropout 0.1 (their Table 8); or, with ``pooling="mean"``, a linear head on the mean of the
   last hidden states over the attended tokens (:class:`MeanPoolClassifier`), the pooling a sentence encoder
-  such as all-MiniLM-L6-v2 was trained with (Reimers & Gurevych 2019, sec. 3);
+  such as all-MiniLM-L6-v2 was trained with (Reimers & Gurevych 2019, sec. 3), its head new or, with
+  ``head_init="label_prompts"``, starting at the encoder's own embeddings of the labels' prompts
+  (:meth:`MeanPoolClassifier.start_at_prompts`);
 * infilling (Li et al. 2022, sec. 3.2): the masked-LM model, evaluated only at the mask position
   (:class:`MaskedLMInfilling`); the task picks the label words' logits.
 
@@ -19,11 +21,12 @@ position ids are left to the model (the privacy engine handles the broadcast (1,
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -103,9 +106,9 @@ class MeanPoolClassifier(nn.Module):
     """A linear classifier on the masked mean of an encoder's last hidden states.
 
     ``forward(input_ids (B, T), attention_mask (B, T), token_type_ids=None)`` returns logits (B, K) as
-    ``.logits``: ``pooled_b = sum_t m_bt h_bt / sum_t m_bt`` over the attended tokens (m = attention mask),
-    then dropout and ``classifier`` (K x H). Each example's logits depend on its own row only. The encoder is
-    built without its first-token pooler, so every parameter is used.
+    ``.logits``: ``pooled_b = sum_t m_bt h_bt / sum_t m_bt`` over the attended tokens (m = attention mask;
+    :meth:`pool`), then dropout and ``classifier`` (K x H). Each example's logits depend on its own row
+    only. The encoder is built without its first-token pooler, so every parameter is used.
     """
 
     def __init__(self, encoder: PreTrainedModel, num_labels: int, dropout: float) -> None:
@@ -115,20 +118,52 @@ class MeanPoolClassifier(nn.Module):
         self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
         encoder._init_weights(self.classifier)  # the encoder's own initialisation of a new linear layer
 
+    def pool(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The masked mean (B, H) of the encoder's last hidden states over the attended tokens."""
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
     ) -> SequenceClassifierOutput:
-        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
-        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-        pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
+        pooled = self.pool(input_ids, attention_mask, token_type_ids)
         return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))
+
+    @torch.no_grad()
+    def start_at_prompts(self, prompts: Mapping[str, torch.Tensor], scale: float) -> None:
+        """Start the head at the label prompts' sentence embeddings: ``W_k = scale * e_k / |e_k|``, ``b = 0``,
+        with ``e_k`` the pooled embedding (:meth:`pool`, dropout off) of prompt k (``prompts``: the K
+        tokenised prompts as one batch, e.g. "It was terrible ." / "It was great ."). So ``logit_k = scale
+        |pooled| cos(pooled, e_k)``: the similarity a sentence encoder is pretrained to rank by (Reimers &
+        Gurevych 2019, sec. 3), the analogue for such an encoder of Li et al. 2022's text infilling, which
+        starts fine-tuning from the pretraining objective (sec. 3.2). It reads public text and the
+        pretrained weights only: no example's data, so nothing to account for."""
+        training = self.training
+        self.eval()
+        try:
+            embeddings = self.pool(**prompts)
+        finally:
+            self.train(training)
+        if embeddings.shape != self.classifier.weight.shape:
+            raise ValueError(
+                f"{embeddings.shape[0]} label prompts for a head of {self.classifier.out_features} labels."
+            )
+        self.classifier.weight.copy_(scale * F.normalize(embeddings, dim=1))
+        self.classifier.bias.zero_()
 
 
 POOLINGS = ("first", "mean")
+HEAD_INITS = ("random", "label_prompts")
 
 
 class HFEncoderFactory(ModelFactory):
@@ -143,6 +178,10 @@ class HFEncoderFactory(ModelFactory):
         pooling: what the classification head reads: ``first``, Hugging Face's head on the first token (He et
             al. 2023, sec. 5.2), or ``mean``, :class:`MeanPoolClassifier` (a sentence encoder's own pooling).
             The infilling objective has no classification head: it reads the mask position either way.
+        head_init: where the mean-pooled head starts: ``random`` (the encoder's initialisation of a new
+            layer) or ``label_prompts``, the task's label prompts' sentence embeddings times ``head_scale``
+            (:meth:`MeanPoolClassifier.start_at_prompts`); needs ``pooling="mean"``.
+        head_scale: ``label_prompts``' logit scale per unit of pooled norm.
     """
 
     def __init__(
@@ -153,6 +192,8 @@ class HFEncoderFactory(ModelFactory):
         architecture: dict[str, Any] | None = None,
         dropout: float = 0.1,
         pooling: str = "first",
+        head_init: str = "random",
+        head_scale: float = 5.0,
     ) -> None:
         if (weights is None) == (architecture is None):
             raise ValueError(
@@ -168,8 +209,19 @@ class HFEncoderFactory(ModelFactory):
             raise ValueError(
                 f"model.pooling={pooling!r} is not one of {', '.join(POOLINGS)}; set one of those."
             )
+        if head_init not in HEAD_INITS:
+            raise ValueError(
+                f"model.head_init={head_init!r} is not one of {', '.join(HEAD_INITS)}; set one of those."
+            )
+        if head_init == "label_prompts" and pooling != "mean":
+            raise ValueError(
+                f"model.head_init=label_prompts starts the mean-pooled head; model {name} has "
+                f"pooling={pooling!r}: set model.pooling=mean or model.head_init=random."
+            )
         self.dropout = dropout
         self.pooling = pooling
+        self.head_init = head_init
+        self.head_scale = head_scale
         self._tokenizer: Any = None
 
     def tokenizer(self, corpus: Sequence[str] | None = None) -> Any:
@@ -194,10 +246,28 @@ class HFEncoderFactory(ModelFactory):
         model = self._pretrained(info, infilling) if self.weights else self._random(info, infilling)
         self._check_fits(model.config, info)
         if infilling:
+            if self.head_init != "random":
+                raise ValueError(
+                    "model.head_init=label_prompts starts a classification head; task.objective=infilling "
+                    "scores with the masked-LM head: set model.head_init=random."
+                )
             return MaskedLMInfilling(model)
         if self.pooling == "mean":
-            return MeanPoolClassifier(model, info.num_labels, self.dropout)
+            classifier = MeanPoolClassifier(model, info.num_labels, self.dropout)
+            if self.head_init == "label_prompts":
+                classifier.start_at_prompts(self._prompt_batch(info), self.head_scale)
+            return classifier
         return model
+
+    def _prompt_batch(self, info: TaskInfo) -> dict[str, torch.Tensor]:
+        """The task's label prompts, tokenised as one padded batch of the model's inputs."""
+        if not info.label_prompts:
+            raise ValueError(
+                f"model.head_init=label_prompts, but task {info.name} gives no label prompts; set "
+                "model.head_init=random."
+            )
+        batch = self.tokenizer()(list(info.label_prompts), padding=True, return_tensors="pt")
+        return {key: batch[key] for key in ("input_ids", "attention_mask", "token_type_ids") if key in batch}
 
     def _auto(self, infilling: bool) -> tuple[Any, dict[str, Any]]:
         """The auto class to build and its model arguments: the masked LM, the encoder alone (mean pooling;

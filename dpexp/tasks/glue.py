@@ -135,7 +135,9 @@ class GlueTask(Task):
         truncation: ``warn`` (cut longer inputs, longest sentence first) or ``error``.
         objective: ``classification`` (head on the first token) or ``infilling`` (Li et al. 2022, sec. 3.2).
         template, label_words: infilling template with ``{s1}``, ``{s2}``, ``{mask}`` and one word per label;
-            null uses Li et al. (2022), appendix N, Table 10.
+            null uses Li et al. (2022), appendix N, Table 10. The template without its sentences, filled
+            with each label word, is that label's prompt (``TaskInfo.label_prompts``: "It was great ."),
+            where a classification head may start (``model.head_init=label_prompts``).
     """
 
     def __init__(
@@ -227,6 +229,7 @@ class GlueTask(Task):
             pad_token_id=tokenizer.pad_token_id,
             max_length=longest,
             objective=self.objective,
+            label_prompts=tuple(self.template.prompt(word) for word in self.label_words),
         )
 
     def _encode(

@@ -47,6 +47,13 @@ class Template:
             )
         return cls(pieces)
 
+    def prompt(self, word: str) -> str:
+        """The template without its sentences, ``{mask}`` filled with ``word`` (``"It was great ."``): a
+        public description of the label ``word`` stands for, whitespace collapsed."""
+        sentences = ("{s1}", "{s2}")
+        kept = (word if piece == "{mask}" else piece for piece in self.pieces if piece not in sentences)
+        return " ".join(" ".join(kept).split())
+
 
 def plain_tokenizer(tokenizer: Any) -> Tokenizer:
     """A copy of the tokenizer's Rust ``tokenizers`` backend with padding and truncation switched off."""
