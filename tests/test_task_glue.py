@@ -320,12 +320,13 @@ def test_label_prompts_are_the_template_without_its_sentences(tmp_path: Path, ti
 def test_minilm_started_at_the_label_prompts_classifies_sst2_before_any_training() -> None:
     """The head at the encoder's own embeddings of "It was terrible ." / "It was great ." (model.head_init=
     label_prompts) classifies SST-2 dev without a step of training: 71.2% over all 872 sentences (50% is
-    chance; a random head is a coin with a bias), here over the first 300."""
+    chance; a random head is a coin with a bias), here 71% of the first 100 (deterministic: fixed weights,
+    data and prompts)."""
     factory = HFEncoderFactory("minilm", weights=MINILM, pooling="mean", head_init="label_prompts")
     task = GlueTask("sst2", data_root=str(DATA), subsample=8)
     task.setup(factory)
     model = factory.build(task.info).eval()
-    dev = task.eval_sets["accuracy"][:300]
+    dev = task.eval_sets["accuracy"][:100]
     with torch.no_grad():
         batch = task.collate(dev)
         logits = model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")).logits
