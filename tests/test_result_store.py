@@ -77,6 +77,19 @@ def test_model_metrics_are_part_of_the_key_only_when_set() -> None:
     assert store.config_key(_with(CONFIG, "model_metrics", None)) != store.config_key(CONFIG)  # only task's
 
 
+def test_a_text_encoders_head_start_is_part_of_the_key_only_when_not_random() -> None:
+    """model.head_init and model.head_scale came after the SST-2 records existed (stop 76): at their defaults
+    (random, 5.0) a config hashes as a record without them, so those records stay the current grid's runs of
+    older code (flagged, not "not run"); a head started at the label prompts is another run."""
+    older = {**CONFIG, "model": {"name": "minilm", "pooling": "mean", "dropout": 0.1}}
+    current = _with(_with(older, "model.head_init", "random"), "model.head_scale", 5.0)
+    assert store.config_key(current) == store.config_key(older)
+    assert store.config_key(current, with_seed=False) == store.config_key(older, with_seed=False)
+    prompts = _with(current, "model.head_init", "label_prompts")
+    assert store.config_key(prompts) != store.config_key(older)
+    assert store.config_key(_with(prompts, "model.head_scale", 10.0)) != store.config_key(prompts)
+
+
 def test_the_setting_key_ignores_only_the_seed() -> None:
     assert store.config_key(_with(CONFIG, "seed", 7), with_seed=False) == store.config_key(
         CONFIG, with_seed=False

@@ -48,7 +48,12 @@ RUN_LOCAL_KEYS = (*RUNTIME_KEYS, "output", "data.root", "log_every")
 KEPT_CHECKPOINTS = ("checkpoint", "at_epochs")  # a run-local key that, when set, is part of the run key
 # (dotted) keys added after records existed, left out of the run key while they hold these values (what a
 # record without them did), so older records keep their key
-LATER_DEFAULTS: dict[str, Any] = {"parameters": {"train": None, "freeze": []}, "task.model_metrics": None}
+LATER_DEFAULTS: dict[str, Any] = {
+    "parameters": {"train": None, "freeze": []},
+    "task.model_metrics": None,
+    "model.head_init": "random",  # text encoders' head start (stop 76): a record without it started at random
+    "model.head_scale": 5.0,
+}
 INDEX_FILE = "index.jsonl"
 UNKNOWN_CODE = "unknown"  # source_hash of a record written before records stored their code version
 
