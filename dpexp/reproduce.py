@@ -221,7 +221,7 @@ POOL_SIZE = "hydra.launcher.n_jobs"
 def pool_size(overrides: Sequence[str], launcher: str, jobs: int) -> list[str]:
     """``overrides`` with a launcher's process pool (``launcher=local``: ``n_jobs`` in its config, or as
     overridden) no larger than the multirun's ``jobs``. A pool process that never gets a job has not taken
-    over SIGTERM and SIGINT from Python's defaults (:func:`dpexp.train.main` does, at its first job), so a
+    over SIGTERM and SIGINT from Python's defaults (:func:`dpexp.train.run_job` does, at its first job), so a
     signal to the sweep would end it, and joblib would abort the pool and kill the runs before they reach
     their step boundary."""
     given = [o for o in overrides if o.startswith(f"{POOL_SIZE}=")]

@@ -13,11 +13,14 @@ and ``resume=<run dir>`` continues it. In a sweep (``-m``) no further run starts
 the basic launcher the sweep ends with the run it stopped; with a launcher whose jobs run in worker processes
 (joblib's, ``hydra/launcher=local``) the launching process and the workers between runs only take note of the
 signal, every run in progress (it gets the signal too, as the process group does) stops at its step boundary
-and returns, the runs not yet started are skipped, and the sweep exits with 128 + the signal's number.
+and returns, the runs not yet started are skipped, and the sweep exits with 128 + the signal's number. A
+signal to one worker's run alone (``kill <pid>``) stops that run the same way; that worker starts no further
+run, and the other workers go on.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import signal
@@ -43,7 +46,7 @@ APPROXIMATION_LABELS = {"clt_approximation": "CLT approximation"}  # epsilon kin
 
 REPORTED: list[str] = []  # the one-line messages of the runs of this process that failed by a project error
 STOPPED: list[int] = []  # the signals this process took note of: no further run of its sweep starts
-LAUNCHING: list[bool] = []  # [True] in the process that launches (cli ran); empty in a launcher's workers
+LAUNCHING: list[int] = []  # the id of the process that launches (cli ran there); never a launcher's worker's
 
 
 def _note_signal(signum: int, _frame: object = None) -> None:
@@ -121,10 +124,21 @@ def summary(record: dict[str, Any]) -> str:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
+    """Hydra's task function: :func:`run_job` of this process' ``dpexp.train`` module. joblib's workers
+    (``hydra/launcher=local``) receive this function pickled by value with a copy of the globals it names
+    (cloudpickle cannot find it by name: ``dpexp.train.main`` is hydra.main's wrapper), so it names none of
+    the module's state: a copied :data:`LAUNCHING` made each worker take itself for the launching process,
+    and a signal to one run then ended its worker with SystemExit, and joblib killed the other runs
+    mid-step, their records left saying running."""
+    importlib.import_module("dpexp.train").run_job(cfg)
+
+
+def run_job(cfg: DictConfig) -> None:
     """Run one configuration (or continue one: ``resume=<run dir>``) and print its summary. In a launcher's
     worker process a signal stops the job (before its run starts, or the run at a step boundary) and the
-    job returns; between jobs the worker only takes note of it (:func:`_note_signal`)."""
-    if LAUNCHING:
+    job returns; between jobs the worker only takes note of it (:func:`_note_signal`) and starts no
+    further run."""
+    if _launching():
         _job(cfg)
         return
     try:
@@ -151,7 +165,7 @@ def _job(cfg: DictConfig) -> None:
             f"with: python -m dpexp.train resume={output_dir}",
             file=sys.stderr,
         )
-        if LAUNCHING:  # this process runs its jobs itself: the sweep ends here
+        if _launching():  # this process runs its jobs itself: the sweep ends here
             sys.exit(interrupt.exit_code)
         raise
     except Exception as error:
@@ -187,7 +201,7 @@ def cli() -> None:
     (``-m``) was interrupted: while its launcher runs, this process only takes note of SIGTERM and SIGINT."""
     REPORTED.clear()
     STOPPED.clear()
-    LAUNCHING[:] = [True]
+    LAUNCHING[:] = [os.getpid()]
     process_code_version()  # the code this process runs: the files as it starts, before any job
     previous = _handle_signals(_note_signal) if {"-m", "--multirun"} & set(sys.argv[1:]) else {}
     try:
@@ -202,5 +216,12 @@ def cli() -> None:
         sys.exit(1)
 
 
+def _launching() -> bool:
+    """Whether this process launched the sweep (or the single run) itself; a worker a launcher forked has a
+    copy of :data:`LAUNCHING`, but another process id."""
+    return os.getpid() in LAUNCHING
+
+
 if __name__ == "__main__":
-    cli()
+    # The module by its name, not this __main__ copy, holds the state main() reaches (see there).
+    importlib.import_module("dpexp.train").cli()

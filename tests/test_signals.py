@@ -4,8 +4,10 @@ with parameters and metrics identical, bit for bit, to an uninterrupted run's, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -14,10 +16,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from dpexp.privacy import accounting
 from dpexp.training.checkpoint import checkpoints, load_checkpoint
+from dpexp.training.record import LOCK_FILE
 from dpexp.training.signals import DUPLICATE_WINDOW, InterruptGuard, RunInterrupted
 from tests.conftest import REPO_ROOT, TINY_RUN
 from tests.test_checkpoint import identical, stable
@@ -73,6 +77,54 @@ def test_sigterm_and_sigint_stop_the_run_at_a_step_with_a_checkpoint(tmp_path):
             assert data["epsilon"][name] == accounting.get_epsilon(sigma, q, done, delta, accountant=name)
         assert isinstance(data["train_loss"], float) and all(h["step"] <= done for h in data["history"])
         assert f"resume={runs[signum]}" in err and "Traceback" not in err
+
+
+def _running(run_dir: Path) -> psutil.Process:
+    """The process running the run in ``run_dir``: the one that holds its lock file and is not a child of
+    another holder (the accountant's forked child inherits the descriptor)."""
+    lock = str((run_dir / LOCK_FILE).resolve())
+    holders = []
+    for process in psutil.process_iter():
+        try:
+            if any(f.path == lock for f in process.open_files()):
+                holders.append(process)
+        except psutil.Error:
+            continue
+    pids = {process.pid for process in holders}
+    (runner,) = [process for process in holders if process.ppid() not in pids]
+    return runner
+
+
+def test_a_signal_to_one_run_of_a_local_sweep_stops_that_run_alone(tmp_path):
+    """hydra/launcher=local (joblib's pool of two processes), SIGTERM to the process of one run only (`kill
+    <pid>`, a scheduler ending one task): that run stops at a step boundary with a checkpoint, its worker
+    starts no further run, and the other run goes on to its end. Before, the workers received the launching
+    process' state with the task function (cloudpickle copies its globals), took themselves for the launching
+    process and ended with SystemExit; joblib then killed the other run mid-step, its record left saying
+    running, and the exception could not even be unpickled."""
+    sweep = tmp_path / "sweep"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dpexp.train", "-m", "hydra/launcher=local", *ARGS, "eval_every=null",
+         "steps=400", "seed=0,1,2", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${seed}"],
+        cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_until(lambda: all(checkpoints(sweep / seed) for seed in "01"), process)
+        _running(sweep / "0").send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=300)
+    finally:  # whatever is left of the sweep's process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, err
+    stopped, finished = _record(sweep / "0"), _record(sweep / "1")
+    assert stopped["status"] == "interrupted", err
+    assert stopped["error"] == "RunInterrupted: SIGTERM received; stopped at a step boundary"
+    assert 4 <= stopped["steps_done"] < 400 and (sweep / "0" / stopped["checkpoint"]).is_file()
+    assert finished["status"] == "completed" and finished["steps_done"] == 400, err
+    assert not (sweep / "2" / "metrics.json").exists()  # the signalled worker took it and did not start it
+    assert f"not started, the sweep was interrupted: {sweep / '2'}" in err
+    assert "Traceback" not in err
 
 
 def test_sigkill_at_a_random_step_then_resume_ends_as_an_uninterrupted_run(tmp_path):
@@ -149,6 +201,14 @@ def test_the_same_signal_twice_at_once_is_one_request():
         time.sleep(DUPLICATE_WINDOW)
         guard._handle(signal.SIGINT, None)  # a second request: at once
     assert info.value.mid_step
+
+
+def test_an_interrupt_pickles_as_its_signal():
+    """A launcher's worker may hand the exception to the launching process: it comes back as it was."""
+    for interrupt in (RunInterrupted(signal.SIGTERM), RunInterrupted(signal.SIGINT, mid_step=True)):
+        back = pickle.loads(pickle.dumps(interrupt))
+        assert (back.signum, back.mid_step) == (interrupt.signum, interrupt.mid_step)
+        assert str(back) == str(interrupt)
 
 
 class _BusyStream:

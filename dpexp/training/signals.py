@@ -48,6 +48,11 @@ class RunInterrupted(BaseException):
         where = "in the middle of a step" if mid_step else "at a step boundary"
         super().__init__(f"{signal.Signals(signum).name} received; stopped {where}")
 
+    def __reduce__(self) -> tuple[type[RunInterrupted], tuple[int, bool]]:
+        """Pickled as its signal (an exception pickles as its message by default, which this class cannot
+        be re-created from): a launcher's worker may return it to the launching process."""
+        return type(self), (self.signum, self.mid_step)
+
     @property
     def exit_code(self) -> int:
         """The shell's code for a process ended by the signal (130 for SIGINT, 143 for SIGTERM)."""
